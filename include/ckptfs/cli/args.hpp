@@ -1,0 +1,42 @@
+// Minimal command-line parsing shared by the subcommands.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::cli {
+
+struct OptSpec {
+  std::string_view name;  // long name without dashes, e.g. "threads"
+  char short_name = 0;    // e.g. 'f'; 0 for none
+  bool takes_value = false;
+};
+
+struct Args {
+  std::vector<std::string> positional;
+  std::map<std::string, std::vector<std::string>> opts;  // long name -> values (flags: "")
+
+  [[nodiscard]] bool has(std::string_view name) const { return opts.count(std::string(name)) > 0; }
+  [[nodiscard]] std::optional<std::string> get(std::string_view name) const;
+  [[nodiscard]] std::vector<std::string> all(std::string_view name) const;
+};
+
+// Parses argv (without the program and subcommand). "--help"/"-h" is always accepted.
+// Unknown options are an error naming the option and the command.
+Result<Args> parse_args(std::span<char*> argv, std::span<const OptSpec> spec, std::string_view cmd);
+
+Result<unsigned> parse_unsigned(std::string_view text, std::string_view what);
+
+// Subcommands. Each returns the process exit status.
+int cmd_inspect(std::span<char*> argv);
+int cmd_verify(std::span<char*> argv);
+int cmd_consolidate(std::span<char*> argv);
+int cmd_mount(std::span<char*> argv, bool mount_helper_form);
+
+}  // namespace ckptfs::cli

@@ -1,0 +1,40 @@
+// Checkpoint file names.
+//   rank shard:    shard-{r}-model-{k}-of-{m}.safetensors   (r = rank + 1)
+//   consolidated:  model-{k}-of-{m}.safetensors, or model.safetensors
+//   index:         model.safetensors.index.json
+// Numbers are zero-padded to 5 digits when written; any digit count is accepted when read.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace ckptfs::format {
+
+inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+inline constexpr std::string_view kSingleFileName = "model.safetensors";
+inline constexpr std::string_view kHfMetadataDir = ".hf_metadata";
+inline constexpr std::string_view kFqnMappingFileName = "fqn_to_file_index_mapping.json";
+inline constexpr std::string_view kSafetensorsSuffix = ".safetensors";
+
+struct ShardName {
+  uint32_t shard = 0;  // rank + 1
+  uint32_t k = 0;      // output file index, 1-based
+  uint32_t m = 0;      // number of output files
+};
+
+struct ModelName {
+  uint32_t k = 1;
+  uint32_t m = 1;
+  bool single = false;  // model.safetensors
+};
+
+std::optional<ShardName> parse_shard_name(std::string_view name);
+std::optional<ModelName> parse_model_name(std::string_view name);
+bool is_safetensors_name(std::string_view name);
+
+std::string model_file_name(uint32_t k, uint32_t m);
+std::string shard_file_name(uint32_t shard, uint32_t k, uint32_t m);
+
+}  // namespace ckptfs::format

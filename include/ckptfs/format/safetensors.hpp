@@ -1,0 +1,61 @@
+// safetensors headers: parse with every check the reference loader makes, and serialize.
+//
+// File layout: u64 little-endian N, N bytes of UTF-8 JSON, then the data buffer. Every
+// tensor's data_offsets are relative to the data buffer and, sorted, tile it exactly.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/format/dtype.hpp"
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::format {
+
+// The reference loader's cap on the JSON header.
+inline constexpr uint64_t kMaxHeaderSize = 100'000'000;
+inline constexpr uint64_t kHeaderLenBytes = 8;
+
+struct TensorEntry {
+  std::string name;
+  DType dtype = DType::U8;
+  std::vector<uint64_t> shape;
+  uint64_t begin = 0;  // [begin, end) relative to the data buffer
+  uint64_t end = 0;
+
+  [[nodiscard]] uint64_t nbytes() const { return end - begin; }
+};
+
+struct Header {
+  uint64_t json_len = 0;                        // N: bytes of JSON (padding included)
+  uint64_t data_size = 0;                       // bytes in the data buffer
+  std::vector<TensorEntry> tensors;             // sorted by data offset
+  std::map<std::string, std::string> metadata;  // __metadata__
+
+  [[nodiscard]] uint64_t data_start() const { return kHeaderLenBytes + json_len; }
+  [[nodiscard]] uint64_t file_size() const { return data_start() + data_size; }
+  [[nodiscard]] const TensorEntry* find(std::string_view name) const;
+  [[nodiscard]] const std::string* find_metadata(std::string_view key) const;
+};
+
+// Parses the JSON bytes of a header. `file_size` is the size of the whole file, which must
+// equal 8 + json.size() + the data buffer exactly. `what` names the file in errors.
+Result<Header> parse_header_json(std::string_view json, uint64_t file_size, std::string_view what);
+
+// Reads and parses the header of an open file of size `file_size`.
+Result<Header> read_header(int fd, uint64_t file_size, std::string_view what);
+
+// Parses a whole in-memory file (header and data); used by the fuzzer and tests.
+Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what);
+
+// Serializes a header: the 8-byte length followed by compact JSON with `__metadata__` first
+// (omitted when empty) and the tensors in the given order, padded with spaces so the data
+// buffer starts at a multiple of `align`. Offsets must already be set.
+std::string serialize_header(std::span<const TensorEntry> tensors,
+                             const std::map<std::string, std::string>& metadata, size_t align = 8);
+
+}  // namespace ckptfs::format

@@ -1,0 +1,27 @@
+// Executes an extent-map plan: copies the bytes of a list of segments into one buffer.
+//
+// Segments of the same shard are read with one preadv per shard span (runs separated by
+// small gaps are merged, the gap bytes going to a scratch sink), so a column-sharded range
+// costs one system call per shard rather than one per run.
+#pragma once
+
+#include <span>
+#include <string_view>
+
+#include "ckptfs/layout/extent_map.hpp"
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::fs {
+
+struct GatherSource {
+  const layout::Checkpoint* ckpt = nullptr;  // names shards in errors
+  std::span<const int> fds;                  // fd of each shard, indexed like ckpt->shards
+  std::string_view header;                   // bytes for memory segments
+};
+
+// Largest gap between two runs of a shard that is read through rather than split.
+inline constexpr uint64_t kGatherMaxGap = 64 * 1024;
+
+Status gather(const GatherSource& src, std::span<const layout::Segment> segs, char* dst);
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,133 @@
+// The checkpoint model: tensors, their chunks in rank shard files, and the consolidated
+// files synthesized from them. Pure data and arithmetic: no I/O happens in this layer, so
+// every rule here is tested without touching a disk.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckptfs/format/dcp.hpp"
+#include "ckptfs/format/dtype.hpp"
+#include "ckptfs/format/index.hpp"
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/format/safetensors.hpp"
+
+namespace ckptfs::layout {
+
+// Identity of a backing file when its header was read; used to revalidate cheaply and to
+// refuse serving bytes from a file that was replaced since.
+struct FileStamp {
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  int64_t ctime_ns = 0;
+  bool operator==(const FileStamp&) const = default;
+};
+
+// One rank shard file as handed to the builder (already parsed by the source layer).
+struct ShardInput {
+  std::string name;  // file name relative to the checkpoint directory
+  FileStamp stamp;
+  std::shared_ptr<const format::Header> header;  // null when unreadable; see `error`
+  std::string error;                             // why the header could not be used
+};
+
+struct ShardFile {
+  std::string name;
+  FileStamp stamp;
+  uint64_t data_start = 0;  // 8 + N
+  format::ShardName parsed;
+};
+
+// Where a copy of a replicated chunk lives (kept for `verify --data`).
+struct Replica {
+  uint32_t shard = 0;
+  uint64_t file_offset = 0;
+};
+
+struct Chunk {
+  uint32_t shard = 0;        // index into Checkpoint::shards
+  uint64_t file_offset = 0;  // absolute offset of the chunk's bytes in the shard file
+  std::vector<uint64_t> offsets;
+  std::vector<uint64_t> sizes;
+  std::vector<Replica> replicas;
+  uint32_t run_dim = 0;  // innermost dim not fully covered (0 if all are)
+};
+
+// Accelerates "which chunk holds this coordinate": per-dim boundaries and a dense cell
+// table. Absent (empty cells) for very irregular grids, where a scan is used instead.
+struct ChunkGrid {
+  std::vector<std::vector<uint64_t>> bounds;  // per dim, sorted, includes 0 and shape[d]
+  std::vector<uint32_t> cell_chunk;           // row-major over cells
+};
+
+struct Tensor {
+  std::string name;
+  format::DType dtype = format::DType::U8;
+  std::vector<uint64_t> shape;
+  std::vector<uint64_t> strides;  // row-major element strides of the full tensor
+  std::vector<Chunk> chunks;
+  ChunkGrid grid;
+  uint32_t output = 0;      // index into Checkpoint::outputs
+  uint64_t out_offset = 0;  // absolute offset of this tensor's bytes in its output file
+  uint64_t nbytes = 0;
+  uint64_t numel = 0;
+};
+
+struct OutputFile {
+  std::string name;
+  std::vector<uint32_t> tensors;  // in file order
+  std::string header;             // serialized: 8-byte length + padded JSON
+  uint64_t size = 0;
+  std::vector<uint32_t> shards;  // shard files this output reads from (sorted)
+  // Non-empty tensors by data offset, for binary search in the extent map.
+  std::vector<uint64_t> data_starts;
+  std::vector<uint32_t> data_tensors;
+};
+
+// A problem found while building. `file` and `tensor` are empty when not applicable.
+struct Problem {
+  std::string file;
+  std::string tensor;
+  std::string message;
+  [[nodiscard]] std::string to_string() const;
+};
+
+struct Checkpoint {
+  std::string dir;  // for messages
+  std::vector<ShardFile> shards;
+  std::vector<Tensor> tensors;
+  std::vector<OutputFile> outputs;
+  std::string index_json;
+  std::vector<Problem> problems;
+  bool from_mapping = false;  // output assignment came from fqn_to_file_index_mapping.json
+
+  [[nodiscard]] bool valid() const { return problems.empty(); }
+  [[nodiscard]] uint64_t total_bytes() const;
+  [[nodiscard]] const OutputFile* find_output(std::string_view name) const;
+};
+
+struct BuildOptions {
+  // Safetensors __metadata__ of the synthesized files (transformers accepts "pt").
+  std::map<std::string, std::string> output_metadata = {{"format", "pt"}};
+  // Grid cells allowed per tensor before falling back to a scan.
+  uint64_t max_grid_cells = 1u << 22;
+};
+
+struct BuildInput {
+  std::string dir;
+  std::vector<ShardInput> shards;
+  std::optional<format::FqnMapping> mapping;  // .hf_metadata/fqn_to_file_index_mapping.json
+  std::vector<Problem> problems;              // found before building (unreadable mapping...)
+};
+
+// Builds and validates the model. Never fails: every problem is recorded in `problems`, and
+// a checkpoint with problems has no outputs (it is never presented as complete).
+std::shared_ptr<const Checkpoint> build_checkpoint(BuildInput in, const BuildOptions& opts = {});
+
+}  // namespace ckptfs::layout

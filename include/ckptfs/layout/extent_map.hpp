@@ -1,0 +1,47 @@
+// The extent map: which bytes produce a byte range of a consolidated file.
+//
+// Forward (reads): consolidated (file, offset, length) -> ordered segments, each either
+// header bytes from memory or a run of bytes in one shard file. Adjacent runs that are
+// contiguous in the same shard are coalesced, so a row-sharded tensor is one run per chunk.
+//
+// Inverse (the write router): a run of one chunk -> where it lands in the consolidated file.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ckptfs/layout/checkpoint.hpp"
+
+namespace ckptfs::layout {
+
+struct Segment {
+  static constexpr uint32_t kMemory = UINT32_MAX;
+  uint32_t shard = kMemory;  // index into Checkpoint::shards, or kMemory for header bytes
+  uint64_t src = 0;          // byte offset in the shard file, or in OutputFile::header
+  uint64_t len = 0;
+
+  [[nodiscard]] bool is_memory() const { return shard == kMemory; }
+  bool operator==(const Segment&) const = default;
+};
+
+// Appends to `out` (cleared first) the segments producing [off, off + len) of output file
+// `file`; the range is clamped to the file size. Allocation-free once `out` has capacity.
+void map_range(const Checkpoint& ckpt, uint32_t file, uint64_t off, uint64_t len,
+               std::vector<Segment>& out);
+
+// One contiguous run of a chunk: `len` bytes at `shard_offset` in the shard file are
+// `out_offset` in the consolidated file.
+struct Run {
+  uint64_t out_offset = 0;
+  uint64_t shard_offset = 0;
+  uint64_t len = 0;
+};
+
+// The inverse map: every run of chunk `c` of tensor `t`, in chunk (shard file) order.
+void chunk_runs(const Checkpoint& ckpt, uint32_t t, uint32_t c, std::vector<Run>& out);
+
+// Which chunk of `t` holds the element at coordinates `coords` (full tensor coordinates).
+// Returns UINT32_MAX when none does (never for a validated tensor).
+uint32_t find_chunk(const Tensor& t, const uint64_t* coords);
+
+}  // namespace ckptfs::layout

@@ -1,0 +1,262 @@
+// `ckptfs inspect` and `ckptfs verify`.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "ckptfs/cli/args.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/checked.hpp"
+#include "ckptfs/util/fd.hpp"
+
+namespace ckptfs::cli {
+namespace {
+
+constexpr std::string_view kInspectUsage = R"(usage: ckptfs inspect DIR [--json]
+
+Lists every rank-sharded checkpoint at or below DIR: its shards, tensors (dtype, full shape,
+chunk grid), the consolidated files ckptfs would present and their sizes, and every problem
+found. Exits 0 when every checkpoint is valid, 1 when any has problems, 2 on usage errors.
+
+options:
+  --json      machine-readable output (stable keys; see docs/architecture.md)
+  -h, --help  this text
+)";
+
+constexpr std::string_view kVerifyUsage = R"(usage: ckptfs verify DIR [--data]
+
+Checks every rank-sharded checkpoint at or below DIR and prints one line per problem.
+Exits 0 when all are valid, 1 otherwise, 2 on usage errors.
+
+options:
+  --data      also read replicated chunks and check that every copy holds equal bytes
+  -h, --help  this text
+)";
+
+std::string grid_str(const layout::Tensor& t) {
+  if (t.grid.bounds.empty() && !t.shape.empty() && t.numel > 0) {
+    return fmt::format("irregular({} chunks)", t.chunks.size());
+  }
+  std::vector<size_t> g;
+  for (const auto& b : t.grid.bounds) g.push_back(b.size() - 1);
+  if (t.numel == 0) return "empty";
+  return fmt::format("{}", fmt::join(g, "x"));
+}
+
+nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
+  using J = nlohmann::ordered_json;
+  J j;
+  j["dir"] = c.dir;
+  j["valid"] = c.valid();
+  J shards = J::array();
+  for (const auto& s : c.shards) {
+    shards.push_back({{"name", s.name}, {"size", s.stamp.size}, {"rank", s.parsed.shard - 1}});
+  }
+  j["shards"] = std::move(shards);
+  J outs = J::array();
+  for (const auto& o : c.outputs) {
+    outs.push_back({{"name", o.name},
+                    {"size", o.size},
+                    {"tensors", o.tensors.size()},
+                    {"header_size", o.header.size()}});
+  }
+  j["outputs"] = std::move(outs);
+  J tensors = J::array();
+  for (const auto& t : c.tensors) {
+    J tj;
+    tj["name"] = t.name;
+    tj["dtype"] = std::string(format::dtype_name(t.dtype));
+    tj["shape"] = t.shape;
+    std::vector<size_t> g;
+    for (const auto& b : t.grid.bounds) g.push_back(b.size() - 1);
+    tj["grid"] = g;
+    tj["nbytes"] = t.nbytes;
+    if (!c.outputs.empty()) {
+      tj["file"] = c.outputs[t.output].name;
+      tj["offset"] = t.out_offset;
+    }
+    J chunks = J::array();
+    for (const auto& ch : t.chunks) {
+      J reps = J::array();
+      for (const auto& r : ch.replicas) reps.push_back(c.shards[r.shard].name);
+      chunks.push_back({{"file", c.shards[ch.shard].name},
+                        {"offsets", ch.offsets},
+                        {"sizes", ch.sizes},
+                        {"replicas", std::move(reps)}});
+    }
+    tj["chunks"] = std::move(chunks);
+    tensors.push_back(std::move(tj));
+  }
+  j["tensors"] = std::move(tensors);
+  J probs = J::array();
+  for (const auto& p : c.problems) {
+    probs.push_back({{"file", p.file}, {"tensor", p.tensor}, {"message", p.message}});
+  }
+  j["problems"] = std::move(probs);
+  return j;
+}
+
+void print_text(const layout::Checkpoint& c) {
+  fmt::print("checkpoint {}: {}\n", c.dir, c.valid() ? "valid" : "INVALID");
+  fmt::print("  {} shard files, {} tensors, {} bytes of tensor data\n", c.shards.size(),
+             c.tensors.size(), c.total_bytes());
+  if (!c.outputs.empty()) {
+    fmt::print(
+        "  consolidated files{}:\n",
+        c.from_mapping ? " (grouping from .hf_metadata/fqn_to_file_index_mapping.json)" : "");
+    for (const auto& o : c.outputs) {
+      fmt::print("    {}  {} bytes, {} tensors\n", o.name, o.size, o.tensors.size());
+    }
+    fmt::print("    {}\n", format::kIndexFileName);
+  }
+  if (!c.tensors.empty()) {
+    fmt::print("  tensors:\n");
+    for (const auto& t : c.tensors) {
+      size_t reps = 0;
+      for (const auto& ch : t.chunks) reps += ch.replicas.size();
+      fmt::print("    {}  {} [{}]  grid {}  {} chunk{}{}{}\n", t.name, format::dtype_name(t.dtype),
+                 fmt::join(t.shape, ", "), grid_str(t), t.chunks.size(),
+                 t.chunks.size() == 1 ? "" : "s", reps ? fmt::format(" (+{} replicas)", reps) : "",
+                 c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
+    }
+  }
+  if (!c.problems.empty()) {
+    fmt::print("  problems:\n");
+    for (const auto& p : c.problems) fmt::print("    {}\n", p.to_string());
+  }
+}
+
+Result<std::vector<std::shared_ptr<const layout::Checkpoint>>> load_all(const std::string& dir) {
+  CKPTFS_TRY(auto dirs, source::find_checkpoint_dirs(dir));
+  if (dirs.empty()) {
+    return make_error(
+        ENOENT, "{}: no rank-sharded checkpoint found (no shard-R-model-K-of-M.safetensors files)",
+        dir);
+  }
+  std::vector<std::shared_ptr<const layout::Checkpoint>> out;
+  for (const auto& d : dirs) {
+    CKPTFS_TRY(auto c, source::load_checkpoint_path(d));
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+// Compares every replica of every chunk with the primary copy, block by block.
+void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& problems) {
+  std::vector<UniqueFd> fds(c.shards.size());
+  auto fd_of = [&](uint32_t s) -> int {
+    if (!fds[s].valid()) {
+      auto r = open_file(c.dir + "/" + c.shards[s].name, O_RDONLY);
+      if (r) fds[s] = std::move(r).value();
+    }
+    return fds[s].get();
+  };
+  constexpr size_t kBlock = 1 << 20;
+  std::vector<char> a(kBlock), b(kBlock);
+  for (const auto& t : c.tensors) {
+    for (const auto& ch : t.chunks) {
+      if (ch.replicas.empty()) continue;
+      uint64_t nbytes = *format::byte_size(t.dtype, *checked_numel(ch.sizes));
+      for (const auto& rep : ch.replicas) {
+        for (uint64_t off = 0; off < nbytes; off += kBlock) {
+          size_t n = static_cast<size_t>(std::min<uint64_t>(kBlock, nbytes - off));
+          auto ra = pread_exact(fd_of(ch.shard), a.data(), n, ch.file_offset + off,
+                                c.dir + "/" + c.shards[ch.shard].name);
+          auto rb = pread_exact(fd_of(rep.shard), b.data(), n, rep.file_offset + off,
+                                c.dir + "/" + c.shards[rep.shard].name);
+          if (!ra || !rb) {
+            problems.push_back(!ra ? ra.error().message : rb.error().message);
+            break;
+          }
+          if (std::memcmp(a.data(), b.data(), n) != 0) {
+            problems.push_back(fmt::format(
+                "{}: tensor '{}': replica in {} differs from {} (chunk at offsets [{}])", c.dir,
+                t.name, c.shards[rep.shard].name, c.shards[ch.shard].name,
+                fmt::join(ch.offsets, ", ")));
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int cmd_inspect(std::span<char*> argv) {
+  static constexpr OptSpec spec[] = {{"json", 0, false}};
+  auto args = parse_args(argv, spec, "inspect");
+  if (!args) {
+    fmt::print(stderr, "{}\n", args.error().message);
+    return 2;
+  }
+  if (args->has("help")) {
+    fmt::print("{}", kInspectUsage);
+    return 0;
+  }
+  if (args->positional.size() != 1) {
+    fmt::print(stderr, "ckptfs inspect: expected one DIR\n{}", kInspectUsage);
+    return 2;
+  }
+  auto all = load_all(args->positional[0]);
+  if (!all) {
+    fmt::print(stderr, "ckptfs inspect: {}\n", all.error().message);
+    return 1;
+  }
+  bool ok = true;
+  for (const auto& c : *all) ok = ok && c->valid();
+  if (args->has("json")) {
+    nlohmann::ordered_json j;
+    j["checkpoints"] = nlohmann::ordered_json::array();
+    for (const auto& c : *all) j["checkpoints"].push_back(to_json(*c));
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    for (const auto& c : *all) print_text(*c);
+  }
+  return ok ? 0 : 1;
+}
+
+int cmd_verify(std::span<char*> argv) {
+  static constexpr OptSpec spec[] = {{"data", 0, false}};
+  auto args = parse_args(argv, spec, "verify");
+  if (!args) {
+    fmt::print(stderr, "{}\n", args.error().message);
+    return 2;
+  }
+  if (args->has("help")) {
+    fmt::print("{}", kVerifyUsage);
+    return 0;
+  }
+  if (args->positional.size() != 1) {
+    fmt::print(stderr, "ckptfs verify: expected one DIR\n{}", kVerifyUsage);
+    return 2;
+  }
+  auto all = load_all(args->positional[0]);
+  if (!all) {
+    fmt::print(stderr, "ckptfs verify: {}\n", all.error().message);
+    return 1;
+  }
+  std::vector<std::string> problems;
+  for (const auto& c : *all) {
+    for (const auto& p : c->problems) {
+      problems.push_back(p.file.empty() ? fmt::format("{}: {}", c->dir, p.to_string())
+                                        : fmt::format("{}/{}", c->dir, p.to_string()));
+    }
+    if (c->valid() && args->has("data")) verify_replicas(*c, problems);
+  }
+  for (const auto& p : problems) fmt::print(stderr, "{}\n", p);
+  if (problems.empty()) {
+    fmt::print("ok: {} checkpoint{} verified\n", all->size(), all->size() == 1 ? "" : "s");
+    return 0;
+  }
+  return 1;
+}
+
+}  // namespace ckptfs::cli

@@ -1,0 +1,56 @@
+// The single `ckptfs` binary: subcommand dispatch.
+#include <cstdio>
+#include <span>
+#include <string_view>
+
+#include <fmt/core.h>
+
+#include "ckptfs/cli/args.hpp"
+
+namespace {
+
+constexpr std::string_view kUsage =
+    R"(ckptfs )" CKPTFS_VERSION
+    R"( - rank-sharded checkpoints as consolidated HuggingFace checkpoints
+
+usage: ckptfs <command> [options]
+       ckptfs SRC MNT [-o opts]        (the form mount.fuse3 uses; same as 'ckptfs mount')
+
+commands:
+  mount SRC MNT        present the shards under SRC as consolidated checkpoints at MNT
+  inspect DIR          list checkpoints, tensors, chunk grids, output files and problems
+  verify DIR           exit non-zero with one line per problem (--data checks replicas)
+  consolidate SRC DST  write the consolidated checkpoint to DST (a real copy)
+
+Run 'ckptfs <command> --help' for a command's options.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::span<char*> args(argv, static_cast<size_t>(argc));
+  if (argc < 2) {
+    fmt::print(stderr, "{}", kUsage);
+    return 2;
+  }
+  std::string_view cmd = argv[1];
+  auto rest = args.subspan(2);
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+    fmt::print("{}", kUsage);
+    return 0;
+  }
+  if (cmd == "--version" || cmd == "-V") {
+    fmt::print("ckptfs {}\n", CKPTFS_VERSION);
+    return 0;
+  }
+  if (cmd == "inspect") return ckptfs::cli::cmd_inspect(rest);
+  if (cmd == "verify") return ckptfs::cli::cmd_verify(rest);
+  if (cmd == "consolidate") return ckptfs::cli::cmd_consolidate(rest);
+  if (cmd == "mount") return ckptfs::cli::cmd_mount(rest, false);
+  if (!cmd.empty() && cmd[0] != '-' && argc >= 3) {
+    // mount.fuse3 form: ckptfs SRC MNT -o opts
+    return ckptfs::cli::cmd_mount(args.subspan(1), true);
+  }
+  fmt::print(stderr, "ckptfs: unknown command '{}'\n\n{}", cmd, kUsage);
+  return 2;
+}

@@ -1,0 +1,72 @@
+#include "ckptfs/format/index.hpp"
+
+#include <nlohmann/json.hpp>
+
+namespace ckptfs::format {
+
+std::string serialize_index(const Index& index) {
+  nlohmann::json j;  // std::map-backed: keys come out sorted
+  j["metadata"] = {{"total_size", index.total_size}, {"total_parameters", index.total_parameters}};
+  nlohmann::json wm = nlohmann::json::object();
+  for (const auto& [k, v] : index.weight_map) wm[k] = v;
+  j["weight_map"] = std::move(wm);
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::strict) + "\n";
+}
+
+Result<Index> parse_index(std::string_view text, std::string_view what) {
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    return make_error(EINVAL, "{}: not valid JSON: {}", what, e.what());
+  }
+  if (!j.is_object()) return make_error(EINVAL, "{}: index is not a JSON object", what);
+  Index idx;
+  auto md = j.find("metadata");
+  if (md != j.end() && md->is_object()) {
+    auto ts = md->find("total_size");
+    if (ts != md->end() && ts->is_number_unsigned()) idx.total_size = ts->get<uint64_t>();
+    auto tp = md->find("total_parameters");
+    if (tp != md->end() && tp->is_number_unsigned()) idx.total_parameters = tp->get<uint64_t>();
+  }
+  auto wm = j.find("weight_map");
+  if (wm == j.end() || !wm->is_object()) {
+    return make_error(EINVAL, "{}: index has no 'weight_map' object", what);
+  }
+  for (auto it = wm->begin(); it != wm->end(); ++it) {
+    if (!it.value().is_string()) {
+      return make_error(EINVAL, "{}: weight_map entry for '{}' is not a string", what, it.key());
+    }
+    idx.weight_map.emplace_back(it.key(), it.value().get<std::string>());
+  }
+  return idx;
+}
+
+Result<FqnMapping> parse_fqn_mapping(std::string_view text, std::string_view what) {
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    return make_error(EINVAL, "{}: not valid JSON: {}", what, e.what());
+  }
+  if (!j.is_object()) return make_error(EINVAL, "{}: mapping is not a JSON object", what);
+  FqnMapping out;
+  out.reserve(j.size());
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const auto& v = it.value();
+    if (!v.is_number_unsigned() || v.get<uint64_t>() < 1 || v.get<uint64_t>() > 99999) {
+      return make_error(EINVAL, "{}: tensor '{}': file index {} is not an integer in 1..99999",
+                        what, it.key(), v.dump());
+    }
+    out.emplace_back(it.key(), static_cast<uint32_t>(v.get<uint64_t>()));
+  }
+  return out;
+}
+
+std::string serialize_fqn_mapping(const FqnMapping& mapping) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [k, v] : mapping) j[k] = v;
+  return j.dump(2) + "\n";
+}
+
+}  // namespace ckptfs::format

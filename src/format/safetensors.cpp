@@ -1,0 +1,264 @@
+#include "ckptfs/format/safetensors.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "ckptfs/util/checked.hpp"
+#include "ckptfs/util/fd.hpp"
+
+namespace ckptfs::format {
+namespace {
+
+using nlohmann::json;
+
+// Parses JSON while refusing duplicate keys in any object (nlohmann keeps the last one
+// silently; the reference loader refuses duplicates).
+Result<json> parse_json_strict(std::string_view text, std::string_view what) {
+  std::vector<std::unordered_set<std::string>> keys;
+  std::string dup;
+  json::parser_callback_t cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) {
+    switch (ev) {
+      case json::parse_event_t::object_start:
+        keys.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        if (!keys.empty()) keys.pop_back();
+        break;
+      case json::parse_event_t::key:
+        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && dup.empty()) {
+          dup = parsed.get<std::string>();
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
+  } catch (const json::exception& e) {
+    return make_error(EINVAL, "{}: header is not valid UTF-8 JSON: {}", what, e.what());
+  }
+  if (!dup.empty()) {
+    return make_error(EINVAL, "{}: header has duplicate key '{}'", what, dup);
+  }
+  return j;
+}
+
+Result<std::vector<uint64_t>> u64_array(const json& j, std::string_view what,
+                                        std::string_view tensor, std::string_view field) {
+  if (!j.is_array()) {
+    return make_error(EINVAL, "{}: tensor '{}': '{}' is not an array", what, tensor, field);
+  }
+  std::vector<uint64_t> out;
+  out.reserve(j.size());
+  for (const auto& v : j) {
+    if (!v.is_number_unsigned()) {
+      return make_error(EINVAL,
+                        "{}: tensor '{}': '{}' holds {} where a non-negative integer is required",
+                        what, tensor, field, v.dump());
+    }
+    out.push_back(v.get<uint64_t>());
+  }
+  return out;
+}
+
+}  // namespace
+
+const TensorEntry* Header::find(std::string_view name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+const std::string* Header::find_metadata(std::string_view key) const {
+  auto it = metadata.find(std::string(key));
+  return it == metadata.end() ? nullptr : &it->second;
+}
+
+Result<Header> parse_header_json(std::string_view text, uint64_t file_size, std::string_view what) {
+  if (text.size() > kMaxHeaderSize) {
+    return make_error(EINVAL, "{}: header of {} bytes exceeds the {} byte limit", what, text.size(),
+                      kMaxHeaderSize);
+  }
+  if (text.empty() || text.front() != '{') {
+    return make_error(EINVAL, "{}: header does not start with '{{'", what);
+  }
+  CKPTFS_TRY(json root, parse_json_strict(text, what));
+  if (!root.is_object()) {
+    return make_error(EINVAL, "{}: header is not a JSON object", what);
+  }
+  Header h;
+  h.json_len = text.size();
+  h.tensors.reserve(root.size());
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      if (v.is_null()) continue;
+      if (!v.is_object()) {
+        return make_error(EINVAL, "{}: __metadata__ is not an object", what);
+      }
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) {
+          return make_error(EINVAL, "{}: __metadata__ value for '{}' is not a string", what,
+                            m.key());
+        }
+        h.metadata.emplace(m.key(), m.value().get<std::string>());
+      }
+      continue;
+    }
+    if (!v.is_object()) {
+      return make_error(EINVAL, "{}: tensor '{}': entry is not an object", what, name);
+    }
+    TensorEntry t;
+    t.name = name;
+    auto dt = v.find("dtype");
+    if (dt == v.end() || !dt->is_string()) {
+      return make_error(EINVAL, "{}: tensor '{}': missing or non-string 'dtype'", what, name);
+    }
+    auto parsed = parse_dtype(dt->get<std::string>());
+    if (!parsed) {
+      return make_error(EINVAL, "{}: tensor '{}': unknown dtype '{}'", what, name,
+                        dt->get<std::string>());
+    }
+    t.dtype = *parsed;
+    auto sh = v.find("shape");
+    if (sh == v.end()) {
+      return make_error(EINVAL, "{}: tensor '{}': missing 'shape'", what, name);
+    }
+    CKPTFS_TRY(t.shape, u64_array(*sh, what, name, "shape"));
+    auto off = v.find("data_offsets");
+    if (off == v.end()) {
+      return make_error(EINVAL, "{}: tensor '{}': missing 'data_offsets'", what, name);
+    }
+    CKPTFS_TRY(std::vector<uint64_t> offs, u64_array(*off, what, name, "data_offsets"));
+    if (offs.size() != 2) {
+      return make_error(EINVAL, "{}: tensor '{}': 'data_offsets' must have 2 entries, has {}", what,
+                        name, offs.size());
+    }
+    t.begin = offs[0];
+    t.end = offs[1];
+    if (t.end < t.begin) {
+      return make_error(EINVAL, "{}: tensor '{}': data_offsets [{}, {}) end before they begin",
+                        what, name, t.begin, t.end);
+    }
+    auto numel = checked_numel(t.shape);
+    if (!numel) {
+      return make_error(EOVERFLOW, "{}: tensor '{}': shape [{}] overflows 64 bits", what, name,
+                        fmt::join(t.shape, ", "));
+    }
+    auto nbytes = byte_size(t.dtype, *numel);
+    if (!nbytes) {
+      return make_error(EINVAL,
+                        "{}: tensor '{}': {} elements of {} are not a whole number of bytes or "
+                        "overflow",
+                        what, name, *numel, dtype_name(t.dtype));
+    }
+    if (*nbytes != t.end - t.begin) {
+      return make_error(EINVAL,
+                        "{}: tensor '{}': data_offsets [{}, {}) span {} bytes but shape [{}] of "
+                        "{} needs {}",
+                        what, name, t.begin, t.end, t.end - t.begin, fmt::join(t.shape, ", "),
+                        dtype_name(t.dtype), *nbytes);
+    }
+    h.tensors.push_back(std::move(t));
+  }
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t pos = 0;
+  for (const auto& t : h.tensors) {
+    if (t.begin != pos) {
+      return make_error(
+          EINVAL, "{}: tensor '{}': data starts at {} but the previous tensor ends at {} ({})",
+          what, t.name, t.begin, pos, t.begin > pos ? "hole" : "overlap");
+    }
+    pos = t.end;
+  }
+  h.data_size = pos;
+  auto expected = checked_add(kHeaderLenBytes + h.json_len, h.data_size);
+  if (!expected || *expected != file_size) {
+    return make_error(EINVAL, "{}: file is {} bytes but its header describes {}{}", what, file_size,
+                      expected ? fmt::format("{}", *expected) : "an overflowing size",
+                      (expected && *expected > file_size) ? " (truncated?)" : "");
+  }
+  return h;
+}
+
+Result<Header> read_header(int fd, uint64_t file_size, std::string_view what) {
+  if (file_size < kHeaderLenBytes) {
+    return make_error(EINVAL, "{}: file of {} bytes is too short for a safetensors header", what,
+                      file_size);
+  }
+  unsigned char lenbuf[8];
+  CKPTFS_CHECK(pread_exact(fd, lenbuf, sizeof lenbuf, 0, what));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | lenbuf[i];
+  if (n > kMaxHeaderSize) {
+    return make_error(EINVAL, "{}: header length {} exceeds the {} byte limit", what, n,
+                      kMaxHeaderSize);
+  }
+  if (n > file_size - kHeaderLenBytes) {
+    return make_error(EINVAL, "{}: header length {} runs past the end of the {} byte file", what, n,
+                      file_size);
+  }
+  std::string text(static_cast<size_t>(n), '\0');
+  CKPTFS_CHECK(pread_exact(fd, text.data(), text.size(), kHeaderLenBytes, what));
+  return parse_header_json(text, file_size, what);
+}
+
+Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what) {
+  if (bytes.size() < kHeaderLenBytes) {
+    return make_error(EINVAL, "{}: file of {} bytes is too short for a safetensors header", what,
+                      bytes.size());
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  if (n > kMaxHeaderSize) {
+    return make_error(EINVAL, "{}: header length {} exceeds the {} byte limit", what, n,
+                      kMaxHeaderSize);
+  }
+  if (n > bytes.size() - kHeaderLenBytes) {
+    return make_error(EINVAL, "{}: header length {} runs past the end of the {} byte file", what, n,
+                      bytes.size());
+  }
+  return parse_header_json(bytes.substr(kHeaderLenBytes, n), bytes.size(), what);
+}
+
+std::string serialize_header(std::span<const TensorEntry> tensors,
+                             const std::map<std::string, std::string>& metadata, size_t align) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json m = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : metadata) m[k] = v;
+    j["__metadata__"] = std::move(m);
+  }
+  for (const auto& t : tensors) {
+    nlohmann::ordered_json e = nlohmann::ordered_json::object();
+    e["dtype"] = std::string(dtype_name(t.dtype));
+    e["shape"] = t.shape;
+    e["data_offsets"] = {t.begin, t.end};
+    j[t.name] = std::move(e);
+  }
+  std::string text =
+      j.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::ordered_json::error_handler_t::strict);
+  if (align > 1) {
+    size_t total = kHeaderLenBytes + text.size();
+    size_t pad = (align - total % align) % align;
+    text.append(pad, ' ');
+  }
+  std::string out(kHeaderLenBytes, '\0');
+  uint64_t n = text.size();
+  for (size_t i = 0; i < kHeaderLenBytes; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out += text;
+  return out;
+}
+
+}  // namespace ckptfs::format

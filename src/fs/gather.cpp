@@ -1,0 +1,100 @@
+#include "ckptfs/fs/gather.hpp"
+
+#include <limits.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <fmt/core.h>
+
+namespace ckptfs::fs {
+namespace {
+
+// Per-thread scratch so the hot path allocates nothing once warm.
+struct Scratch {
+  std::vector<uint32_t> order;
+  std::vector<uint64_t> dst_off;
+  std::vector<iovec> iov;
+  std::vector<char> sink = std::vector<char>(kGatherMaxGap);
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+Status preadv_all(int fd, iovec* iov, int cnt, uint64_t off, const GatherSource& src,
+                  uint32_t shard) {
+  while (cnt > 0) {
+    ssize_t n = ::preadv(fd, iov, cnt, static_cast<off_t>(off));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      return make_error(e, "{}/{}: read at offset {} failed: {}", src.ckpt->dir,
+                        src.ckpt->shards[shard].name, off, std::strerror(e));
+    }
+    if (n == 0) {
+      return make_error(EIO, "{}/{}: unexpected end of file at offset {} (file shrank?)",
+                        src.ckpt->dir, src.ckpt->shards[shard].name, off);
+    }
+    off += static_cast<uint64_t>(n);
+    auto left = static_cast<size_t>(n);
+    while (cnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --cnt;
+    }
+    if (cnt > 0 && left > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+Status gather(const GatherSource& src, std::span<const layout::Segment> segs, char* dst) {
+  auto& s = scratch();
+  s.order.clear();
+  s.dst_off.resize(segs.size());
+  uint64_t pos = 0;
+  for (uint32_t i = 0; i < segs.size(); ++i) {
+    s.dst_off[i] = pos;
+    const auto& g = segs[i];
+    if (g.is_memory()) {
+      std::memcpy(dst + pos, src.header.data() + g.src, g.len);
+    } else {
+      s.order.push_back(i);
+    }
+    pos += g.len;
+  }
+  std::sort(s.order.begin(), s.order.end(), [&](uint32_t a, uint32_t b) {
+    return segs[a].shard != segs[b].shard ? segs[a].shard < segs[b].shard
+                                          : segs[a].src < segs[b].src;
+  });
+  size_t i = 0;
+  while (i < s.order.size()) {
+    const uint32_t shard = segs[s.order[i]].shard;
+    const uint64_t start = segs[s.order[i]].src;
+    uint64_t end = start;
+    s.iov.clear();
+    while (i < s.order.size() && segs[s.order[i]].shard == shard && s.iov.size() + 2 <= IOV_MAX) {
+      const auto& g = segs[s.order[i]];
+      if (g.src > end) {
+        if (g.src - end > kGatherMaxGap) break;
+        s.iov.push_back(iovec{s.sink.data(), static_cast<size_t>(g.src - end)});
+      }
+      s.iov.push_back(iovec{dst + s.dst_off[s.order[i]], static_cast<size_t>(g.len)});
+      end = g.src + g.len;
+      ++i;
+    }
+    CKPTFS_CHECK(preadv_all(src.fds[shard], s.iov.data(), static_cast<int>(s.iov.size()), start,
+                            src, shard));
+  }
+  return {};
+}
+
+}  // namespace ckptfs::fs

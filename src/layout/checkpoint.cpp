@@ -1,0 +1,586 @@
+#include "ckptfs/layout/checkpoint.hpp"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "ckptfs/util/checked.hpp"
+
+namespace ckptfs::layout {
+namespace {
+
+using format::DType;
+
+struct TensorBuild {
+  std::string name;
+  DType dtype = DType::U8;
+  size_t rank = 0;
+  std::optional<std::vector<uint64_t>> full_shape;
+  std::vector<Chunk> chunks;
+  uint32_t k = 0;  // output index from shard names (0 = unset)
+  bool broken = false;
+};
+
+std::string dims_str(const std::vector<uint64_t>& v) {
+  return fmt::format("[{}]", fmt::join(v, ", "));
+}
+
+class Builder {
+ public:
+  Builder(BuildInput in, const BuildOptions& opts) : in_(std::move(in)), opts_(opts) {
+    ck_ = std::make_shared<Checkpoint>();
+    ck_->dir = in_.dir;
+    ck_->problems = std::move(in_.problems);
+  }
+
+  std::shared_ptr<const Checkpoint> run() {
+    collect_chunks();
+    for (auto& tb : order_) finish_tensor(*tb);
+    if (ck_->problems.empty()) assign_outputs();
+    if (ck_->problems.empty()) {
+      synthesize();
+    } else {
+      ck_->outputs.clear();
+      ck_->index_json.clear();
+    }
+    return ck_;
+  }
+
+ private:
+  void problem(std::string file, std::string tensor, std::string msg) {
+    ck_->problems.push_back(Problem{std::move(file), std::move(tensor), std::move(msg)});
+  }
+
+  const std::string& shard_name(uint32_t s) const { return ck_->shards[s].name; }
+
+  std::string chunk_files(const TensorBuild& tb) const {
+    std::set<std::string> names;
+    for (const auto& c : tb.chunks) names.insert(shard_name(c.shard));
+    return fmt::format("{}", fmt::join(names, ", "));
+  }
+
+  TensorBuild& tensor(const std::string& name) {
+    auto it = tensors_.find(name);
+    if (it != tensors_.end()) return *it->second;
+    auto tb = std::make_unique<TensorBuild>();
+    tb->name = name;
+    auto& ref = *tb;
+    tensors_.emplace(name, tb.get());
+    order_.push_back(std::move(tb));
+    return ref;
+  }
+
+  void collect_chunks() {
+    auto& inputs = in_.shards;
+    std::sort(inputs.begin(), inputs.end(), [](const ShardInput& a, const ShardInput& b) {
+      auto pa = format::parse_shard_name(a.name);
+      auto pb = format::parse_shard_name(b.name);
+      auto ka = pa ? std::tuple(pa->shard, pa->k, pa->m) : std::tuple(0u, 0u, 0u);
+      auto kb = pb ? std::tuple(pb->shard, pb->k, pb->m) : std::tuple(0u, 0u, 0u);
+      return ka != kb ? ka < kb : a.name < b.name;
+    });
+    std::optional<uint32_t> m_seen;
+    for (auto& in : inputs) {
+      auto parsed = format::parse_shard_name(in.name);
+      if (!parsed) {
+        problem(in.name, "", "not a rank shard file name (shard-R-model-K-of-M.safetensors)");
+        continue;
+      }
+      if (!in.header) {
+        problem(in.name, "", in.error.empty() ? "header could not be read" : in.error);
+        continue;
+      }
+      if (m_seen && *m_seen != parsed->m) {
+        problem(
+            in.name, "",
+            fmt::format("file says {} output files but other shards say {}", parsed->m, *m_seen));
+      }
+      m_seen = parsed->m;
+      const auto& h = *in.header;
+      auto sidx = static_cast<uint32_t>(ck_->shards.size());
+      ck_->shards.push_back(ShardFile{in.name, in.stamp, h.data_start(), *parsed});
+
+      std::optional<format::ShardingInfo> info;
+      if (const auto* s = h.find_metadata(format::kShardingInfoKey)) {
+        auto r = format::parse_sharding_info(*s, in.name);
+        if (!r) {
+          problem(in.name, "", r.error().message);
+          continue;
+        }
+        info = std::move(r).value();
+        for (const auto& [fqn, e] : *info) {
+          if (!h.find(fqn)) {
+            problem(in.name, fqn, "listed in DCP_SHARDING_INFO but has no header entry");
+          }
+        }
+      }
+      for (const auto& te : h.tensors) {
+        Chunk c;
+        c.shard = sidx;
+        c.file_offset = h.data_start() + te.begin;
+        c.sizes = te.shape;
+        std::optional<std::vector<uint64_t>> full;
+        if (info) {
+          auto it = info->find(te.name);
+          if (it == info->end()) {
+            problem(in.name, te.name, "tensor has no DCP_SHARDING_INFO entry");
+            continue;
+          }
+          c.offsets = it->second.saved_offsets;
+          full = it->second.full_shape;
+        } else {
+          c.offsets.assign(te.shape.size(), 0);
+        }
+        auto& tb = tensor(te.name);
+        if (c.offsets.size() != te.shape.size()) {
+          problem(in.name, te.name,
+                  fmt::format("saved_offsets {} has rank {} but the chunk shape {} has rank {}",
+                              dims_str(c.offsets), c.offsets.size(), dims_str(te.shape),
+                              te.shape.size()));
+          tb.broken = true;
+          continue;
+        }
+        if (full && full->size() != te.shape.size()) {
+          problem(in.name, te.name,
+                  fmt::format("full shape {} has rank {} but the chunk has rank {}",
+                              dims_str(*full), full->size(), te.shape.size()));
+          tb.broken = true;
+          continue;
+        }
+        if (tb.chunks.empty() && !tb.broken) {
+          tb.dtype = te.dtype;
+          tb.rank = te.shape.size();
+          tb.full_shape = full;
+          tb.k = parsed->k;
+        } else {
+          if (te.dtype != tb.dtype) {
+            problem(in.name, te.name,
+                    fmt::format("dtype {} differs from {} in {}", format::dtype_name(te.dtype),
+                                format::dtype_name(tb.dtype), chunk_files(tb)));
+            tb.broken = true;
+          }
+          if (te.shape.size() != tb.rank) {
+            problem(in.name, te.name,
+                    fmt::format("rank {} differs from rank {} in {}", te.shape.size(), tb.rank,
+                                chunk_files(tb)));
+            tb.broken = true;
+          }
+          if (full && tb.full_shape && *full != *tb.full_shape) {
+            problem(in.name, te.name,
+                    fmt::format("full shape {} differs from {} in {}", dims_str(*full),
+                                dims_str(*tb.full_shape), chunk_files(tb)));
+            tb.broken = true;
+          }
+          if (full && !tb.full_shape) tb.full_shape = full;
+          if (tb.k != parsed->k && !in_.mapping) {
+            problem(in.name, te.name,
+                    fmt::format("tensor is in output file {} here but in file {} in {}", parsed->k,
+                                tb.k, chunk_files(tb)));
+            tb.broken = true;
+          }
+        }
+        tb.chunks.push_back(std::move(c));
+      }
+    }
+  }
+
+  // Shape, replica dedup, bounds, tiling and the lookup grid for one tensor.
+  void finish_tensor(TensorBuild& tb) {
+    if (tb.broken || tb.chunks.empty()) return;
+    const size_t r = tb.rank;
+    // Bounds of every chunk; infer the full shape when the metadata has none.
+    std::vector<uint64_t> shape(r, 0);
+    for (const auto& c : tb.chunks) {
+      for (size_t d = 0; d < r; ++d) {
+        auto e = checked_add(c.offsets[d], c.sizes[d]);
+        if (!e) {
+          problem(shard_name(c.shard), tb.name,
+                  fmt::format("chunk at {} of size {} overflows", dims_str(c.offsets),
+                              dims_str(c.sizes)));
+          return;
+        }
+        shape[d] = std::max(shape[d], *e);
+      }
+    }
+    if (tb.full_shape) {
+      for (const auto& c : tb.chunks) {
+        for (size_t d = 0; d < r; ++d) {
+          if (c.offsets[d] + c.sizes[d] > (*tb.full_shape)[d]) {
+            problem(shard_name(c.shard), tb.name,
+                    fmt::format("chunk at {} of size {} lies outside the tensor shape {}",
+                                dims_str(c.offsets), dims_str(c.sizes), dims_str(*tb.full_shape)));
+            return;
+          }
+        }
+      }
+      shape = *tb.full_shape;
+    }
+    auto numel = checked_numel(shape);
+    auto nbytes = numel ? format::byte_size(tb.dtype, *numel) : std::nullopt;
+    if (!numel || !nbytes || *nbytes > (UINT64_MAX >> 4)) {
+      problem(chunk_files(tb), tb.name,
+              fmt::format("full shape {} of {} overflows or is not a whole number of bytes",
+                          dims_str(shape), format::dtype_name(tb.dtype)));
+      return;
+    }
+
+    // Deduplicate replicas (identical offsets and sizes); drop empty chunks.
+    std::vector<Chunk> chunks;
+    {
+      std::vector<size_t> idx(tb.chunks.size());
+      std::iota(idx.begin(), idx.end(), 0);
+      std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+        const auto& ca = tb.chunks[a];
+        const auto& cb = tb.chunks[b];
+        return std::tie(ca.offsets, ca.sizes) < std::tie(cb.offsets, cb.sizes);
+      });
+      for (size_t i : idx) {
+        auto& c = tb.chunks[i];
+        auto cn = checked_numel(c.sizes);
+        if (*numel != 0 && cn && *cn == 0) continue;
+        if (!chunks.empty() && chunks.back().offsets == c.offsets &&
+            chunks.back().sizes == c.sizes) {
+          chunks.back().replicas.push_back(Replica{c.shard, c.file_offset});
+          continue;
+        }
+        chunks.push_back(std::move(c));
+      }
+      if (chunks.empty()) chunks.push_back(std::move(tb.chunks.front()));
+    }
+
+    Tensor t;
+    t.name = tb.name;
+    t.dtype = tb.dtype;
+    t.shape = shape;
+    t.numel = *numel;
+    t.nbytes = *nbytes;
+    t.strides.assign(r, 1);
+    for (size_t d = r; d-- > 1;) t.strides[d - 1] = t.strides[d] * shape[d];
+    for (auto& c : chunks) {
+      uint32_t k = 0;
+      for (size_t d = r; d-- > 0;) {
+        if (c.sizes[d] != shape[d]) {
+          k = static_cast<uint32_t>(d);
+          break;
+        }
+      }
+      c.run_dim = k;
+    }
+    t.chunks = std::move(chunks);
+    if (*numel > 0) {
+      if (!check_tiling(t)) return;
+      if (!check_bit_alignment(t)) return;
+    }
+    tensor_index_.emplace(t.name, static_cast<uint32_t>(ck_->tensors.size()));
+    tensor_k_.push_back(tb.k);
+    ck_->tensors.push_back(std::move(t));
+  }
+
+  std::string chunk_desc(const Tensor& t, uint32_t c) const {
+    const auto& ch = t.chunks[c];
+    return fmt::format("{} (offsets {}, shape {})", shard_name(ch.shard), dims_str(ch.offsets),
+                       dims_str(ch.sizes));
+  }
+
+  std::string tensor_files(const Tensor& t) const {
+    std::set<std::string> names;
+    for (const auto& c : t.chunks) names.insert(shard_name(c.shard));
+    return fmt::format("{}", fmt::join(names, ", "));
+  }
+
+  // Validates that the chunks tile the tensor exactly, and builds the lookup grid.
+  bool check_tiling(Tensor& t) {
+    const size_t r = t.shape.size();
+    auto& g = t.grid;
+    g.bounds.assign(r, {});
+    for (size_t d = 0; d < r; ++d) {
+      auto& b = g.bounds[d];
+      b.push_back(0);
+      b.push_back(t.shape[d]);
+      for (const auto& c : t.chunks) {
+        b.push_back(c.offsets[d]);
+        b.push_back(c.offsets[d] + c.sizes[d]);
+      }
+      std::sort(b.begin(), b.end());
+      b.erase(std::unique(b.begin(), b.end()), b.end());
+    }
+    uint64_t cells = 1;
+    bool too_many = false;
+    for (size_t d = 0; d < r; ++d) {
+      auto n = checked_mul(cells, g.bounds[d].size() - 1);
+      if (!n || *n > opts_.max_grid_cells) {
+        too_many = true;
+        break;
+      }
+      cells = *n;
+    }
+    if (too_many) {
+      g = ChunkGrid{};
+      return check_tiling_slow(t);
+    }
+    g.cell_chunk.assign(cells, UINT32_MAX);
+    std::vector<size_t> lo(r), hi(r), cur(r);
+    for (uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
+      const auto& c = t.chunks[ci];
+      bool empty = false;
+      for (size_t d = 0; d < r; ++d) {
+        const auto& b = g.bounds[d];
+        lo[d] = static_cast<size_t>(std::lower_bound(b.begin(), b.end(), c.offsets[d]) - b.begin());
+        hi[d] = static_cast<size_t>(
+            std::lower_bound(b.begin(), b.end(), c.offsets[d] + c.sizes[d]) - b.begin());
+        if (lo[d] == hi[d]) empty = true;
+      }
+      if (empty) continue;
+      cur = lo;
+      while (true) {
+        uint64_t cell = 0;
+        for (size_t d = 0; d < r; ++d) cell = cell * (g.bounds[d].size() - 1) + cur[d];
+        if (g.cell_chunk[cell] != UINT32_MAX) {
+          problem(tensor_files(t), t.name,
+                  fmt::format("chunks overlap: {} and {}", chunk_desc(t, g.cell_chunk[cell]),
+                              chunk_desc(t, ci)));
+          return false;
+        }
+        g.cell_chunk[cell] = ci;
+        size_t d = r;
+        while (d > 0) {
+          --d;
+          if (++cur[d] < hi[d]) break;
+          cur[d] = lo[d];
+          if (d == 0) goto next_chunk;
+        }
+        if (r == 0) break;
+      }
+    next_chunk:;
+    }
+    for (uint64_t cell = 0; cell < cells; ++cell) {
+      if (g.cell_chunk[cell] != UINT32_MAX) continue;
+      std::vector<uint64_t> at(r), to(r);
+      uint64_t rem = cell;
+      for (size_t d = r; d-- > 0;) {
+        size_t n = g.bounds[d].size() - 1;
+        size_t i = rem % n;
+        rem /= n;
+        at[d] = g.bounds[d][i];
+        to[d] = g.bounds[d][i + 1];
+      }
+      problem(tensor_files(t), t.name,
+              fmt::format("gap: no chunk covers the region from {} to {} of shape {} (missing "
+                          "shard?)",
+                          dims_str(at), dims_str(to), dims_str(t.shape)));
+      return false;
+    }
+    return true;
+  }
+
+  // Fallback for grids too irregular for a cell table: volume sum plus a pairwise overlap
+  // sweep ordered by the first dimension.
+  bool check_tiling_slow(const Tensor& t) {
+    const size_t r = t.shape.size();
+    unsigned __int128 vol = 0;
+    for (const auto& c : t.chunks) {
+      unsigned __int128 v = 1;
+      for (auto s : c.sizes) v *= s;
+      vol += v;
+    }
+    std::vector<uint32_t> idx(t.chunks.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](uint32_t a, uint32_t b) {
+      return t.chunks[a].offsets[0] < t.chunks[b].offsets[0];
+    });
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const auto& a = t.chunks[idx[i]];
+      for (size_t j = i + 1; j < idx.size(); ++j) {
+        const auto& b = t.chunks[idx[j]];
+        if (b.offsets[0] >= a.offsets[0] + a.sizes[0]) break;
+        bool overlap = true;
+        for (size_t d = 0; d < r && overlap; ++d) {
+          overlap =
+              a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d];
+        }
+        if (overlap) {
+          problem(tensor_files(t), t.name,
+                  fmt::format("chunks overlap: {} and {}", chunk_desc(t, idx[i]),
+                              chunk_desc(t, idx[j])));
+          return false;
+        }
+      }
+    }
+    if (vol != t.numel) {
+      problem(tensor_files(t), t.name,
+              fmt::format("gap: chunks cover {} of the {} elements of shape {} (missing shard?)",
+                          static_cast<uint64_t>(vol), t.numel, dims_str(t.shape)));
+      return false;
+    }
+    return true;
+  }
+
+  // Sub-byte dtypes: every run must start and end on a byte boundary in both the
+  // consolidated tensor and the chunk, or bytes could not be served straight from shards.
+  // A run of chunk c is x_0..x_{k-1} fixed, x_k spanning the chunk, inner dims full. Its
+  // start bit is sum(x_d T_d) * bits: all are byte-aligned iff the chunk's first one is and
+  // every step of a dim d < k that the chunk spans is. Chunk-side starts are multiples of the
+  // run length, so that must be byte-aligned too. Arithmetic is mod 8.
+  bool check_bit_alignment(const Tensor& t) {
+    const uint64_t bits = format::dtype_bits(t.dtype);
+    if (bits % 8 == 0 || t.shape.empty()) return true;
+    auto mod8 = [bits](uint64_t a) { return ((a % 8) * bits) % 8; };
+    for (uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
+      const auto& c = t.chunks[ci];
+      const size_t k = c.run_dim;
+      uint64_t base = 0;
+      for (size_t d = 0; d < t.shape.size(); ++d)
+        base += mod8((c.offsets[d] % 8) * (t.strides[d] % 8));
+      bool ok = base % 8 == 0 && mod8((c.sizes[k] % 8) * (t.strides[k] % 8)) == 0;
+      for (size_t d = 0; d < k && ok; ++d) ok = c.sizes[d] <= 1 || mod8(t.strides[d]) == 0;
+      if (!ok) {
+        problem(shard_name(c.shard), t.name,
+                fmt::format("{} chunk {} splits elements inside a byte; sub-byte chunks must "
+                            "start and end on byte boundaries",
+                            format::dtype_name(t.dtype), chunk_desc(t, ci)));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void assign_outputs() {
+    const bool use_map = in_.mapping.has_value();
+    ck_->from_mapping = use_map;
+    std::vector<uint32_t> order;  // tensor indexes in output order
+    uint32_t m = 0;
+    if (use_map) {
+      std::unordered_map<std::string, uint32_t> k_of;
+      for (const auto& [fqn, k] : *in_.mapping) {
+        k_of.emplace(fqn, k);
+        m = std::max(m, k);
+        auto it = tensor_index_.find(fqn);
+        if (it == tensor_index_.end()) {
+          problem(std::string(format::kFqnMappingFileName), fqn,
+                  "listed in the mapping file but found in no shard (missing shard?)");
+          continue;
+        }
+        order.push_back(it->second);
+      }
+      for (uint32_t i = 0; i < ck_->tensors.size(); ++i) {
+        auto it = k_of.find(ck_->tensors[i].name);
+        if (it == k_of.end()) {
+          problem(tensor_files(ck_->tensors[i]), ck_->tensors[i].name,
+                  fmt::format("tensor is not in {}", format::kFqnMappingFileName));
+          continue;
+        }
+        tensor_k_[i] = it->second;
+      }
+    } else {
+      order.resize(ck_->tensors.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+        return ck_->tensors[a].name < ck_->tensors[b].name;
+      });
+      for (const auto& s : ck_->shards) m = std::max(m, s.parsed.m);
+    }
+    if (!ck_->problems.empty()) return;
+    if (ck_->tensors.empty()) {
+      problem("", "", "no tensors found");
+      return;
+    }
+    std::map<uint32_t, uint32_t> out_of_k;  // k -> index into outputs, in k order
+    for (uint32_t ti : order) out_of_k.emplace(tensor_k_[ti], 0);
+    uint32_t idx = 0;
+    for (auto& [k, o] : out_of_k) {
+      o = idx++;
+      OutputFile f;
+      f.name = format::model_file_name(k, m);
+      ck_->outputs.push_back(std::move(f));
+    }
+    for (uint32_t ti : order) {
+      auto o = out_of_k[tensor_k_[ti]];
+      ck_->tensors[ti].output = o;
+      ck_->outputs[o].tensors.push_back(ti);
+    }
+  }
+
+  void synthesize() {
+    format::Index index;
+    for (auto& f : ck_->outputs) {
+      std::vector<format::TensorEntry> entries;
+      entries.reserve(f.tensors.size());
+      uint64_t pos = 0;
+      std::set<uint32_t> shards;
+      for (uint32_t ti : f.tensors) {
+        const auto& t = ck_->tensors[ti];
+        format::TensorEntry e;
+        e.name = t.name;
+        e.dtype = t.dtype;
+        e.shape = t.shape;
+        e.begin = pos;
+        auto end = checked_add(pos, t.nbytes);
+        if (!end) {
+          problem(f.name, t.name, "output file size overflows");
+          ck_->outputs.clear();
+          return;
+        }
+        e.end = *end;
+        pos = *end;
+        entries.push_back(std::move(e));
+        for (const auto& c : t.chunks) shards.insert(c.shard);
+        index.weight_map.emplace_back(t.name, f.name);
+        index.total_size += t.nbytes;
+        index.total_parameters += t.numel;
+      }
+      f.header = format::serialize_header(entries, opts_.output_metadata);
+      for (size_t i = 0; i < f.tensors.size(); ++i) {
+        auto& t = ck_->tensors[f.tensors[i]];
+        t.out_offset = f.header.size() + entries[i].begin;
+        if (t.nbytes > 0) {
+          f.data_starts.push_back(t.out_offset);
+          f.data_tensors.push_back(f.tensors[i]);
+        }
+      }
+      f.size = f.header.size() + pos;
+      f.shards.assign(shards.begin(), shards.end());
+    }
+    ck_->index_json = format::serialize_index(index);
+  }
+
+  BuildInput in_;
+  const BuildOptions& opts_;
+  std::shared_ptr<Checkpoint> ck_;
+  std::unordered_map<std::string, TensorBuild*> tensors_;
+  std::vector<std::unique_ptr<TensorBuild>> order_;
+  std::unordered_map<std::string, uint32_t> tensor_index_;
+  std::vector<uint32_t> tensor_k_;  // parallel to ck_->tensors
+};
+
+}  // namespace
+
+std::string Problem::to_string() const {
+  std::string out;
+  if (!file.empty()) out += file + ": ";
+  if (!tensor.empty()) out += fmt::format("tensor '{}': ", tensor);
+  out += message;
+  return out;
+}
+
+uint64_t Checkpoint::total_bytes() const {
+  uint64_t n = 0;
+  for (const auto& t : tensors) n += t.nbytes;
+  return n;
+}
+
+const OutputFile* Checkpoint::find_output(std::string_view name) const {
+  for (const auto& f : outputs) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<const Checkpoint> build_checkpoint(BuildInput in, const BuildOptions& opts) {
+  return Builder(std::move(in), opts).run();
+}
+
+}  // namespace ckptfs::layout

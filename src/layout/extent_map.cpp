@@ -1,0 +1,174 @@
+#include "ckptfs/layout/extent_map.hpp"
+
+#include <algorithm>
+
+namespace ckptfs::layout {
+namespace {
+
+inline void emit(std::vector<Segment>& out, uint32_t shard, uint64_t src, uint64_t len) {
+  if (len == 0) return;
+  if (!out.empty()) {
+    auto& last = out.back();
+    if (last.shard == shard && last.src + last.len == src) {
+      last.len += len;
+      return;
+    }
+  }
+  out.push_back(Segment{shard, src, len});
+}
+
+inline bool whole_chunk(const Tensor& t) {
+  return t.chunks.size() == 1 && t.chunks[0].sizes == t.shape;
+}
+
+// Describes the run of chunk `c` that holds full-tensor coordinates `x`: its first element
+// in the consolidated tensor, its first element in the chunk, and its length in elements.
+struct RunPos {
+  uint64_t out_elem;
+  uint64_t chunk_elem;
+  uint64_t elems;
+};
+
+inline RunPos run_at(const Tensor& t, const Chunk& c, const uint64_t* x) {
+  const size_t k = c.run_dim;
+  const size_t r = t.shape.size();
+  uint64_t out = c.offsets[k] * t.strides[k];
+  uint64_t in = 0;
+  uint64_t cstride = c.sizes[k] * t.strides[k];  // chunk stride of dim k-1
+  for (size_t d = k; d-- > 0;) {
+    out += x[d] * t.strides[d];
+    in += (x[d] - c.offsets[d]) * cstride;
+    cstride *= c.sizes[d];
+  }
+  (void)r;
+  return RunPos{out, in, c.sizes[k] * t.strides[k]};
+}
+
+// Maps bytes [a, b) of tensor `t` (relative to its data start) to shard runs.
+void map_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& out) {
+  if (whole_chunk(t)) {
+    const auto& c = t.chunks[0];
+    emit(out, c.shard, c.file_offset + a, b - a);
+    return;
+  }
+  const uint64_t bits = format::dtype_bits(t.dtype);
+  const size_t r = t.shape.size();
+  uint64_t x[16];
+  std::vector<uint64_t> xbig;
+  uint64_t* coords = x;
+  if (r > 16) {
+    xbig.resize(r);
+    coords = xbig.data();
+  }
+  uint64_t p = a;
+  while (p < b) {
+    uint64_t e = (p * 8) / bits;
+    for (size_t d = 0; d < r; ++d) {
+      coords[d] = e / t.strides[d];
+      e -= coords[d] * t.strides[d];
+    }
+    uint32_t ci = find_chunk(t, coords);
+    if (ci == UINT32_MAX) return;  // unreachable for a validated tensor
+    const Chunk& c = t.chunks[ci];
+    RunPos rp = run_at(t, c, coords);
+    const uint64_t run_start = rp.out_elem * bits / 8;
+    const uint64_t run_bytes = rp.elems * bits / 8;
+    const uint64_t delta = p - run_start;
+    const uint64_t n = std::min(run_bytes - delta, b - p);
+    emit(out, c.shard, c.file_offset + rp.chunk_elem * bits / 8 + delta, n);
+    p += n;
+  }
+}
+
+}  // namespace
+
+uint32_t find_chunk(const Tensor& t, const uint64_t* x) {
+  const size_t r = t.shape.size();
+  const auto& g = t.grid;
+  if (!g.cell_chunk.empty()) {
+    uint64_t cell = 0;
+    for (size_t d = 0; d < r; ++d) {
+      const auto& b = g.bounds[d];
+      auto i = static_cast<uint64_t>(std::upper_bound(b.begin(), b.end(), x[d]) - b.begin()) - 1;
+      cell = cell * (b.size() - 1) + i;
+    }
+    return g.cell_chunk[cell];
+  }
+  for (uint32_t ci = 0; ci < t.chunks.size(); ++ci) {
+    const auto& c = t.chunks[ci];
+    bool in = true;
+    for (size_t d = 0; d < r && in; ++d) {
+      in = x[d] >= c.offsets[d] && x[d] < c.offsets[d] + c.sizes[d];
+    }
+    if (in) return ci;
+  }
+  return UINT32_MAX;
+}
+
+void map_range(const Checkpoint& ckpt, uint32_t file, uint64_t off, uint64_t len,
+               std::vector<Segment>& out) {
+  out.clear();
+  const auto& f = ckpt.outputs[file];
+  if (off >= f.size) return;
+  const uint64_t end = off + std::min(len, f.size - off);
+  uint64_t pos = off;
+  const uint64_t hsize = f.header.size();
+  if (pos < hsize) {
+    uint64_t n = std::min(end, hsize) - pos;
+    out.push_back(Segment{Segment::kMemory, pos, n});
+    pos += n;
+  }
+  if (pos >= end) return;
+  // First non-empty tensor whose data ends after pos.
+  auto it = std::upper_bound(f.data_starts.begin(), f.data_starts.end(), pos);
+  size_t i = static_cast<size_t>(it - f.data_starts.begin());
+  if (i > 0) --i;
+  for (; i < f.data_tensors.size() && pos < end; ++i) {
+    const Tensor& t = ckpt.tensors[f.data_tensors[i]];
+    const uint64_t tend = std::min(end, t.out_offset + t.nbytes);
+    if (tend <= pos) continue;
+    map_tensor(t, pos - t.out_offset, tend - t.out_offset, out);
+    pos = tend;
+  }
+}
+
+void chunk_runs(const Checkpoint& ckpt, uint32_t ti, uint32_t ci, std::vector<Run>& out) {
+  out.clear();
+  const Tensor& t = ckpt.tensors[ti];
+  const Chunk& c = t.chunks[ci];
+  const uint64_t bits = format::dtype_bits(t.dtype);
+  if (t.nbytes == 0) return;
+  if (whole_chunk(t)) {
+    out.push_back(Run{t.out_offset, c.file_offset, t.nbytes});
+    return;
+  }
+  const size_t r = t.shape.size();
+  const size_t k = c.run_dim;
+  std::vector<uint64_t> x(c.offsets.begin(), c.offsets.end());
+  while (true) {
+    RunPos rp = run_at(t, c, x.data());
+    Run run{t.out_offset + rp.out_elem * bits / 8, c.file_offset + rp.chunk_elem * bits / 8,
+            rp.elems * bits / 8};
+    if (!out.empty() && out.back().out_offset + out.back().len == run.out_offset &&
+        out.back().shard_offset + out.back().len == run.shard_offset) {
+      out.back().len += run.len;
+    } else if (run.len > 0) {
+      out.push_back(run);
+    }
+    // Advance the odometer over dims [0, k).
+    size_t d = k;
+    bool done = true;
+    while (d > 0) {
+      --d;
+      if (++x[d] < c.offsets[d] + c.sizes[d]) {
+        done = false;
+        break;
+      }
+      x[d] = c.offsets[d];
+    }
+    if (done) break;
+  }
+  (void)r;
+}
+
+}  // namespace ckptfs::layout

@@ -1,0 +1,195 @@
+#include "ckptfs/source/scanner.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "ckptfs/format/index.hpp"
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/path.hpp"
+
+namespace ckptfs::source {
+namespace {
+
+const std::string kMappingRel =
+    std::string(format::kHfMetadataDir) + "/" + std::string(format::kFqnMappingFileName);
+
+}  // namespace
+
+Result<std::vector<DirEntry>> list_dir(int dirfd) {
+  int dup = ::openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dup < 0) {
+    int e = errno;
+    return make_error(e, "cannot open directory: {}", std::strerror(e));
+  }
+  DIR* d = ::fdopendir(dup);
+  if (!d) {
+    int e = errno;
+    ::close(dup);
+    return make_error(e, "cannot read directory: {}", std::strerror(e));
+  }
+  std::vector<DirEntry> out;
+  errno = 0;
+  while (struct dirent* de = ::readdir(d)) {
+    std::string_view name(de->d_name);
+    if (name == "." || name == "..") continue;
+    DirEntry e;
+    e.name = std::string(name);
+    if (::fstatat(dirfd, de->d_name, &e.st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // raced away
+    out.push_back(std::move(e));
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end(),
+            [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+  return out;
+}
+
+layout::FileStamp stamp_of(const struct stat& st) {
+  return layout::FileStamp{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+                           static_cast<uint64_t>(st.st_size), mtime_ns(st), ctime_ns(st)};
+}
+
+bool is_shard_entry(const DirEntry& e) {
+  return S_ISREG(e.st.st_mode) && format::parse_shard_name(e.name).has_value();
+}
+
+bool has_shards(const std::vector<DirEntry>& entries) {
+  return std::any_of(entries.begin(), entries.end(), is_shard_entry);
+}
+
+Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
+  Signature sig;
+  for (const auto& e : entries) {
+    if (!is_shard_entry(e)) continue;
+    sig.files.emplace_back(e.name, stamp_of(e.st));
+    sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(e.st));
+  }
+  if (auto st = stat_beneath(dirfd, kMappingRel); st.ok()) {
+    sig.files.emplace_back(kMappingRel, stamp_of(*st));
+    sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(*st));
+  }
+  return sig;
+}
+
+std::optional<HeaderCache::Entry> HeaderCache::find(const layout::FileStamp& s) {
+  std::lock_guard lock(mu_);
+  auto it = map_.find(key(s));
+  if (it == map_.end()) return std::nullopt;
+  return it->second;
+}
+
+void HeaderCache::put(const layout::FileStamp& s, Entry e) {
+  std::lock_guard lock(mu_);
+  if (map_.size() >= max_entries_) map_.clear();  // crude bound; rebuilt on demand
+  map_[key(s)] = std::move(e);
+}
+
+std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
+                                                          const std::vector<DirEntry>& entries,
+                                                          const std::string& display,
+                                                          HeaderCache& cache,
+                                                          const layout::BuildOptions& opts) {
+  layout::BuildInput in;
+  in.dir = display;
+  for (const auto& e : entries) {
+    if (!is_shard_entry(e)) continue;
+    layout::ShardInput si;
+    si.name = e.name;
+    auto fd = open_at(dirfd, e.name, O_RDONLY | O_NOFOLLOW);
+    if (!fd) {
+      si.stamp = stamp_of(e.st);
+      si.error = fd.error().message;
+      in.shards.push_back(std::move(si));
+      continue;
+    }
+    struct stat st {};
+    if (::fstat(fd->get(), &st) != 0) st = e.st;
+    si.stamp = stamp_of(st);
+    if (auto hit = cache.find(si.stamp)) {
+      si.header = hit->header;
+      si.error = hit->error;
+    } else {
+      auto h = format::read_header(fd->get(), si.stamp.size, e.name);
+      HeaderCache::Entry ce;
+      if (h.ok()) {
+        ce.header = std::make_shared<const format::Header>(std::move(h).value());
+      } else {
+        // The parser already names the file; keep only its explanation.
+        std::string msg = h.error().message;
+        if (msg.starts_with(e.name + ": ")) msg.erase(0, e.name.size() + 2);
+        ce.error = msg;
+      }
+      cache.put(si.stamp, ce);
+      si.header = ce.header;
+      si.error = ce.error;
+    }
+    in.shards.push_back(std::move(si));
+  }
+  auto mfd = open_beneath(dirfd, kMappingRel, O_RDONLY | O_NOFOLLOW);
+  if (mfd.ok()) {
+    struct stat st {};
+    std::string text;
+    Status st_ok;
+    if (::fstat(mfd->get(), &st) != 0 ||
+        static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
+      in.problems.push_back({kMappingRel, "", "unreadable or larger than the side-file limit"});
+    } else {
+      text.resize(static_cast<size_t>(st.st_size));
+      auto rd = pread_exact(mfd->get(), text.data(), text.size(), 0, kMappingRel);
+      if (!rd) {
+        in.problems.push_back({kMappingRel, "", rd.error().message});
+      } else if (auto m = format::parse_fqn_mapping(text, kMappingRel); m.ok()) {
+        in.mapping = std::move(m).value();
+      } else {
+        in.problems.push_back({"", "", m.error().message});
+      }
+    }
+  } else if (mfd.error().code != ENOENT && mfd.error().code != ENOTDIR) {
+    in.problems.push_back({kMappingRel, "", mfd.error().message});
+  }
+  return layout::build_checkpoint(std::move(in), opts);
+}
+
+Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std::string& dir) {
+  CKPTFS_TRY(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY));
+  CKPTFS_TRY(auto entries, list_dir(fd.get()));
+  if (!has_shards(entries)) {
+    return make_error(ENOENT, "{}: no rank shard files (shard-R-model-K-of-M.safetensors)", dir);
+  }
+  HeaderCache cache;
+  return load_checkpoint(fd.get(), entries, dir, cache);
+}
+
+namespace {
+
+Status walk(int dirfd, const std::string& path, std::vector<std::string>& out, int depth) {
+  if (depth > 64) return {};
+  auto entries = list_dir(dirfd);
+  if (!entries) return std::move(entries).error().context(path);
+  if (has_shards(*entries)) out.push_back(path);
+  for (const auto& e : *entries) {
+    if (!S_ISDIR(e.st.st_mode)) continue;
+    auto sub = open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!sub) continue;
+    CKPTFS_CHECK(walk(sub->get(), path + "/" + e.name, out, depth + 1));
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> find_checkpoint_dirs(const std::string& root) {
+  CKPTFS_TRY(UniqueFd fd, open_file(root, O_RDONLY | O_DIRECTORY));
+  std::vector<std::string> out;
+  std::string base = root;
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  CKPTFS_CHECK(walk(fd.get(), base, out, 0));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace ckptfs::source
