@@ -33,8 +33,14 @@ Steps:
  5. Print a one-line JSON summary on stdout; logs go to stderr.
 
 Python use: generate(out_dir, reference_dir=None, **options) -> summary dict (option names as
-in DEFAULTS below). Only the standard library is imported at module level so that spawned
-ranks start fast (they never import transformers).
+in DEFAULTS below). The ranks are started with the "spawn" method, so a calling script needs the
+usual `if __name__ == "__main__":` guard (pytest is fine). Only the standard library is imported
+at module level so that spawned ranks start fast (they never import transformers). Each rank
+reads the full reference tensors, so peak memory is about (world + 2) x the model size.
+
+Determinism: equal options give byte-identical reference files and identical shard contents
+(tensors, DCP_SHARDING_INFO); only the order of the keys inside a shard's __metadata__ varies
+from run to run (safetensors serialises that map from a Rust HashMap).
 """
 import argparse
 import glob
@@ -329,7 +335,11 @@ def parse_args(argv=None):
 def main(argv=None):
     a = vars(parse_args(argv))
     out, ref = a.pop("out"), a.pop("reference")
-    print(json.dumps(generate(out, ref, **a)), flush=True)
+    try:
+        summary = generate(out, ref, **a)
+    except ValueError as e:  # bad option combination: report it like argparse does
+        sys.exit(f"gen_checkpoint.py: error: {e}")
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ class Consolidator {
       }
       return {};
     }
-    fs::GatherSource gs{&ck_, raw_, f.header};
+    fs::GatherSource gs{&ck_, raw_, f.header, {}};
     CKPTFS_CHECK(fs::gather(gs, segs, buf.data()));
     return pwrite_all(out, buf.data(), job.len, job.off, f.name);
   }

@@ -1,10 +1,173 @@
+// `ckptfs mount SRC MNT` and the mount.fuse3 form `ckptfs SRC MNT -o opts`.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+
 #include <fmt/core.h>
+#include <spdlog/spdlog.h>
 
 #include "ckptfs/cli/args.hpp"
+#include "ckptfs/fuse/adapter.hpp"
 
 namespace ckptfs::cli {
-int cmd_mount(std::span<char*>, bool) {
-  fmt::print(stderr, "ckptfs mount: not built yet\n");
-  return 1;
+namespace {
+
+constexpr std::string_view kUsage = R"(usage: ckptfs mount SRC MNT [-o opt,...] [-f] [--threads N] [--log-level L]
+       ckptfs SRC MNT [-o opt,...]        (as mount.fuse3 / fstab call it)
+
+Presents every directory of rank shards under SRC as a consolidated HuggingFace checkpoint
+at MNT, synthesized on read; nothing is copied. Returns once the mount is ready (the daemon
+keeps serving in the background) unless -f is given. Unmount with 'fusermount3 -u MNT'.
+
+options:
+  -f, --foreground       stay in the foreground, log to stderr
+  --threads N            FUSE worker threads (default 8)
+  --log-level L          trace, debug, info, warn, error (default info)
+  --log-file PATH        where a daemonized mount logs (default: syslog)
+  -o opt[,opt...]        ckptfs options below, or FUSE/mount options (allow_other, ro, ...)
+  -h, --help             this text
+
+ckptfs -o options:
+  show_shards            list the hidden shard files under <checkpoint>/.shards/
+  prefetch=on|off        push consolidated files into the page cache on open (default on)
+  splice=on|off          zero-copy replies with spliced fd buffers (default off)
+  read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
+  settle=SECONDS         quiet time before a changed checkpoint is shown (default 1)
+  revalidate=SECONDS     how long a directory's view is trusted before re-checking (default 1)
+  attr_timeout=SECONDS, entry_timeout=SECONDS   kernel cache timeouts (default 1)
+  threads=N, log_level=L, log_file=PATH          as the flags above
+  no_auto_unmount        do not unmount automatically if the daemon dies
+)";
+
+Result<double> parse_seconds(std::string_view v, std::string_view what) {
+  char* end = nullptr;
+  std::string s(v);
+  double d = std::strtod(s.c_str(), &end);
+  if (s.empty() || *end != '\0' || d < 0 || d > 86400) {
+    return make_error(EINVAL, "{}: '{}' is not a number of seconds", what, v);
+  }
+  return d;
 }
+
+Result<bool> parse_onoff(std::string_view v, std::string_view what) {
+  if (v == "on" || v == "1" || v == "yes" || v == "true") return true;
+  if (v == "off" || v == "0" || v == "no" || v == "false") return false;
+  return make_error(EINVAL, "{}: expected on or off, got '{}'", what, v);
+}
+
+std::chrono::milliseconds ms(double secs) {
+  return std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
+}
+
+// Applies one -o option; unknown ones are passed to libfuse, which refuses what it can't use.
+Status apply_option(fuse::MountOptions& o, const std::string& opt) {
+  auto eq = opt.find('=');
+  std::string key = opt.substr(0, eq);
+  std::string val = eq == std::string::npos ? "" : opt.substr(eq + 1);
+  if (key == "show_shards") {
+    o.fs.show_shards = true;
+  } else if (key == "prefetch") {
+    CKPTFS_TRY(o.prefetch, parse_onoff(val, "prefetch"));
+  } else if (key == "splice") {
+    CKPTFS_TRY(o.splice, parse_onoff(val, "splice"));
+  } else if (key == "read_ahead_kb") {
+    CKPTFS_TRY(o.read_ahead_kb, parse_unsigned(val, "read_ahead_kb"));
+  } else if (key == "settle") {
+    CKPTFS_TRY(double s, parse_seconds(val, "settle"));
+    o.fs.settle = ms(s);
+  } else if (key == "revalidate") {
+    CKPTFS_TRY(double s, parse_seconds(val, "revalidate"));
+    o.fs.revalidate = ms(s);
+  } else if (key == "attr_timeout") {
+    CKPTFS_TRY(o.attr_timeout, parse_seconds(val, "attr_timeout"));
+  } else if (key == "entry_timeout") {
+    CKPTFS_TRY(o.entry_timeout, parse_seconds(val, "entry_timeout"));
+  } else if (key == "threads") {
+    CKPTFS_TRY(o.threads, parse_unsigned(val, "threads"));
+  } else if (key == "log_level") {
+    o.log_level = val;
+  } else if (key == "log_file") {
+    o.log_file = val;
+  } else if (key == "no_auto_unmount") {
+    o.auto_unmount = false;
+  } else if (key == "auto_unmount") {
+    o.auto_unmount = true;
+  } else if (key == "rw") {
+    // mount(8) adds it by default; the view is read-only either way (writes get EROFS).
+  } else if (key == "_netdev" || key == "nofail" || key == "noauto" || key == "user" ||
+             key == "users" || key == "defaults" || key.starts_with("x-")) {
+    // fstab-only options that mount.fuse3 may pass along.
+  } else {
+    o.fuse_opts.push_back(opt);
+  }
+  return {};
+}
+
+}  // namespace
+
+int cmd_mount(std::span<char*> argv, bool helper_form) {
+  static constexpr OptSpec spec[] = {{"foreground", 'f', false}, {"threads", 0, true},
+                                     {"log-level", 0, true},     {"log-file", 0, true},
+                                     {"options", 'o', true},     {"debug", 'd', false}};
+  const std::string_view cmd = helper_form ? "" : "mount";
+  auto args = parse_args(argv, spec, helper_form ? "(mount helper)" : "mount");
+  if (!args) {
+    fmt::print(stderr, "{}\n", args.error().message);
+    return 2;
+  }
+  if (args->has("help")) {
+    fmt::print("{}", kUsage);
+    return 0;
+  }
+  (void)cmd;
+  if (args->positional.size() != 2) {
+    fmt::print(stderr, "ckptfs mount: expected SRC and MNT\n{}", kUsage);
+    return 2;
+  }
+  fuse::MountOptions o;
+  o.source = args->positional[0];
+  o.mountpoint = args->positional[1];
+  while (o.source.size() > 1 && o.source.back() == '/') o.source.pop_back();
+  o.foreground = args->has("foreground") || args->has("debug");
+  if (auto t = args->get("threads")) {
+    auto v = parse_unsigned(*t, "--threads");
+    if (!v || *v == 0 || *v > 1024) {
+      fmt::print(stderr, "ckptfs mount: --threads must be 1..1024\n");
+      return 2;
+    }
+    o.threads = *v;
+  }
+  if (auto l = args->get("log-level")) o.log_level = *l;
+  if (auto l = args->get("log-file")) o.log_file = *l;
+  for (const auto& group : args->all("options")) {
+    std::stringstream ss(group);
+    std::string opt;
+    while (std::getline(ss, opt, ',')) {
+      if (opt.empty()) continue;
+      if (auto st = apply_option(o, opt); !st) {
+        fmt::print(stderr, "ckptfs mount: {}\n", st.error().message);
+        return 2;
+      }
+    }
+  }
+  auto level = spdlog::level::from_str(o.log_level);
+  if (level == spdlog::level::off && o.log_level != "off") {
+    fmt::print(stderr, "ckptfs mount: unknown log level '{}'\n", o.log_level);
+    return 2;
+  }
+  spdlog::set_level(args->has("debug") ? spdlog::level::debug : level);
+  struct stat st {};
+  if (::stat(o.source.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fmt::print(stderr, "ckptfs mount: {}: not a directory\n", o.source);
+    return 1;
+  }
+  if (::stat(o.mountpoint.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fmt::print(stderr, "ckptfs mount: {}: mount point is not a directory\n", o.mountpoint);
+    return 1;
+  }
+  return fuse::run_mount(o);
+}
+
 }  // namespace ckptfs::cli

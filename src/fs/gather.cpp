@@ -32,12 +32,12 @@ Status preadv_all(int fd, iovec* iov, int cnt, uint64_t off, const GatherSource&
     if (n < 0) {
       if (errno == EINTR) continue;
       int e = errno;
-      return make_error(e, "{}/{}: read at offset {} failed: {}", src.ckpt->dir,
-                        src.ckpt->shards[shard].name, off, std::strerror(e));
+      return make_error(e, "{}: read at offset {} failed: {}", src.name_of(shard), off,
+                        std::strerror(e));
     }
     if (n == 0) {
-      return make_error(EIO, "{}/{}: unexpected end of file at offset {} (file shrank?)",
-                        src.ckpt->dir, src.ckpt->shards[shard].name, off);
+      return make_error(EIO, "{}: unexpected end of file at offset {} (file shrank?)",
+                        src.name_of(shard), off);
     }
     off += static_cast<uint64_t>(n);
     auto left = static_cast<size_t>(n);
@@ -55,6 +55,11 @@ Status preadv_all(int fd, iovec* iov, int cnt, uint64_t off, const GatherSource&
 }
 
 }  // namespace
+
+std::string GatherSource::name_of(uint32_t shard) const {
+  if (ckpt && shard < ckpt->shards.size()) return ckpt->dir + "/" + ckpt->shards[shard].name;
+  return std::string(file);
+}
 
 Status gather(const GatherSource& src, std::span<const layout::Segment> segs, char* dst) {
   auto& s = scratch();

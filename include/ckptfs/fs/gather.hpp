@@ -14,9 +14,12 @@
 namespace ckptfs::fs {
 
 struct GatherSource {
-  const layout::Checkpoint* ckpt = nullptr;  // names shards in errors
+  const layout::Checkpoint* ckpt = nullptr;  // names shards in errors (else `file` does)
   std::span<const int> fds;                  // fd of each shard, indexed like ckpt->shards
   std::string_view header;                   // bytes for memory segments
+  std::string_view file;                     // name for errors when there is no checkpoint
+
+  [[nodiscard]] std::string name_of(uint32_t shard) const;
 };
 
 // Largest gap between two runs of a shard that is read through rather than split.

@@ -1,0 +1,133 @@
+// Filesystem semantics of the consolidated view, with no libfuse include: the FUSE adapter
+// is a thin translation of these calls, and tests drive this class directly.
+//
+// What a directory shows:
+//  - a plain directory of SRC is mirrored;
+//  - a directory holding rank shards (a checkpoint directory) shows, in place of its shards,
+//    the consolidated model-0000k-of-0000m.safetensors files and model.safetensors.index.json
+//    (only while the checkpoint validates and has settled), its other files, and the files of
+//    .hf_metadata/ except the mapping file; optionally a .shards/ folder with the hidden files.
+//
+// Consistency: each version of a checkpoint directory is an immutable View. A consolidated
+// file's inode belongs to one View; when the shards change a new View gets new inodes, the
+// kernel is told to drop the old names, and open files keep reading their own version from
+// the shard fds they opened.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/layout/checkpoint.hpp"
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::fs {
+
+using Ino = uint64_t;
+inline constexpr Ino kRootIno = 1;
+inline constexpr std::string_view kShardsDirName = ".shards";
+
+struct Options {
+  bool show_shards = false;                            // expose hidden files under .shards/
+  std::chrono::milliseconds revalidate{1000};          // TTL of a directory's cached view
+  std::chrono::milliseconds settle{1000};              // quiet time before a checkpoint shows
+  layout::BuildOptions build;
+};
+
+// Told when names or inodes the kernel may cache have changed. Implementations must not call
+// back into the kernel synchronously from the calling thread (it may hold a request).
+class Notifier {
+ public:
+  virtual ~Notifier() = default;
+  virtual void inval_entry(Ino parent, const std::string& name) = 0;
+  virtual void inval_inode(Ino ino) = 0;
+};
+
+struct EntryOut {
+  Ino ino = 0;
+  struct stat attr {};
+};
+
+struct DirEntryOut {
+  std::string name;
+  Ino ino = 0;
+  mode_t type = 0;  // S_IFDIR, S_IFREG, ...
+};
+
+// A plan for one read: segments plus the sources they refer to. The FUSE adapter turns it
+// into a zero-copy reply (fd-backed buffers) or gathers it into one buffer.
+struct ReadPlan {
+  std::vector<layout::Segment> segs;
+  GatherSource src;
+  uint64_t size = 0;  // bytes planned (short at end of file)
+};
+
+// Everything a read of one open file depends on, kept alive by handles and the prefetcher.
+class FileReader {
+ public:
+  virtual ~FileReader() = default;
+  [[nodiscard]] virtual uint64_t size() const = 0;
+  virtual void plan(uint64_t off, uint64_t len, ReadPlan& out) const = 0;
+  // Reads [off, off+len) (clamped) into dst; returns bytes read.
+  Result<size_t> read(uint64_t off, size_t len, char* dst) const;
+};
+
+struct OpenOut {
+  uint64_t fh = 0;
+  bool keep_cache = false;  // page cache still matches this file's bytes
+  bool is_virtual = false;  // a synthesized consolidated file or index
+};
+
+class Filesystem {
+ public:
+  static Result<std::unique_ptr<Filesystem>> create(const std::string& source, Options opts);
+  ~Filesystem();
+  Filesystem(const Filesystem&) = delete;
+  Filesystem& operator=(const Filesystem&) = delete;
+
+  void set_notifier(Notifier* n);
+
+  Result<EntryOut> lookup(Ino parent, std::string_view name);
+  void forget(Ino ino, uint64_t nlookup);
+  Result<struct stat> getattr(Ino ino);
+  Result<std::string> readlink(Ino ino);
+
+  Result<uint64_t> opendir(Ino ino);
+  // Calls `add(entry, next_offset)` from `offset` on; stops when it returns false.
+  Status readdir(uint64_t dh, uint64_t offset,
+                 const std::function<bool(const DirEntryOut&, uint64_t)>& add);
+  void releasedir(uint64_t dh);
+
+  Result<OpenOut> open(Ino ino, int flags);
+  Status read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan);
+  [[nodiscard]] std::shared_ptr<const FileReader> reader(uint64_t fh) const;
+  void release(uint64_t fh);
+
+  Result<struct statvfs> statfs();
+
+  // The view is read-only for now: every modifying operation answers this (EROFS). The write
+  // path plugs in here.
+  Status modify(Ino ino, std::string_view what);
+
+  // Number of inodes the kernel currently holds (for tests and stats).
+  [[nodiscard]] size_t live_nodes() const;
+
+  // Forces every cached directory view to revalidate on next access.
+  void invalidate_all();
+
+  struct Impl;
+
+ private:
+  explicit Filesystem(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,35 @@
+// The FUSE adapter: the only code that includes libfuse. It translates low-level requests
+// into fs::Filesystem calls, replies, pushes prefetched pages and kernel invalidations.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckptfs/fs/filesystem.hpp"
+
+namespace ckptfs::fuse {
+
+struct MountOptions {
+  std::string source;
+  std::string mountpoint;
+  bool foreground = false;
+  unsigned threads = 8;          // max FUSE worker threads
+  bool prefetch = true;          // push consolidated files into the page cache on open
+  unsigned prefetch_threads = 2;
+  bool splice = false;           // reply with fd-backed buffers spliced by the kernel
+  unsigned read_ahead_kb = 8192; // the mount's bdi read_ahead_kb (0: leave the default)
+  bool auto_unmount = true;      // unmount if the daemon dies (fusermount3 watchdog)
+  double attr_timeout = 1.0;
+  double entry_timeout = 1.0;
+  std::vector<std::string> fuse_opts;  // passed to libfuse as -o
+  std::string log_file;                // daemonized: log here (else syslog)
+  std::string log_level = "info";
+  fs::Options fs;
+};
+
+// Mounts, serves until unmounted or signalled, and cleans up. Returns the exit status.
+// Without `foreground` it returns in the parent as soon as the mount is ready.
+int run_mount(const MountOptions& opts);
+
+}  // namespace ckptfs::fuse

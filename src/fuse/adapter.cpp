@@ -1,0 +1,595 @@
+#include "ckptfs/fuse/adapter.hpp"
+
+#include <fuse_lowlevel.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/sinks/syslog_sink.h>
+#include <spdlog/spdlog.h>
+
+namespace ckptfs::fuse {
+namespace {
+
+constexpr size_t kMaxRead = 1 << 20;  // FUSE requests are at most 256 pages
+
+// Kernel invalidations, sent from their own thread: fuse_lowlevel_notify_inval_* must not run
+// on a thread that is answering a request for the same directory (it would deadlock).
+class NotifyQueue final : public fs::Notifier {
+ public:
+  explicit NotifyQueue(fuse_session* se) : se_(se), thread_([this] { run(); }) {}
+  ~NotifyQueue() override {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void inval_entry(fs::Ino parent, const std::string& name) override { push({parent, name}); }
+  void inval_inode(fs::Ino ino) override { push({ino, std::nullopt}); }
+
+ private:
+  struct Item {
+    fs::Ino ino;
+    std::optional<std::string> name;
+  };
+  void push(Item it) {
+    {
+      std::lock_guard lock(mu_);
+      q_.push_back(std::move(it));
+    }
+    cv_.notify_one();
+  }
+  void run() {
+    std::unique_lock lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
+      if (stop_) return;
+      Item it = std::move(q_.front());
+      q_.pop_front();
+      lock.unlock();
+      int rc = it.name ? fuse_lowlevel_notify_inval_entry(se_, it.ino, it.name->c_str(),
+                                                         it.name->size())
+                       : fuse_lowlevel_notify_inval_inode(se_, it.ino, 0, 0);
+      if (rc != 0 && rc != -ENOENT) {
+        spdlog::debug("invalidation of inode {} failed: {}", it.ino, std::strerror(-rc));
+      }
+      lock.lock();
+    }
+  }
+
+  fuse_session* se_;
+  std::mutex mu_;  // guards q_ and stop_
+  std::condition_variable cv_;
+  std::deque<Item> q_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+uint64_t mem_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
+
+// Pushes files into the kernel page cache ahead of readers, in offset order, with
+// fuse_lowlevel_notify_store. Page faults through FUSE arrive as small synchronous requests;
+// pushed pages are hits. Bounded: a file is pushed only while the machine has room for it,
+// each inode once, and at most `kQueue` files wait.
+class Prefetcher {
+ public:
+  Prefetcher(fuse_session* se, unsigned threads) : se_(se) {
+    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  }
+  ~Prefetcher() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void enqueue(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader) {
+    {
+      std::lock_guard lock(mu_);
+      if (stop_ || seen_.count(ino) || q_.size() >= kQueue) return;
+      seen_.insert(ino);
+      q_.push_back({ino, std::move(reader)});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  static constexpr size_t kQueue = 64;
+  static constexpr uint64_t kChunk = 1 << 20;
+  static constexpr uint64_t kReserve = 512ull << 20;  // keep this much memory available
+
+  struct Job {
+    fs::Ino ino;
+    std::shared_ptr<const fs::FileReader> reader;
+  };
+
+  void run() {
+    std::vector<char> buf(kChunk);
+    std::unique_lock lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
+      if (stop_) return;
+      Job job = std::move(q_.front());
+      q_.pop_front();
+      lock.unlock();
+      push(job, buf);
+      lock.lock();
+    }
+  }
+
+  void push(const Job& job, std::vector<char>& buf) {
+    const uint64_t size = job.reader->size();
+    uint64_t budget = 0;
+    for (uint64_t off = 0; off < size; off += kChunk) {
+      if (budget < kChunk) {
+        uint64_t avail = mem_available();
+        if (avail < kReserve + kChunk) {
+          spdlog::debug("prefetch of inode {} stopped at {}: memory is short", job.ino, off);
+          return;
+        }
+        budget = std::min<uint64_t>(avail - kReserve, 256ull << 20);
+      }
+      {
+        std::lock_guard lock(mu_);
+        if (stop_) return;
+      }
+      const size_t n = static_cast<size_t>(std::min(kChunk, size - off));
+      auto r = job.reader->read(off, n, buf.data());
+      if (!r) {
+        spdlog::warn("prefetch of inode {}: {}", job.ino, r.error().message);
+        return;
+      }
+      fuse_bufvec bv = FUSE_BUFVEC_INIT(*r);
+      bv.buf[0].mem = buf.data();
+      int rc = fuse_lowlevel_notify_store(se_, job.ino, static_cast<off_t>(off), &bv,
+                                          static_cast<fuse_buf_copy_flags>(0));
+      if (rc != 0) {  // e.g. -ENOENT: the kernel dropped the inode
+        spdlog::debug("prefetch of inode {} stopped at {}: {}", job.ino, off, std::strerror(-rc));
+        return;
+      }
+      budget -= std::min<uint64_t>(budget, n);
+    }
+  }
+
+  fuse_session* se_;
+  std::mutex mu_;  // guards q_, seen_ and stop_
+  std::condition_variable cv_;
+  std::deque<Job> q_;
+  std::set<fs::Ino> seen_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+void set_read_ahead(const std::string& devnum, unsigned kb);
+
+struct Context {
+  fs::Filesystem* fs = nullptr;
+  const MountOptions* opts = nullptr;
+  fuse_session* se = nullptr;
+  Prefetcher* prefetch = nullptr;
+  std::string devnum;           // the mount's bdi "major:minor"
+  std::once_flag read_ahead;    // set once the kernel has processed our INIT reply
+};
+
+// The kernel caps the bdi's read-ahead at INIT time, so it is raised on the first request
+// after INIT (the kernel sends none before the INIT reply is processed).
+Context& ctx(fuse_req_t req) {
+  auto& c = *static_cast<Context*>(fuse_req_userdata(req));
+  std::call_once(c.read_ahead, [&c] { set_read_ahead(c.devnum, c.opts->read_ahead_kb); });
+  return c;
+}
+
+void reply_error(fuse_req_t req, const Error& e, std::string_view op) {
+  if (e.code != ENOENT && e.code != EROFS && e.code != ESTALE) {
+    spdlog::error("{}: {}", op, e.message);
+  }
+  fuse_reply_err(req, e.code);
+}
+
+fuse_entry_param entry_of(const fs::EntryOut& e, const MountOptions& o) {
+  fuse_entry_param p{};
+  p.ino = e.ino;
+  p.generation = 1;
+  p.attr = e.attr;
+  p.attr_timeout = o.attr_timeout;
+  p.entry_timeout = o.entry_timeout;
+  return p;
+}
+
+// --- operations ---------------------------------------------------------------------------
+
+void op_init(void* userdata, fuse_conn_info* conn) {
+  auto& c = *static_cast<Context*>(userdata);
+  if (c.opts->splice) {
+    if (conn->capable & FUSE_CAP_SPLICE_WRITE) conn->want |= FUSE_CAP_SPLICE_WRITE;
+    if (conn->capable & FUSE_CAP_SPLICE_MOVE) conn->want |= FUSE_CAP_SPLICE_MOVE;
+  } else {
+    conn->want &= ~(FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
+  }
+  if (conn->capable & FUSE_CAP_PARALLEL_DIROPS) conn->want |= FUSE_CAP_PARALLEL_DIROPS;
+  if (conn->capable & FUSE_CAP_CACHE_SYMLINKS) conn->want |= FUSE_CAP_CACHE_SYMLINKS;
+  spdlog::debug("fuse init: max_write={} max_readahead={} splice={}", conn->max_write,
+                conn->max_readahead, c.opts->splice);
+}
+
+void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  auto& c = ctx(req);
+  auto r = c.fs->lookup(parent, name);
+  if (!r) return reply_error(req, r.error(), "lookup");
+  auto e = entry_of(*r, *c.opts);
+  fuse_reply_entry(req, &e);
+}
+
+void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t n) {
+  ctx(req).fs->forget(ino, n);
+  fuse_reply_none(req);
+}
+
+void op_forget_multi(fuse_req_t req, size_t count, fuse_forget_data* f) {
+  for (size_t i = 0; i < count; ++i) ctx(req).fs->forget(f[i].ino, f[i].nlookup);
+  fuse_reply_none(req);
+}
+
+void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+  auto& c = ctx(req);
+  auto r = c.fs->getattr(ino);
+  if (!r) return reply_error(req, r.error(), "getattr");
+  fuse_reply_attr(req, &*r, c.opts->attr_timeout);
+}
+
+void op_readlink(fuse_req_t req, fuse_ino_t ino) {
+  auto r = ctx(req).fs->readlink(ino);
+  if (!r) return reply_error(req, r.error(), "readlink");
+  fuse_reply_readlink(req, r->c_str());
+}
+
+void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  auto r = ctx(req).fs->opendir(ino);
+  if (!r) return reply_error(req, r.error(), "opendir");
+  fi->fh = *r;
+  fuse_reply_open(req, fi);
+}
+
+void op_readdir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  std::vector<char> buf(size);
+  size_t used = 0;
+  auto st = ctx(req).fs->readdir(fi->fh, static_cast<uint64_t>(off),
+                                 [&](const fs::DirEntryOut& e, uint64_t next) {
+                                   struct stat st {};
+                                   st.st_ino = e.ino;
+                                   st.st_mode = e.type;
+                                   size_t need = fuse_add_direntry(req, buf.data() + used,
+                                                                   size - used, e.name.c_str(),
+                                                                   &st, static_cast<off_t>(next));
+                                   if (need > size - used) return false;
+                                   used += need;
+                                   return true;
+                                 });
+  if (!st) return reply_error(req, st.error(), "readdir");
+  fuse_reply_buf(req, buf.data(), used);
+}
+
+void op_releasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  ctx(req).fs->releasedir(fi->fh);
+  fuse_reply_err(req, 0);
+}
+
+void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  auto& c = ctx(req);
+  auto r = c.fs->open(ino, fi->flags);
+  if (!r) return reply_error(req, r.error(), "open");
+  fi->fh = r->fh;
+  fi->keep_cache = r->keep_cache;
+  if (fuse_reply_open(req, fi) != 0) {
+    c.fs->release(r->fh);  // the opener went away
+    return;
+  }
+  if (c.prefetch && r->is_virtual) c.prefetch->enqueue(ino, c.fs->reader(r->fh));
+}
+
+void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  auto& c = ctx(req);
+  thread_local fs::ReadPlan plan;
+  thread_local std::vector<char> buf(kMaxRead);
+  size = std::min(size, kMaxRead);
+  auto st = c.fs->read(fi->fh, static_cast<uint64_t>(off), size, plan);
+  if (!st) return reply_error(req, st.error(), "read");
+  const bool passthrough = plan.src.ckpt == nullptr && plan.segs.size() == 1 &&
+                           !plan.segs[0].is_memory();
+  if (c.opts->splice && (passthrough || plan.segs.size() <= 16)) {
+    // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory.
+    const size_t n = plan.segs.size();
+    std::vector<char> storage(sizeof(fuse_bufvec) + n * sizeof(fuse_buf));
+    auto* bv = new (storage.data()) fuse_bufvec{};
+    bv->count = n;
+    bv->idx = 0;
+    bv->off = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& s = plan.segs[i];
+      fuse_buf& b = bv->buf[i];
+      b = fuse_buf{};
+      b.size = s.len;
+      if (s.is_memory()) {
+        b.mem = const_cast<char*>(plan.src.header.data() + s.src);
+      } else {
+        b.flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
+        b.fd = plan.src.fds[s.shard];
+        b.pos = static_cast<off_t>(s.src);
+      }
+    }
+    fuse_reply_data(req, bv, FUSE_BUF_SPLICE_MOVE);
+    return;
+  }
+  if (passthrough) {
+    size_t done = 0;
+    while (done < size) {
+      ssize_t n = ::pread(plan.src.fds[0], buf.data() + done, size - done,
+                          static_cast<off_t>(off) + static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return reply_error(req, make_error(errno, "{}: read failed", plan.src.file), "read");
+      if (n == 0) break;
+      done += static_cast<size_t>(n);
+    }
+    fuse_reply_buf(req, buf.data(), done);
+    return;
+  }
+  auto g = fs::gather(plan.src, plan.segs, buf.data());
+  if (!g) return reply_error(req, g.error(), "read");
+  fuse_reply_buf(req, buf.data(), plan.size);
+}
+
+void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  ctx(req).fs->release(fi->fh);
+  fuse_reply_err(req, 0);
+}
+
+void op_statfs(fuse_req_t req, fuse_ino_t) {
+  auto r = ctx(req).fs->statfs();
+  if (!r) return reply_error(req, r.error(), "statfs");
+  fuse_reply_statfs(req, &*r);
+}
+
+// Every modifying request goes to one place in the fs layer (read-only for now).
+void refuse(fuse_req_t req, fuse_ino_t ino, std::string_view what) {
+  auto st = ctx(req).fs->modify(ino, what);
+  fuse_reply_err(req, st.ok() ? ENOSYS : st.error().code);
+}
+void op_mknod(fuse_req_t req, fuse_ino_t p, const char*, mode_t, dev_t) { refuse(req, p, "mknod"); }
+void op_mkdir(fuse_req_t req, fuse_ino_t p, const char*, mode_t) { refuse(req, p, "mkdir"); }
+void op_unlink(fuse_req_t req, fuse_ino_t p, const char*) { refuse(req, p, "unlink"); }
+void op_rmdir(fuse_req_t req, fuse_ino_t p, const char*) { refuse(req, p, "rmdir"); }
+void op_symlink(fuse_req_t req, const char*, fuse_ino_t p, const char*) { refuse(req, p, "symlink"); }
+void op_rename(fuse_req_t req, fuse_ino_t p, const char*, fuse_ino_t, const char*, unsigned) {
+  refuse(req, p, "rename");
+}
+void op_link(fuse_req_t req, fuse_ino_t i, fuse_ino_t, const char*) { refuse(req, i, "link"); }
+void op_setattr(fuse_req_t req, fuse_ino_t i, struct stat*, int, fuse_file_info*) {
+  refuse(req, i, "setattr");
+}
+void op_create(fuse_req_t req, fuse_ino_t p, const char*, mode_t, fuse_file_info*) {
+  refuse(req, p, "create");
+}
+void op_write(fuse_req_t req, fuse_ino_t i, const char*, size_t, off_t, fuse_file_info*) {
+  refuse(req, i, "write");
+}
+void op_setxattr(fuse_req_t req, fuse_ino_t i, const char*, const char*, size_t, int) {
+  refuse(req, i, "setxattr");
+}
+void op_removexattr(fuse_req_t req, fuse_ino_t i, const char*) { refuse(req, i, "removexattr"); }
+void op_fallocate(fuse_req_t req, fuse_ino_t i, int, off_t, off_t, fuse_file_info*) {
+  refuse(req, i, "fallocate");
+}
+
+fuse_lowlevel_ops make_ops() {
+  fuse_lowlevel_ops ops{};
+  ops.init = op_init;
+  ops.lookup = op_lookup;
+  ops.forget = op_forget;
+  ops.forget_multi = op_forget_multi;
+  ops.getattr = op_getattr;
+  ops.readlink = op_readlink;
+  ops.opendir = op_opendir;
+  ops.readdir = op_readdir;
+  ops.releasedir = op_releasedir;
+  ops.open = op_open;
+  ops.read = op_read;
+  ops.release = op_release;
+  ops.statfs = op_statfs;
+  ops.mknod = op_mknod;
+  ops.mkdir = op_mkdir;
+  ops.unlink = op_unlink;
+  ops.rmdir = op_rmdir;
+  ops.symlink = op_symlink;
+  ops.rename = op_rename;
+  ops.link = op_link;
+  ops.setattr = op_setattr;
+  ops.create = op_create;
+  ops.write = op_write;
+  ops.setxattr = op_setxattr;
+  ops.removexattr = op_removexattr;
+  ops.fallocate = op_fallocate;
+  return ops;
+}
+
+// --- session lifecycle ------------------------------------------------------------------
+
+// Owns a fuse_session: created, optionally mounted, and always torn down in order.
+class Session {
+ public:
+  Session() = default;
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+  ~Session() {
+    if (!se_) return;
+    if (signals_) fuse_remove_signal_handlers(se_);
+    if (mounted_) fuse_session_unmount(se_);
+    fuse_session_destroy(se_);
+  }
+  bool create(fuse_args* args, const fuse_lowlevel_ops& ops, Context* c) {
+    se_ = fuse_session_new(args, &ops, sizeof(ops), c);
+    return se_ != nullptr;
+  }
+  bool mount(const std::string& mnt) {
+    mounted_ = fuse_session_mount(se_, mnt.c_str()) == 0;
+    return mounted_;
+  }
+  bool signals() {
+    signals_ = fuse_set_signal_handlers(se_) == 0;
+    return signals_;
+  }
+  fuse_session* get() const { return se_; }
+
+ private:
+  fuse_session* se_ = nullptr;
+  bool mounted_ = false;
+  bool signals_ = false;
+};
+
+void raise_fd_limit() {
+  struct rlimit rl {};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+}
+
+// The mount's "major:minor" from /proc/self/mountinfo (no stat: that would call ourselves).
+std::string mount_devnum(const std::string& mnt) {
+  char real[PATH_MAX];
+  std::string want = ::realpath(mnt.c_str(), real) ? std::string(real) : mnt;
+  std::ifstream f("/proc/self/mountinfo");
+  std::string line, found;
+  while (std::getline(f, line)) {
+    std::istringstream ss(line);
+    std::string id, parent, dev, root, point;
+    ss >> id >> parent >> dev >> root >> point;
+    std::string unescaped;
+    for (size_t i = 0; i < point.size(); ++i) {
+      if (point[i] == '\\' && i + 3 < point.size()) {
+        unescaped += static_cast<char>(std::stoi(point.substr(i + 1, 3), nullptr, 8));
+        i += 3;
+      } else {
+        unescaped += point[i];
+      }
+    }
+    if (unescaped == want) found = dev;  // the last match is the topmost mount
+  }
+  return found;
+}
+
+void set_read_ahead(const std::string& dev, unsigned kb) {
+  if (kb == 0 || dev.empty()) return;
+  std::ofstream f("/sys/class/bdi/" + dev + "/read_ahead_kb");
+  f << kb;
+  f.close();
+  if (!f) {
+    spdlog::warn("could not set read_ahead_kb={} (bdi {})", kb, dev);
+  } else {
+    spdlog::debug("read_ahead_kb={} for bdi {}", kb, dev);
+  }
+}
+
+void setup_background_logging(const MountOptions& o) {
+  std::shared_ptr<spdlog::logger> logger;
+  if (!o.log_file.empty()) {
+    logger = spdlog::basic_logger_mt("ckptfs", o.log_file);
+  } else {
+    logger = spdlog::syslog_logger_mt("ckptfs", "ckptfs", LOG_PID, LOG_DAEMON);
+  }
+  logger->set_level(spdlog::get_level());
+  logger->flush_on(spdlog::level::info);
+  spdlog::set_default_logger(logger);
+}
+
+}  // namespace
+
+int run_mount(const MountOptions& o) {
+  raise_fd_limit();
+  auto fsr = fs::Filesystem::create(o.source, o.fs);
+  if (!fsr) {
+    fmt::print(stderr, "ckptfs mount: {}\n", fsr.error().message);
+    return 1;
+  }
+  auto& fsys = **fsr;
+
+  std::vector<std::string> argv_s{"ckptfs"};
+  std::string opts = "default_permissions,fsname=ckptfs:" + o.source + ",subtype=ckptfs";
+  if (o.auto_unmount) opts += ",auto_unmount";
+  for (const auto& x : o.fuse_opts) opts += "," + x;
+  argv_s.push_back("-o");
+  argv_s.push_back(opts);
+  std::vector<char*> argv;
+  for (auto& s : argv_s) argv.push_back(s.data());
+  fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+
+  Context c;
+  c.fs = &fsys;
+  c.opts = &o;
+  auto ops = make_ops();
+  Session se;
+  if (!se.create(&args, ops, &c)) {
+    fmt::print(stderr, "ckptfs mount: cannot create the FUSE session (bad -o option?)\n");
+    return 1;
+  }
+  c.se = se.get();
+  if (!se.signals()) {
+    fmt::print(stderr, "ckptfs mount: cannot install signal handlers\n");
+    return 1;
+  }
+  if (!se.mount(o.mountpoint)) {
+    fmt::print(stderr, "ckptfs mount: cannot mount {} (see the message above)\n", o.mountpoint);
+    return 1;
+  }
+  c.devnum = mount_devnum(o.mountpoint);
+  if (!o.foreground) {
+    // Forks: the parent exits 0 now that the mount is ready; the child serves.
+    if (fuse_daemonize(0) != 0) return 1;
+    setup_background_logging(o);
+  }
+  spdlog::info("mounted {} at {}", o.source, o.mountpoint);
+
+  int rc;
+  {
+    NotifyQueue notify(se.get());
+    fsys.set_notifier(&notify);
+    std::unique_ptr<Prefetcher> pf;
+    if (o.prefetch) pf = std::make_unique<Prefetcher>(se.get(), o.prefetch_threads);
+    c.prefetch = pf.get();
+    fuse_loop_config* cfg = fuse_loop_cfg_create();
+    fuse_loop_cfg_set_clone_fd(cfg, 1);
+    fuse_loop_cfg_set_max_threads(cfg, o.threads);
+    fuse_loop_cfg_set_idle_threads(cfg, std::max(1u, o.threads / 2));
+    rc = fuse_session_loop_mt(se.get(), cfg);
+    fuse_loop_cfg_destroy(cfg);
+    c.prefetch = nullptr;
+    pf.reset();
+    fsys.set_notifier(nullptr);
+  }
+  spdlog::info("unmounting {}", o.mountpoint);
+  return rc == 0 ? 0 : 1;
+}
+
+}  // namespace ckptfs::fuse
