@@ -14,7 +14,8 @@
 namespace ckptfs::cli {
 namespace {
 
-constexpr std::string_view kUsage = R"(usage: ckptfs mount SRC MNT [-o opt,...] [-f] [--threads N] [--log-level L]
+constexpr std::string_view kUsage =
+    R"(usage: ckptfs mount SRC MNT [-o opt,...] [-f] [--threads N] [--log-level L]
        ckptfs SRC MNT [-o opt,...]        (as mount.fuse3 / fstab call it)
 
 Presents every directory of rank shards under SRC as a consolidated HuggingFace checkpoint

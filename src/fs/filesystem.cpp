@@ -31,7 +31,9 @@ int64_t now_realtime_ns() {
 }
 
 void set_times(struct stat& st, int64_t ns) {
-  struct timespec ts {static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  struct timespec ts {
+    static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)
+  };
   st.st_mtim = ts;
   st.st_ctim = ts;
   st.st_atim = ts;
@@ -145,7 +147,7 @@ struct Node {
   Ino ino = 0;
   Kind kind = Kind::Other;
   std::string rel;  // backing path (real nodes) or the checkpoint directory (virtual, .shards)
-  uint64_t dev = 0, bino = 0;  // backing identity (real nodes and .shards' directory)
+  uint64_t dev = 0, bino = 0;        // backing identity (real nodes and .shards' directory)
   std::shared_ptr<const View> view;  // Output / Index
   uint32_t output = 0;
   uint64_t nlookup = 0;
@@ -269,8 +271,8 @@ struct Filesystem::Impl {
 
   // Returns the current view of directory `rel` (null when it is no checkpoint),
   // revalidating it when its TTL has passed. `dir_ino` is its FUSE inode, for invalidation.
-  std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst,
-                                      Ino dir_ino, bool force = false) {
+  std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst, Ino dir_ino,
+                                      bool force = false) {
     auto st = dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
     std::lock_guard lock(st->mu);
     auto now = Clock::now();
@@ -300,7 +302,8 @@ struct Filesystem::Impl {
       auto wait = std::chrono::nanoseconds(settle_ns - quiet_ns);
       st->next_check = std::min(st->next_check, now + wait);
     }
-    if (st->is_checkpoint && old && sig == st->sig && old->complete == (settled && old->ckpt->valid())) {
+    if (st->is_checkpoint && old && sig == st->sig &&
+        old->complete == (settled && old->ckpt->valid())) {
       return old;
     }
     std::shared_ptr<const layout::Checkpoint> ck;
@@ -406,8 +409,8 @@ struct Filesystem::Impl {
     return EntryOut{n->ino, st};
   }
 
-  Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, Kind kind,
-                                  uint32_t output, const std::string& name) {
+  Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, Kind kind, uint32_t output,
+                                  const std::string& name) {
     Node proto;
     proto.kind = kind;
     proto.rel = v->rel;
@@ -456,8 +459,7 @@ struct Filesystem::Impl {
     if (real.ok() || real.error().code != ENOENT) return real;
     // Lifted from .hf_metadata/ (never the mapping file).
     if (name == format::kFqnMappingFileName) return real;
-    const std::string lifted =
-        join_rel(join_rel(dir.rel, format::kHfMetadataDir), name);
+    const std::string lifted = join_rel(join_rel(dir.rel, format::kHfMetadataDir), name);
     auto st = stat_beneath(root.get(), lifted);
     if (!st || !S_ISREG(st->st_mode)) return real;
     return lookup_real(lifted);
@@ -481,10 +483,11 @@ struct Filesystem::Impl {
     CKPTFS_TRY(auto entries, source::list_dir(fd.get()));
     std::vector<DirEntryOut> out;
     auto real = [&](const source::DirEntry& e) {
-      out.push_back(DirEntryOut{e.name,
-                                ino_for(Key{0, static_cast<uint64_t>(e.st.st_dev),
-                                            static_cast<uint64_t>(e.st.st_ino), 0, {}}),
-                                static_cast<mode_t>(e.st.st_mode & S_IFMT)});
+      out.push_back(DirEntryOut{
+          e.name,
+          ino_for(Key{
+              0, static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino), 0, {}}),
+          static_cast<mode_t>(e.st.st_mode & S_IFMT)});
     };
     if (dir.kind == Kind::ShardsDir) {
       for (const auto& e : entries) {
@@ -521,18 +524,19 @@ struct Filesystem::Impl {
     if (v->complete) {
       const auto& ck = *v->ckpt;
       for (const auto& o : ck.outputs) {
-        out.push_back(DirEntryOut{o.name, ino_for(Key{1, v->dir_dev, v->dir_ino, v->generation, o.name}),
-                                  S_IFREG});
+        out.push_back(DirEntryOut{
+            o.name, ino_for(Key{1, v->dir_dev, v->dir_ino, v->generation, o.name}), S_IFREG});
       }
       std::string idx(format::kIndexFileName);
-      out.push_back(DirEntryOut{idx, ino_for(Key{1, v->dir_dev, v->dir_ino, v->generation, idx}),
-                                S_IFREG});
+      out.push_back(
+          DirEntryOut{idx, ino_for(Key{1, v->dir_dev, v->dir_ino, v->generation, idx}), S_IFREG});
     }
     if (opts.show_shards) {
-      out.push_back(DirEntryOut{std::string(kShardsDirName),
-                                ino_for(Key{2, static_cast<uint64_t>(dst.st_dev),
-                                            static_cast<uint64_t>(dst.st_ino), 0, {}}),
-                                S_IFDIR});
+      out.push_back(DirEntryOut{
+          std::string(kShardsDirName),
+          ino_for(
+              Key{2, static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino), 0, {}}),
+          S_IFDIR});
     }
     std::sort(out.begin(), out.end(),
               [](const DirEntryOut& a, const DirEntryOut& b) { return a.name < b.name; });
@@ -553,8 +557,8 @@ struct Filesystem::Impl {
       auto fd = open_at(dir.get(), ck.shards[s].name, O_RDONLY | O_NOFOLLOW);
       struct stat st {};
       if (!fd || ::fstat(fd->get(), &st) != 0 || source::stamp_of(st) != ck.shards[s].stamp) {
-        spdlog::warn("{}/{}: changed since the view was built; revalidating",
-                     source_path(v->rel), ck.shards[s].name);
+        spdlog::warn("{}/{}: changed since the view was built; revalidating", source_path(v->rel),
+                     ck.shards[s].name);
         return make_error(ESTALE, "{}: shard changed", ck.shards[s].name);
       }
       fds->raw[s] = fd->get();
@@ -714,8 +718,8 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags) {
         out.keep_cache = n->cached == stamp;
         n->cached = stamp;
       }
-      h->reader = std::make_shared<PassthroughReader>(std::move(fd), static_cast<uint64_t>(st.st_size),
-                                                      impl_->source_path(n->rel));
+      h->reader = std::make_shared<PassthroughReader>(
+          std::move(fd), static_cast<uint64_t>(st.st_size), impl_->source_path(n->rel));
       break;
     }
     case Kind::Dir:

@@ -60,9 +60,9 @@ class NotifyQueue final : public fs::Notifier {
       Item it = std::move(q_.front());
       q_.pop_front();
       lock.unlock();
-      int rc = it.name ? fuse_lowlevel_notify_inval_entry(se_, it.ino, it.name->c_str(),
-                                                         it.name->size())
-                       : fuse_lowlevel_notify_inval_inode(se_, it.ino, 0, 0);
+      int rc =
+          it.name ? fuse_lowlevel_notify_inval_entry(se_, it.ino, it.name->c_str(), it.name->size())
+                  : fuse_lowlevel_notify_inval_inode(se_, it.ino, 0, 0);
       if (rc != 0 && rc != -ENOENT) {
         spdlog::debug("invalidation of inode {} failed: {}", it.ino, std::strerror(-rc));
       }
@@ -190,8 +190,8 @@ struct Context {
   const MountOptions* opts = nullptr;
   fuse_session* se = nullptr;
   Prefetcher* prefetch = nullptr;
-  std::string devnum;           // the mount's bdi "major:minor"
-  std::once_flag read_ahead;    // set once the kernel has processed our INIT reply
+  std::string devnum;         // the mount's bdi "major:minor"
+  std::once_flag read_ahead;  // set once the kernel has processed our INIT reply
 };
 
 // The kernel caps the bdi's read-ahead at INIT time, so it is raised on the first request
@@ -276,18 +276,17 @@ void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 void op_readdir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   std::vector<char> buf(size);
   size_t used = 0;
-  auto st = ctx(req).fs->readdir(fi->fh, static_cast<uint64_t>(off),
-                                 [&](const fs::DirEntryOut& e, uint64_t next) {
-                                   struct stat st {};
-                                   st.st_ino = e.ino;
-                                   st.st_mode = e.type;
-                                   size_t need = fuse_add_direntry(req, buf.data() + used,
-                                                                   size - used, e.name.c_str(),
-                                                                   &st, static_cast<off_t>(next));
-                                   if (need > size - used) return false;
-                                   used += need;
-                                   return true;
-                                 });
+  auto st = ctx(req).fs->readdir(
+      fi->fh, static_cast<uint64_t>(off), [&](const fs::DirEntryOut& e, uint64_t next) {
+        struct stat st {};
+        st.st_ino = e.ino;
+        st.st_mode = e.type;
+        size_t need = fuse_add_direntry(req, buf.data() + used, size - used, e.name.c_str(), &st,
+                                        static_cast<off_t>(next));
+        if (need > size - used) return false;
+        used += need;
+        return true;
+      });
   if (!st) return reply_error(req, st.error(), "readdir");
   fuse_reply_buf(req, buf.data(), used);
 }
@@ -317,8 +316,8 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
   size = std::min(size, kMaxRead);
   auto st = c.fs->read(fi->fh, static_cast<uint64_t>(off), size, plan);
   if (!st) return reply_error(req, st.error(), "read");
-  const bool passthrough = plan.src.ckpt == nullptr && plan.segs.size() == 1 &&
-                           !plan.segs[0].is_memory();
+  const bool passthrough =
+      plan.src.ckpt == nullptr && plan.segs.size() == 1 && !plan.segs[0].is_memory();
   if (c.opts->splice && (passthrough || plan.segs.size() <= 16)) {
     // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory.
     const size_t n = plan.segs.size();
@@ -349,7 +348,8 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
       ssize_t n = ::pread(plan.src.fds[0], buf.data() + done, size - done,
                           static_cast<off_t>(off) + static_cast<off_t>(done));
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return reply_error(req, make_error(errno, "{}: read failed", plan.src.file), "read");
+      if (n < 0)
+        return reply_error(req, make_error(errno, "{}: read failed", plan.src.file), "read");
       if (n == 0) break;
       done += static_cast<size_t>(n);
     }
@@ -381,7 +381,9 @@ void op_mknod(fuse_req_t req, fuse_ino_t p, const char*, mode_t, dev_t) { refuse
 void op_mkdir(fuse_req_t req, fuse_ino_t p, const char*, mode_t) { refuse(req, p, "mkdir"); }
 void op_unlink(fuse_req_t req, fuse_ino_t p, const char*) { refuse(req, p, "unlink"); }
 void op_rmdir(fuse_req_t req, fuse_ino_t p, const char*) { refuse(req, p, "rmdir"); }
-void op_symlink(fuse_req_t req, const char*, fuse_ino_t p, const char*) { refuse(req, p, "symlink"); }
+void op_symlink(fuse_req_t req, const char*, fuse_ino_t p, const char*) {
+  refuse(req, p, "symlink");
+}
 void op_rename(fuse_req_t req, fuse_ino_t p, const char*, fuse_ino_t, const char*, unsigned) {
   refuse(req, p, "rename");
 }

@@ -36,9 +36,9 @@ inline constexpr Ino kRootIno = 1;
 inline constexpr std::string_view kShardsDirName = ".shards";
 
 struct Options {
-  bool show_shards = false;                            // expose hidden files under .shards/
-  std::chrono::milliseconds revalidate{1000};          // TTL of a directory's cached view
-  std::chrono::milliseconds settle{1000};              // quiet time before a checkpoint shows
+  bool show_shards = false;                    // expose hidden files under .shards/
+  std::chrono::milliseconds revalidate{1000};  // TTL of a directory's cached view
+  std::chrono::milliseconds settle{1000};      // quiet time before a checkpoint shows
   layout::BuildOptions build;
 };
 

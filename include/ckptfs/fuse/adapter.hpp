@@ -14,12 +14,12 @@ struct MountOptions {
   std::string source;
   std::string mountpoint;
   bool foreground = false;
-  unsigned threads = 8;          // max FUSE worker threads
-  bool prefetch = true;          // push consolidated files into the page cache on open
+  unsigned threads = 8;  // max FUSE worker threads
+  bool prefetch = true;  // push consolidated files into the page cache on open
   unsigned prefetch_threads = 2;
-  bool splice = false;           // reply with fd-backed buffers spliced by the kernel
-  unsigned read_ahead_kb = 8192; // the mount's bdi read_ahead_kb (0: leave the default)
-  bool auto_unmount = true;      // unmount if the daemon dies (fusermount3 watchdog)
+  bool splice = false;            // reply with fd-backed buffers spliced by the kernel
+  unsigned read_ahead_kb = 8192;  // the mount's bdi read_ahead_kb (0: leave the default)
+  bool auto_unmount = true;       // unmount if the daemon dies (fusermount3 watchdog)
   double attr_timeout = 1.0;
   double entry_timeout = 1.0;
   std::vector<std::string> fuse_opts;  // passed to libfuse as -o

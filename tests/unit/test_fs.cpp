@@ -1,0 +1,299 @@
+// Filesystem semantics, driven directly (no kernel mount): what directories show, inode
+// stability, reads through plans, live revalidation and version consistency.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "fixture.hpp"
+
+using namespace ckptfs;
+using format::DType;
+using test::ChunkSpec;
+using test::ShardSpec;
+
+namespace {
+
+namespace stdfs = std::filesystem;
+
+class Recorder final : public fs::Notifier {
+ public:
+  void inval_entry(fs::Ino parent, const std::string& name) override {
+    entries.emplace(parent, name);
+  }
+  void inval_inode(fs::Ino ino) override { inodes.insert(ino); }
+  std::set<std::pair<fs::Ino, std::string>> entries;
+  std::set<fs::Ino> inodes;
+};
+
+// Writes a 2-rank, row-sharded checkpoint of one F32 tensor "w" [4, 2] with `fill` bytes.
+void write_ckpt(const std::string& dir, char fill, bool atomic = false) {
+  for (int r = 0; r < 2; ++r) {
+    ChunkSpec c{"w",    DType::F32,   {uint64_t(r) * 2, 0},
+                {2, 2}, std::nullopt, std::string(16, static_cast<char>(fill + r))};
+    auto bytes = test::make_shard_bytes(ShardSpec{format::shard_file_name(r + 1, 1, 1), {c}});
+    auto path = dir + "/" + format::shard_file_name(r + 1, 1, 1);
+    if (atomic) {
+      test::write_file(path + ".tmp", bytes);
+      stdfs::rename(path + ".tmp", path);
+    } else {
+      test::write_file(path, bytes);
+    }
+  }
+}
+
+std::vector<std::string> names(fs::Filesystem& f, fs::Ino dir) {
+  auto dh = f.opendir(dir);
+  EXPECT_TRUE(dh.ok()) << dh.error().message;
+  std::vector<std::string> out;
+  if (!dh) return out;
+  EXPECT_TRUE(f.readdir(*dh, 0, [&](const fs::DirEntryOut& e, uint64_t) {
+                 out.push_back(e.name);
+                 return true;
+               }).ok());
+  f.releasedir(*dh);
+  return out;
+}
+
+std::string read_all(fs::Filesystem& f, fs::Ino ino) {
+  auto o = f.open(ino, O_RDONLY);
+  EXPECT_TRUE(o.ok()) << o.error().message;
+  if (!o) return {};
+  auto r = f.reader(o->fh);
+  std::string out(r->size(), '\0');
+  auto n = r->read(0, out.size(), out.data());
+  EXPECT_TRUE(n.ok()) << n.error().message;
+  f.release(o->fh);
+  return out;
+}
+
+struct Fs {
+  test::TempDir dir;
+  std::unique_ptr<fs::Filesystem> f;
+  Recorder rec;
+  explicit Fs(fs::Options o = {}) {
+    o.settle = std::chrono::milliseconds(0);
+    o.revalidate = std::chrono::milliseconds(0);
+    stdfs::create_directories(dir.path() + "/run/step_1/model");
+    write_ckpt(dir.path() + "/run/step_1/model", 'a');
+    test::write_file(dir.path() + "/run/step_1/model/.hf_metadata/config.json", "{\"x\":1}");
+    test::write_file(dir.path() + "/run/step_1/model/.hf_metadata/fqn_to_file_index_mapping.json",
+                     "{\"w\":1}");
+    test::write_file(dir.path() + "/run/notes.txt", "hello");
+    auto r = fs::Filesystem::create(dir.path(), o);
+    EXPECT_TRUE(r.ok());
+    f = std::move(r).value();
+    f->set_notifier(&rec);
+  }
+  fs::Ino walk(const std::vector<std::string>& path) {
+    fs::Ino ino = fs::kRootIno;
+    for (const auto& p : path) {
+      auto e = f->lookup(ino, p);
+      EXPECT_TRUE(e.ok()) << p << ": " << e.error().message;
+      if (!e) return 0;
+      ino = e->ino;
+    }
+    return ino;
+  }
+};
+
+}  // namespace
+
+TEST(Fs, CheckpointDirectoryShowsConsolidatedView) {
+  Fs t;
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  auto listing = names(*t.f, model);
+  EXPECT_EQ(listing, (std::vector<std::string>{"config.json", "model-00001-of-00001.safetensors",
+                                               "model.safetensors.index.json"}));
+  // Shards, the mapping file and .hf_metadata are hidden; lookups agree with the listing.
+  EXPECT_EQ(t.f->lookup(model, format::shard_file_name(1, 1, 1)).error().code, ENOENT);
+  EXPECT_EQ(t.f->lookup(model, ".hf_metadata").error().code, ENOENT);
+  EXPECT_EQ(t.f->lookup(model, "fqn_to_file_index_mapping.json").error().code, ENOENT);
+  EXPECT_EQ(t.f->lookup(model, ".shards").error().code, ENOENT);
+  fs::Ino cfg = t.walk({"run", "step_1", "model", "config.json"});
+  EXPECT_EQ(read_all(*t.f, cfg), "{\"x\":1}");
+  // A plain directory is mirrored.
+  fs::Ino run = t.walk({"run"});
+  EXPECT_EQ(names(*t.f, run), (std::vector<std::string>{"notes.txt", "step_1"}));
+}
+
+TEST(Fs, ConsolidatedBytesAndAttributes) {
+  Fs t;
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto attr = t.f->getattr(file);
+  ASSERT_TRUE(attr.ok());
+  std::string bytes = read_all(*t.f, file);
+  EXPECT_EQ(static_cast<uint64_t>(attr->st_size), bytes.size());
+  EXPECT_EQ(attr->st_mode, S_IFREG | 0444);
+  EXPECT_EQ(attr->st_ino, file);
+  auto h = format::parse_file_bytes(bytes, "view");
+  ASSERT_TRUE(h.ok()) << h.error().message;
+  ASSERT_EQ(h->tensors.size(), 1u);
+  EXPECT_EQ(h->tensors[0].shape, (std::vector<uint64_t>{4, 2}));
+  EXPECT_EQ(bytes.substr(h->data_start()), std::string(16, 'a') + std::string(16, 'b'));
+  EXPECT_EQ(*h->find_metadata("format"), "pt");
+  // The plan of a sub-range points into the shards with at most one run per chunk.
+  auto o = t.f->open(file, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o->keep_cache);
+  fs::ReadPlan plan;
+  ASSERT_TRUE(t.f->read(o->fh, h->data_start() + 8, 16, plan).ok());
+  ASSERT_EQ(plan.segs.size(), 2u);
+  EXPECT_EQ(plan.size, 16u);
+  t.f->release(o->fh);
+  fs::Ino idx = t.walk({"run", "step_1", "model", "model.safetensors.index.json"});
+  EXPECT_NE(read_all(*t.f, idx).find("\"w\": \"model-00001-of-00001.safetensors\""),
+            std::string::npos);
+}
+
+TEST(Fs, InodesAreStableAndForgettable) {
+  Fs t;
+  fs::Ino a = t.walk({"run", "notes.txt"});
+  fs::Ino b = t.walk({"run", "notes.txt"});
+  EXPECT_EQ(a, b);
+  fs::Ino v1 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  fs::Ino v2 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  EXPECT_EQ(v1, v2);
+  size_t live = t.f->live_nodes();
+  t.f->forget(a, 2);
+  EXPECT_EQ(t.f->live_nodes(), live - 1);
+  EXPECT_EQ(t.f->getattr(a).error().code, ESTALE);
+  EXPECT_EQ(t.walk({"run", "notes.txt"}), a);  // same number after being forgotten
+}
+
+TEST(Fs, RewrittenShardMakesANewVersionAndOpenFilesKeepTheOld) {
+  Fs t;
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  fs::Ino v1 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto o = t.f->open(v1, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  auto reader = t.f->reader(o->fh);
+  std::string before(reader->size(), '\0');
+  ASSERT_TRUE(reader->read(0, before.size(), before.data()).ok());
+
+  write_ckpt(t.dir.path() + "/run/step_1/model", 'x', /*atomic=*/true);
+  t.rec.entries.clear();
+  fs::Ino v2 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  EXPECT_NE(v1, v2);
+  EXPECT_TRUE(t.rec.entries.count({model, "model-00001-of-00001.safetensors"}));
+  EXPECT_TRUE(t.rec.inodes.count(model));
+  std::string after = read_all(*t.f, v2);
+  EXPECT_NE(before, after);
+  EXPECT_NE(after.find(std::string(16, 'x')), std::string::npos);
+  // The old handle still reads the old version, byte for byte.
+  std::string again(reader->size(), '\0');
+  ASSERT_TRUE(reader->read(0, again.size(), again.data()).ok());
+  EXPECT_EQ(again, before);
+  t.f->release(o->fh);
+}
+
+TEST(Fs, OpeningAStaleVersionIsEstale) {
+  Fs t;
+  fs::Ino v1 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  write_ckpt(t.dir.path() + "/run/step_1/model", 'y', /*atomic=*/true);
+  auto o = t.f->open(v1, O_RDONLY);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error().code, ESTALE);
+}
+
+TEST(Fs, BrokenCheckpointIsNeverShownAsComplete) {
+  Fs t;
+  auto model = t.dir.path() + "/run/step_1/model";
+  stdfs::remove(model + "/" + format::shard_file_name(2, 1, 1));
+  // A missing tail rank is invisible from shard metadata alone, but the mapping file lists
+  // every tensor, so drop a middle chunk instead: write rank 3 so rank 2 is a gap.
+  ChunkSpec c{"w", DType::F32, {4, 0}, {2, 2}, std::nullopt, std::string(16, 'c')};
+  test::write_file(model + "/" + format::shard_file_name(3, 1, 1),
+                   test::make_shard_bytes(ShardSpec{format::shard_file_name(3, 1, 1), {c}}));
+  fs::Ino dir = t.walk({"run", "step_1", "model"});
+  EXPECT_EQ(names(*t.f, dir), (std::vector<std::string>{"config.json"}));
+  EXPECT_EQ(t.f->lookup(dir, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  EXPECT_EQ(t.f->lookup(dir, "model.safetensors.index.json").error().code, ENOENT);
+  // The rest of the tree still works.
+  EXPECT_EQ(read_all(*t.f, t.walk({"run", "notes.txt"})), "hello");
+}
+
+TEST(Fs, TruncatedShardHidesTheCheckpointUntilComplete) {
+  Fs t;
+  auto path = t.dir.path() + "/run/step_1/model/" + format::shard_file_name(2, 1, 1);
+  auto full = stdfs::file_size(path);
+  stdfs::resize_file(path, full - 5);
+  fs::Ino dir = t.walk({"run", "step_1", "model"});
+  EXPECT_EQ(t.f->lookup(dir, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  write_ckpt(t.dir.path() + "/run/step_1/model", 'a');
+  EXPECT_TRUE(t.f->lookup(dir, "model-00001-of-00001.safetensors").ok());
+}
+
+TEST(Fs, SettleDelaysAFreshCheckpoint) {
+  fs::Options o;
+  test::TempDir d;
+  write_ckpt(d.path() + "/ck", 'a');
+  o.settle = std::chrono::hours(1);
+  o.revalidate = std::chrono::milliseconds(0);
+  auto f = fs::Filesystem::create(d.path(), o);
+  ASSERT_TRUE(f.ok());
+  auto ck = (*f)->lookup(fs::kRootIno, "ck");
+  ASSERT_TRUE(ck.ok());
+  EXPECT_EQ((*f)->lookup(ck->ino, "model-00001-of-00001.safetensors").error().code, ENOENT);
+}
+
+TEST(Fs, ShardsFolderShowsHiddenFiles) {
+  fs::Options o;
+  o.show_shards = true;
+  Fs t(o);
+  fs::Ino shards = t.walk({"run", "step_1", "model", ".shards"});
+  EXPECT_EQ(names(*t.f, shards), (std::vector<std::string>{format::shard_file_name(1, 1, 1),
+                                                           format::shard_file_name(2, 1, 1)}));
+  fs::Ino s1 = t.walk({"run", "step_1", "model", ".shards", format::shard_file_name(1, 1, 1)});
+  std::string got = read_all(*t.f, s1);
+  auto want = read_small_file(
+      t.dir.path() + "/run/step_1/model/" + format::shard_file_name(1, 1, 1), 1 << 20);
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ(got, *want);
+  EXPECT_EQ(t.f->lookup(shards, "config.json").error().code, ENOENT);
+}
+
+TEST(Fs, WritesAreRefusedWithErofs) {
+  Fs t;
+  fs::Ino notes = t.walk({"run", "notes.txt"});
+  EXPECT_EQ(t.f->open(notes, O_WRONLY).error().code, EROFS);
+  EXPECT_EQ(t.f->open(notes, O_RDWR).error().code, EROFS);
+  EXPECT_EQ(t.f->open(notes, O_RDONLY | O_TRUNC).error().code, EROFS);
+  EXPECT_EQ(t.f->modify(notes, "unlink").error().code, EROFS);
+}
+
+TEST(Fs, ReplacedPassthroughFileIsStale) {
+  Fs t;
+  fs::Ino notes = t.walk({"run", "notes.txt"});
+  test::write_file(t.dir.path() + "/run/notes.txt.new", "other");
+  stdfs::rename(t.dir.path() + "/run/notes.txt.new", t.dir.path() + "/run/notes.txt");
+  EXPECT_EQ(t.f->getattr(notes).error().code, ESTALE);
+  fs::Ino fresh = t.walk({"run", "notes.txt"});
+  EXPECT_NE(fresh, notes);
+  EXPECT_EQ(read_all(*t.f, fresh), "other");
+}
+
+TEST(Fs, SymlinksArePassedThroughNotFollowed) {
+  Fs t;
+  stdfs::create_symlink("/etc/passwd", t.dir.path() + "/run/link");
+  fs::Ino l = t.walk({"run", "link"});
+  auto attr = t.f->getattr(l);
+  ASSERT_TRUE(attr.ok());
+  EXPECT_TRUE(S_ISLNK(attr->st_mode));
+  EXPECT_EQ(*t.f->readlink(l), "/etc/passwd");
+  EXPECT_FALSE(t.f->open(l, O_RDONLY).ok());
+}
+
+TEST(Fs, NamesThatCouldEscapeAreRefused) {
+  Fs t;
+  EXPECT_FALSE(t.f->lookup(fs::kRootIno, "..").ok());
+  EXPECT_FALSE(t.f->lookup(fs::kRootIno, "a/b").ok());
+  EXPECT_FALSE(t.f->lookup(fs::kRootIno, "").ok());
+}

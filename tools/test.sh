@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs every test of ckptfs on a fresh Debian 12 machine (as root), installing what it needs:
+#   1. set-up (apt packages, Python venv)            tools/setup.sh
+#   2. build and unit tests                           build/
+#   3. unit tests under AddressSanitizer + UBSan      build-asan/
+#   4. formatting (clang-format --dry-run -Werror)
+#   5. bounded libFuzzer runs of the parsers (clang)  build-fuzz/
+#   6. real-mount, CLI and ecosystem tests (pytest)
+# Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_PYTEST_ARGS.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+step() { printf '\n=== %s\n' "$*"; }
+
+step "set-up"
+VENV=$(tools/setup.sh | tail -n 1)
+
+step "build and unit tests"
+[[ -f build/build.ninja ]] || meson setup build >/dev/null
+flock /tmp/ckptfs-build.lock ninja -C build
+meson test -C build --suite unit --print-errorlogs --no-rebuild
+
+step "unit tests under ASan + UBSan"
+[[ -f build-asan/build.ninja ]] ||
+  meson setup build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debug >/dev/null
+flock /tmp/ckptfs-build.lock ninja -C build-asan
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  meson test -C build-asan --suite unit --print-errorlogs --no-rebuild
+
+step "formatting"
+mapfile -t sources < <(git ls-files '*.cpp' '*.hpp')
+clang-format --dry-run -Werror "${sources[@]}"
+echo "clang-format: ${#sources[@]} files clean"
+
+step "fuzzing (${CKPTFS_FUZZ_SECONDS:-60}s per target)"
+[[ -f build-fuzz/build.ninja ]] ||
+  CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
+    -Db_lundef=false >/dev/null
+flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint
+for target in fuzz_header fuzz_checkpoint; do
+  work=build-fuzz/corpus-$target
+  mkdir -p "$work"
+  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-60}" -max_len=65536 \
+    -print_final_stats=1 "$work" tests/fuzz/seeds tests/data/bad/headers 2>&1 | tail -n 4
+done
+
+step "real-mount, CLI and ecosystem tests"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider ${CKPTFS_PYTEST_ARGS:-}
