@@ -4,6 +4,8 @@
 #include <string_view>
 
 #include <fmt/core.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include "ckptfs/cli/args.hpp"
 
@@ -28,6 +30,8 @@ Run 'ckptfs <command> --help' for a command's options.
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Logs go to stderr (stdout carries command output such as inspect --json).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("ckptfs"));
   std::span<char*> args(argv, static_cast<size_t>(argc));
   if (argc < 2) {
     fmt::print(stderr, "{}", kUsage);

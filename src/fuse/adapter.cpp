@@ -89,10 +89,16 @@ uint64_t mem_available() {
   return 0;
 }
 
-// Pushes files into the kernel page cache ahead of readers, in offset order, with
-// fuse_lowlevel_notify_store. Page faults through FUSE arrive as small synchronous requests;
-// pushed pages are hits. Bounded: a file is pushed only while the machine has room for it,
-// each inode once, and at most `kQueue` files wait.
+// Pushes consolidated files into the kernel page cache ahead of readers, in offset order,
+// with fuse_lowlevel_notify_store. Page faults through FUSE arrive as small synchronous
+// requests; pushed pages are hits, so an mmap loader runs at memory speed behind the pusher.
+//
+// Triggers: the first open of an inode (from offset 0), and any read request that reaches the
+// daemon while no push of that inode is running (the kernel asked for bytes, so they are not
+// cached: caches were dropped, pages evicted, or the reader overtook the pusher).
+// Bounds: one push per inode at a time, each covering at most half the memory available when
+// it starts (a later miss continues it), stopping when available memory runs short; at most
+// `kQueue` pushes wait.
 class Prefetcher {
  public:
   Prefetcher(fuse_session* se, unsigned threads) : se_(se) {
@@ -106,14 +112,15 @@ class Prefetcher {
     cv_.notify_all();
     for (auto& t : threads_) t.join();
   }
-  void enqueue(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader) {
+  void on_open(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader) {
     {
       std::lock_guard lock(mu_);
-      if (stop_ || seen_.count(ino) || q_.size() >= kQueue) return;
-      seen_.insert(ino);
-      q_.push_back({ino, std::move(reader)});
+      if (!opened_.insert(ino).second) return;
     }
-    cv_.notify_one();
+    request(ino, std::move(reader), 0);
+  }
+  void on_miss(fs::Ino ino, const std::shared_ptr<const fs::FileReader>& reader, uint64_t off) {
+    request(ino, reader, off);
   }
 
  private:
@@ -124,7 +131,19 @@ class Prefetcher {
   struct Job {
     fs::Ino ino;
     std::shared_ptr<const fs::FileReader> reader;
+    uint64_t start;
   };
+
+  void request(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader, uint64_t off) {
+    {
+      std::lock_guard lock(mu_);
+      if (stop_ || running_.count(ino) || q_.size() >= kQueue) return;
+      if (off >= reader->size()) return;
+      running_.insert(ino);
+      q_.push_back({ino, std::move(reader), off - off % kChunk});
+    }
+    cv_.notify_one();
+  }
 
   void run() {
     std::vector<char> buf(kChunk);
@@ -137,20 +156,20 @@ class Prefetcher {
       lock.unlock();
       push(job, buf);
       lock.lock();
+      running_.erase(job.ino);
     }
   }
 
   void push(const Job& job, std::vector<char>& buf) {
     const uint64_t size = job.reader->size();
-    uint64_t budget = 0;
-    for (uint64_t off = 0; off < size; off += kChunk) {
-      if (budget < kChunk) {
-        uint64_t avail = mem_available();
-        if (avail < kReserve + kChunk) {
-          spdlog::debug("prefetch of inode {} stopped at {}: memory is short", job.ino, off);
-          return;
-        }
-        budget = std::min<uint64_t>(avail - kReserve, 256ull << 20);
+    uint64_t avail = mem_available();
+    if (avail < kReserve + kChunk) return;
+    const uint64_t end = std::min(size, job.start + (avail - kReserve) / 2);
+    for (uint64_t off = job.start; off < end; off += kChunk) {
+      if ((off - job.start) % (256 * kChunk) == 0 && off != job.start &&
+          mem_available() < kReserve) {
+        spdlog::debug("prefetch of inode {} paused at {}: memory is short", job.ino, off);
+        return;
       }
       {
         std::lock_guard lock(mu_);
@@ -170,15 +189,15 @@ class Prefetcher {
         spdlog::debug("prefetch of inode {} stopped at {}: {}", job.ino, off, std::strerror(-rc));
         return;
       }
-      budget -= std::min<uint64_t>(budget, n);
     }
   }
 
   fuse_session* se_;
-  std::mutex mu_;  // guards q_, seen_ and stop_
+  std::mutex mu_;  // guards q_, running_, opened_ and stop_
   std::condition_variable cv_;
   std::deque<Job> q_;
-  std::set<fs::Ino> seen_;
+  std::set<fs::Ino> running_;  // inodes with a queued or running push
+  std::set<fs::Ino> opened_;   // inodes whose first open already triggered a push
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };
@@ -306,16 +325,19 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     c.fs->release(r->fh);  // the opener went away
     return;
   }
-  if (c.prefetch && r->is_virtual) c.prefetch->enqueue(ino, c.fs->reader(r->fh));
+  if (c.prefetch && r->is_virtual) c.prefetch->on_open(ino, c.fs->reader(r->fh));
 }
 
-void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info* fi) {
   auto& c = ctx(req);
   thread_local fs::ReadPlan plan;
   thread_local std::vector<char> buf(kMaxRead);
   size = std::min(size, kMaxRead);
   auto st = c.fs->read(fi->fh, static_cast<uint64_t>(off), size, plan);
   if (!st) return reply_error(req, st.error(), "read");
+  if (c.prefetch && plan.src.ckpt != nullptr) {
+    c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off) + size);
+  }
   const bool passthrough =
       plan.src.ckpt == nullptr && plan.segs.size() == 1 && !plan.segs[0].is_memory();
   if (c.opts->splice && (passthrough || plan.segs.size() <= 16)) {

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Read-path benchmark of the ckptfs mount (figures in docs/benchmarks.md).
+
+Measures, side by side in one run (the machine is noisy: compare ratios, not absolutes):
+  native     cold buffered read of a plain file on the backing file system
+  floor      the same plain file read cold through the ckptfs daemon (pass-through): FUSE cost
+  view-row   cold read of a consolidated file whose tensors are row-sharded (8 ranks)
+  view-col   cold read of a consolidated file whose tensors are column-sharded
+             (8 ranks, BF16, 1 KiB runs)
+  warm       re-read of view-row with the page cache warm, against a warm native read
+  mmap       cold mmap copy-out of every tensor in file order (what safetensors loaders do),
+             with the daemon's prefetch on and off, against a cold buffered read of the view
+  rss        the daemon's peak RSS (VmHWM) over the whole run
+  ls         `ls -l` of a 10,000-tensor, 1,000-shard checkpoint (first listing builds the model)
+
+"Cold" drops the page cache (echo 3 > /proc/sys/vm/drop_caches) before each read, so with
+--dir on tmpfs only the FUSE side is cold; on a disk-backed --dir both are.
+
+Usage: sudo tools/bench_read.py [--dir /dev/shm/ckptfs-bench] [--size-mb 1024] [--repeat 3]
+                               [--bin build/src/ckptfs] [--splice]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_shard(path: str, tensors: list[tuple[str, str, list[int], list[int], bytes]]) -> None:
+    """tensors: (name, dtype, chunk shape, saved_offsets, raw bytes)."""
+    entries, info, pos = {}, {}, 0
+    for name, dt, shape, offs, raw in tensors:
+        entries[name] = {"dtype": dt, "shape": shape, "data_offsets": [pos, pos + len(raw)]}
+        info[name] = {"saved_offsets": offs}
+        pos += len(raw)
+    meta = {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
+    text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors:
+            f.write(t[4])
+
+
+def block(n: int, seed: int) -> bytes:
+    base = os.urandom(1 << 20) if seed else bytes(1 << 20)
+    reps = -(-n // len(base))
+    return (base * reps)[:n]
+
+
+def make_data(root: str, size: int, ranks: int = 8) -> None:
+    """row/ and col/ checkpoints of `size` tensor bytes each, and plain/file of the row view's size."""
+    ntensors = 16
+    per = size // ntensors
+    cols = ranks * 512  # BF16: 512 columns x 2 bytes = 1 KiB runs per rank
+    rows = per // (cols * 2)
+    for layout in ("row", "col"):
+        d = os.path.join(root, layout)
+        os.makedirs(d, exist_ok=True)
+        shards: dict[int, list] = {r: [] for r in range(ranks)}
+        for t in range(ntensors):
+            name = f"model.layers.{t}.mlp.up_proj.weight"
+            for r in range(ranks):
+                if layout == "row":
+                    shape, offs = [rows // ranks, cols], [r * (rows // ranks), 0]
+                else:
+                    shape, offs = [rows, cols // ranks], [0, r * (cols // ranks)]
+                raw = block(shape[0] * shape[1] * 2, r + 1)
+                shards[r].append((name, "BF16", shape, offs, raw))
+        for r, ts in shards.items():
+            write_shard(os.path.join(d, f"shard-{r + 1:05d}-model-00001-of-00001.safetensors"), ts)
+    plain = os.path.join(root, "plain")
+    os.makedirs(plain, exist_ok=True)
+    with open(os.path.join(plain, "file.bin"), "wb") as f:
+        remaining = ntensors * rows * cols * 2 + 4096
+        chunk = block(64 << 20, 7)
+        while remaining > 0:
+            f.write(chunk[:remaining])
+            remaining -= len(chunk)
+
+
+def make_many(root: str, shards: int = 1000, tensors: int = 10000) -> None:
+    d = os.path.join(root, "many")
+    if os.path.isdir(d):
+        return
+    os.makedirs(d)
+    per_shard: dict[int, list] = {s: [] for s in range(shards)}
+    for t in range(tensors):
+        for j in range(4):
+            s = (t * 4 + j) % shards
+            per_shard[s].append((f"model.layers.{t // 8}.w{t % 8}.weight", "BF16", [4, 64], [j * 4, 0],
+                                 bytes(4 * 64 * 2)))
+    for s, ts in per_shard.items():
+        write_shard(os.path.join(d, f"shard-{s + 1:05d}-model-00001-of-00001.safetensors"), ts)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def read_seq(path: str, bs: int = 1 << 20) -> tuple[float, int]:
+    buf = bytearray(bs)
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    total = 0
+    t0 = time.perf_counter()
+    while True:
+        n = os.readv(fd, [mv])
+        if n <= 0:
+            break
+        total += n
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    return dt, total
+
+
+_OUT = None  # destination buffer for mmap copy-outs, allocated and touched once
+
+
+def read_mmap(path: str) -> tuple[float, int]:
+    """Copies out every tensor in file order through a shared mmap, as safetensors loaders do
+    (numpy does the copy, into a destination touched beforehand, so the figure is the cost of
+    faulting the mapping, not of Python or of first-touching fresh memory)."""
+    import numpy as np
+    global _OUT
+    size = os.path.getsize(path)
+    if _OUT is None or len(_OUT) < size:
+        _OUT = np.ones(size, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    t0 = time.perf_counter()
+    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    (n,) = struct.unpack("<Q", mm[:8])
+    hdr = json.loads(mm[8:8 + n])
+    hdr.pop("__metadata__", None)
+    start = 8 + n
+    src = np.frombuffer(mm, dtype=np.uint8)
+    total = 0
+    for _, e in sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        a, b = e["data_offsets"]
+        np.copyto(_OUT[a:b], src[start + a:start + b])
+        total += b - a
+    dt = time.perf_counter() - t0
+    del src
+    mm.close()
+    os.close(fd)
+    return dt, total
+
+
+class Daemon:
+    def __init__(self, binary: str, src: str, mnt: str, opts: list[str]):
+        os.makedirs(mnt, exist_ok=True)
+        self.mnt = mnt
+        self.proc = subprocess.Popen([binary, "mount", src, mnt, "-f", "-o", ",".join(opts)],
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.time() + 20
+        while not os.path.ismount(mnt):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("mount failed")
+            time.sleep(0.02)
+
+    def hwm_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def close(self) -> None:
+        subprocess.run(["fusermount3", "-u", self.mnt], check=False)
+        self.proc.wait(timeout=30)
+
+
+def median_rate(fn, path: str, repeat: int, cold: bool = True) -> float:
+    rates = []
+    for _ in range(repeat):
+        if cold:
+            drop_caches()
+        dt, n = fn(path)
+        rates.append(n / dt / 1e9)
+    return statistics.median(rates)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/dev/shm/ckptfs-bench")
+    ap.add_argument("--size-mb", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
+    ap.add_argument("--splice", action="store_true", help="mount with -o splice=on")
+    ap.add_argument("--keep", action="store_true", help="keep the generated data")
+    args = ap.parse_args()
+
+    src = os.path.join(args.dir, "src")
+    stamp = os.path.join(src, f".size-{args.size_mb}")
+    if not os.path.exists(stamp):
+        shutil.rmtree(src, ignore_errors=True)
+        os.makedirs(src)
+        make_data(src, args.size_mb << 20)
+        open(stamp, "w").close()
+    make_many(src)
+    mnt = os.path.join(args.dir, "mnt")
+    base = ["settle=0", f"splice={'on' if args.splice else 'off'}"]
+    rows = []
+
+    def row(name, value, unit, note=""):
+        rows.append((name, value, unit, note))
+        print(f"{name:58s} {value:8.3f} {unit:6s} {note}", flush=True)
+
+    d = Daemon(args.bin, src, mnt, base + ["prefetch=off"])
+    try:
+        plain_native = os.path.join(src, "plain", "file.bin")
+        plain_fuse = os.path.join(mnt, "plain", "file.bin")
+        view_row = os.path.join(mnt, "row", "model-00001-of-00001.safetensors")
+        view_col = os.path.join(mnt, "col", "model-00001-of-00001.safetensors")
+        os.stat(view_row), os.stat(view_col)
+        native = median_rate(read_seq, plain_native, args.repeat)
+        floor = median_rate(read_seq, plain_fuse, args.repeat)
+        vrow = median_rate(read_seq, view_row, args.repeat)
+        vcol = median_rate(read_seq, view_col, args.repeat)
+        row("cold read, native file (backing fs)", native, "GB/s")
+        row("cold read, plain file through the daemon (FUSE floor)", floor, "GB/s",
+            f"{floor / native:.2f}x native")
+        row("cold read, view, row-sharded", vrow, "GB/s", f"{vrow / floor:.2f}x floor (target >= 0.9)")
+        row("cold read, view, column-sharded 8 ranks BF16 1 KiB runs", vcol, "GB/s",
+            f"{vcol / floor:.2f}x floor (target >= 0.75)")
+        read_seq(view_row)
+        warm_view = median_rate(read_seq, view_row, args.repeat, cold=False)
+        read_seq(plain_native)
+        warm_native = median_rate(read_seq, plain_native, args.repeat, cold=False)
+        row("warm re-read, view (page cache)", warm_view, "GB/s",
+            f"{warm_view / warm_native:.2f}x native warm {warm_native:.2f} GB/s (target >= 0.9)")
+        mm_off = median_rate(read_mmap, view_row, args.repeat)
+        row("cold mmap copy-out, view, prefetch off", mm_off, "GB/s", f"{mm_off / vrow:.2f}x cold buffered view")
+        rss_a = d.hwm_mb()
+    finally:
+        d.close()
+
+    d = Daemon(args.bin, src, mnt, base + ["prefetch=on"])
+    try:
+        os.stat(view_row)
+        mm_on = median_rate(read_mmap, view_row, args.repeat)
+        row("cold mmap copy-out, view, prefetch on (default)", mm_on, "GB/s",
+            f"{mm_on / vrow:.2f}x cold buffered view (target >= 0.8)")
+        vrow_pf = median_rate(read_seq, view_row, args.repeat)
+        row("cold read, view, row-sharded, prefetch on", vrow_pf, "GB/s", f"{vrow_pf / floor:.2f}x floor")
+        t0 = time.perf_counter()
+        out = subprocess.run(["ls", "-l", os.path.join(mnt, "many")], capture_output=True, text=True, check=True)
+        t_ls = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        subprocess.run(["ls", "-l", os.path.join(mnt, "many")], capture_output=True, check=True)
+        t_ls2 = time.perf_counter() - t0
+        assert "model-00001-of-00001.safetensors" in out.stdout, out.stdout
+        row("ls -l of a 10,000-tensor, 1,000-shard checkpoint (first)", t_ls, "s", "target < 1 s")
+        row("ls -l of the same, again", t_ls2, "s")
+        rss = max(rss_a, d.hwm_mb())
+        row("daemon peak RSS (VmHWM) over the run", rss, "MB", "target <= 100 MB")
+    finally:
+        d.close()
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    print("\nmachine:", os.uname().release, f"{os.cpu_count()} cpus;", "dir:", args.dir, f"{args.size_mb} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
