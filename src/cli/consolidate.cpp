@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <cstdlib>
 
 #include <algorithm>
 #include <atomic>
@@ -38,8 +39,11 @@ constexpr std::string_view kUsage = R"(usage: ckptfs consolidate SRC DST [--thre
 Writes the consolidated HuggingFace checkpoint of the rank shards in SRC to DST:
 model-0000k-of-0000m.safetensors, model.safetensors.index.json, and the checkpoint's other
 files (config.json, tokenizer files, .hf_metadata/ content except the mapping file).
-Everything is written under temporary names and moved into place only when all succeeded:
-a failure or a kill never leaves a model*.safetensors under its final name.
+Everything is written to a hidden staging directory first. When DST does not exist the
+staging directory is renamed to DST at the end (atomic); when it exists, the files are moved
+in one by one with the index last. A failure or a kill before that point never leaves a
+model*.safetensors under its final name; staging left by a killed run is removed by the
+next run. Side files that are symlinks are not copied (a warning says so).
 
 options:
   --threads N  copy threads (default: min(4, cores))
@@ -241,8 +245,13 @@ std::vector<std::pair<std::string, std::string>> side_files(const std::string& s
   std::error_code ec;
   for (const auto& e : stdfs::directory_iterator(src, ec)) {
     auto name = e.path().filename().string();
-    if (!e.is_regular_file(ec) || e.is_symlink(ec)) continue;
-    if (format::parse_shard_name(name) || is_model_output_name(name)) continue;
+    if (format::looks_like_shard_name(name) || is_model_output_name(name)) continue;
+    if (e.is_symlink(ec)) {
+      fmt::print(stderr, "ckptfs consolidate: warning: not copying symlink {}\n",
+                 e.path().string());
+      continue;
+    }
+    if (!e.is_regular_file(ec)) continue;
     out.emplace_back(e.path().string(), name);
     seen.insert(name);
   }
@@ -275,6 +284,20 @@ Status write_text(const std::string& path, std::string_view text) {
   CKPTFS_CHECK(pwrite_all(out.get(), text.data(), text.size(), 0, path));
   if (::fsync(out.get()) != 0) return make_error(errno, "{}: fsync failed", path);
   return {};
+}
+
+// Removes staging directories of earlier runs whose process no longer exists.
+void remove_stale_staging(const std::string& dir, std::string_view marker) {
+  std::error_code ec;
+  for (const auto& e : stdfs::directory_iterator(dir, ec)) {
+    auto name = e.path().filename().string();
+    auto at = name.find(marker);
+    if (name.empty() || name[0] != '.' || at == std::string::npos) continue;
+    auto pid = std::atol(name.c_str() + at + marker.size());
+    if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)) {
+      stdfs::remove_all(e.path(), ec);
+    }
+  }
 }
 
 void fsync_dir(const std::string& dir) {
@@ -347,23 +370,33 @@ int cmd_consolidate(std::span<char*> argv) {
       return 1;
     }
   }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
   // Stage everything in a hidden directory on the destination file system.
-  const std::string staging = dst_exists
-                                  ? fmt::format("{}/.ckptfs-partial-{}", dst, ::getpid())
-                                  : fmt::format("{}/.{}.ckptfs-partial-{}",
-                                                stdfs::path(dst).parent_path().string().empty()
-                                                    ? "."
-                                                    : stdfs::path(dst).parent_path().string(),
-                                                stdfs::path(dst).filename().string(), ::getpid());
+  const std::string parent = stdfs::path(dst).parent_path().string().empty()
+                                 ? "."
+                                 : stdfs::path(dst).parent_path().string();
+  const std::string dst_name = stdfs::path(dst).filename().string();
+  if (dst_exists) {
+    remove_stale_staging(dst, ".ckptfs-partial-");
+  } else {
+    remove_stale_staging(parent, "." + dst_name + ".ckptfs-partial-");
+  }
+  const std::string staging =
+      dst_exists ? fmt::format("{}/.ckptfs-partial-{}", dst, ::getpid())
+                 : fmt::format("{}/.{}.ckptfs-partial-{}", parent, dst_name, ::getpid());
   stdfs::create_directories(staging, ec);
   if (ec) {
     fmt::print(stderr, "ckptfs consolidate: cannot create {}: {}\n", staging, ec.message());
     return 1;
   }
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
+  if (g_stop.load()) {
+    stdfs::remove_all(staging, ec);
+    fmt::print(stderr, "ckptfs consolidate: interrupted\n");
+    return 1;
+  }
 
   auto fail = [&](const Error& e) {
     fmt::print(stderr, "ckptfs consolidate: {}\n", e.message);

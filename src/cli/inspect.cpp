@@ -216,7 +216,8 @@ int cmd_inspect(std::span<char*> argv) {
     nlohmann::ordered_json j;
     j["checkpoints"] = nlohmann::ordered_json::array();
     for (const auto& c : *all) j["checkpoints"].push_back(to_json(*c));
-    fmt::print("{}\n", j.dump(2));
+    // Messages may quote bytes of malformed input: never let them break the JSON.
+    fmt::print("{}\n", j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
   } else {
     for (const auto& c : *all) print_text(*c);
   }

@@ -2,23 +2,25 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_strict.hpp"
+
 namespace ckptfs::format {
 namespace {
 
 Result<std::vector<uint64_t>> dims(const nlohmann::json& j, std::string_view what,
                                    std::string_view fqn, std::string_view key) {
   if (!j.is_array()) {
-    return make_error(EINVAL, "{}: tensor '{}': DCP_SHARDING_INFO '{}' is not an array", what, fqn,
-                      key);
+    return make_error(EINVAL, "{}tensor \'{}\': DCP_SHARDING_INFO '{}' is not an array",
+                      detail::prefix(what), fqn, key);
   }
   std::vector<uint64_t> out;
   out.reserve(j.size());
   for (const auto& v : j) {
     if (!v.is_number_unsigned()) {
       return make_error(EINVAL,
-                        "{}: tensor '{}': DCP_SHARDING_INFO '{}' holds {} where a non-negative "
+                        "{}tensor '{}': DCP_SHARDING_INFO '{}' holds {} where a non-negative "
                         "integer is required",
-                        what, fqn, key, v.dump());
+                        detail::prefix(what), fqn, key, detail::dump_safe(v));
     }
     out.push_back(v.get<uint64_t>());
   }
@@ -28,27 +30,23 @@ Result<std::vector<uint64_t>> dims(const nlohmann::json& j, std::string_view wha
 }  // namespace
 
 Result<ShardingInfo> parse_sharding_info(std::string_view text, std::string_view what) {
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::exception& e) {
-    return make_error(EINVAL, "{}: DCP_SHARDING_INFO is not valid JSON: {}", what, e.what());
-  }
+  using detail::prefix;
+  CKPTFS_TRY(nlohmann::json root, detail::parse_json_strict(text, what, "DCP_SHARDING_INFO"));
   if (!root.is_object()) {
-    return make_error(EINVAL, "{}: DCP_SHARDING_INFO is not a JSON object", what);
+    return make_error(EINVAL, "{}DCP_SHARDING_INFO is not a JSON object", prefix(what));
   }
   ShardingInfo info;
   for (auto it = root.begin(); it != root.end(); ++it) {
     const auto& v = it.value();
     if (!v.is_object()) {
-      return make_error(EINVAL, "{}: tensor '{}': DCP_SHARDING_INFO entry is not an object", what,
-                        it.key());
+      return make_error(EINVAL, "{}tensor \'{}\': DCP_SHARDING_INFO entry is not an object",
+                        detail::prefix(what), it.key());
     }
     ShardingEntry e;
     auto off = v.find("saved_offsets");
     if (off == v.end()) {
-      return make_error(EINVAL, "{}: tensor '{}': DCP_SHARDING_INFO has no 'saved_offsets'", what,
-                        it.key());
+      return make_error(EINVAL, "{}tensor \'{}\': DCP_SHARDING_INFO has no 'saved_offsets'",
+                        detail::prefix(what), it.key());
     }
     CKPTFS_TRY(e.saved_offsets, dims(*off, what, it.key(), "saved_offsets"));
     auto shape = v.find("shape");

@@ -59,6 +59,10 @@ bool is_safetensors_name(std::string_view name) {
   return name.size() > kSafetensorsSuffix.size() && name.ends_with(kSafetensorsSuffix);
 }
 
+bool looks_like_shard_name(std::string_view name) {
+  return name.starts_with("shard-") && is_safetensors_name(name);
+}
+
 std::string model_file_name(uint32_t k, uint32_t m) {
   return fmt::format("model-{}-of-{}{}", pad5(k), pad5(m), kSafetensorsSuffix);
 }

@@ -9,46 +9,12 @@
 
 #include "ckptfs/util/checked.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "json_strict.hpp"
 
 namespace ckptfs::format {
 namespace {
 
 using nlohmann::json;
-
-// Parses JSON while refusing duplicate keys in any object (nlohmann keeps the last one
-// silently; the reference loader refuses duplicates).
-Result<json> parse_json_strict(std::string_view text, std::string_view what) {
-  std::vector<std::unordered_set<std::string>> keys;
-  std::string dup;
-  json::parser_callback_t cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) {
-    switch (ev) {
-      case json::parse_event_t::object_start:
-        keys.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && dup.empty()) {
-          dup = parsed.get<std::string>();
-        }
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
-  } catch (const json::exception& e) {
-    return make_error(EINVAL, "{}: header is not valid UTF-8 JSON: {}", what, e.what());
-  }
-  if (!dup.empty()) {
-    return make_error(EINVAL, "{}: header has duplicate key '{}'", what, dup);
-  }
-  return j;
-}
 
 Result<std::vector<uint64_t>> u64_array(const json& j, std::string_view what,
                                         std::string_view tensor, std::string_view field) {
@@ -61,7 +27,7 @@ Result<std::vector<uint64_t>> u64_array(const json& j, std::string_view what,
     if (!v.is_number_unsigned()) {
       return make_error(EINVAL,
                         "{}: tensor '{}': '{}' holds {} where a non-negative integer is required",
-                        what, tensor, field, v.dump());
+                        what, tensor, field, detail::dump_safe(v));
     }
     out.push_back(v.get<uint64_t>());
   }
@@ -90,7 +56,7 @@ Result<Header> parse_header_json(std::string_view text, uint64_t file_size, std:
   if (text.empty() || text.front() != '{') {
     return make_error(EINVAL, "{}: header does not start with '{{'", what);
   }
-  CKPTFS_TRY(json root, parse_json_strict(text, what));
+  CKPTFS_TRY(json root, detail::parse_json_strict(text, what, "header"));
   if (!root.is_object()) {
     return make_error(EINVAL, "{}: header is not a JSON object", what);
   }
@@ -184,10 +150,24 @@ Result<Header> parse_header_json(std::string_view text, uint64_t file_size, std:
   }
   h.data_size = pos;
   auto expected = checked_add(kHeaderLenBytes + h.json_len, h.data_size);
-  if (!expected || *expected != file_size) {
+  if (!expected) {
+    return make_error(EINVAL, "{}: header describes a file size that overflows", what);
+  }
+  if (*expected > file_size) {
+    // Name the first tensor whose bytes are missing.
+    const uint64_t have = file_size - std::min(file_size, h.data_start());
+    for (const auto& t : h.tensors) {
+      if (t.end > have) {
+        return make_error(EINVAL,
+                          "{}: tensor '{}': file is {} bytes but its header describes {}: the "
+                          "tensor's bytes [{}, {}) of the data are missing (truncated?)",
+                          what, t.name, file_size, *expected, t.begin, t.end);
+      }
+    }
+  }
+  if (*expected != file_size) {
     return make_error(EINVAL, "{}: file is {} bytes but its header describes {}{}", what, file_size,
-                      expected ? fmt::format("{}", *expected) : "an overflowing size",
-                      (expected && *expected > file_size) ? " (truncated?)" : "");
+                      *expected, *expected > file_size ? " (truncated?)" : " (trailing bytes)");
   }
   return h;
 }

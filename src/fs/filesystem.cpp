@@ -446,7 +446,7 @@ struct Filesystem::Impl {
       return EntryOut{n->ino, st};
     }
     if (name == format::kHfMetadataDir || is_model_output_name(name) ||
-        format::parse_shard_name(name)) {
+        format::looks_like_shard_name(name)) {
       // Hidden in a checkpoint directory (only a real, regular shard is hidden; anything
       // else with such a name would have been shown, so check).
       auto st = stat_beneath(root.get(), rel);
@@ -513,7 +513,7 @@ struct Filesystem::Impl {
         for (const auto& e : *lifted) {
           if (!S_ISREG(e.st.st_mode) || e.name == format::kFqnMappingFileName ||
               names.count(e.name) || is_model_output_name(e.name) ||
-              format::parse_shard_name(e.name) || e.name == kShardsDirName) {
+              format::looks_like_shard_name(e.name) || e.name == kShardsDirName) {
             continue;
           }
           real(e);

@@ -39,6 +39,7 @@ class Builder {
 
   std::shared_ptr<const Checkpoint> run() {
     collect_chunks();
+    check_output_counts();
     for (auto& tb : order_) finish_tensor(*tb);
     if (ck_->problems.empty()) assign_outputs();
     if (ck_->problems.empty()) {
@@ -83,7 +84,6 @@ class Builder {
       auto kb = pb ? std::tuple(pb->shard, pb->k, pb->m) : std::tuple(0u, 0u, 0u);
       return ka != kb ? ka < kb : a.name < b.name;
     });
-    std::optional<uint32_t> m_seen;
     for (auto& in : inputs) {
       auto parsed = format::parse_shard_name(in.name);
       if (!parsed) {
@@ -94,19 +94,13 @@ class Builder {
         problem(in.name, "", in.error.empty() ? "header could not be read" : in.error);
         continue;
       }
-      if (m_seen && *m_seen != parsed->m) {
-        problem(
-            in.name, "",
-            fmt::format("file says {} output files but other shards say {}", parsed->m, *m_seen));
-      }
-      m_seen = parsed->m;
       const auto& h = *in.header;
       auto sidx = static_cast<uint32_t>(ck_->shards.size());
       ck_->shards.push_back(ShardFile{in.name, in.stamp, h.data_start(), *parsed});
 
       std::optional<format::ShardingInfo> info;
       if (const auto* s = h.find_metadata(format::kShardingInfoKey)) {
-        auto r = format::parse_sharding_info(*s, in.name);
+        auto r = format::parse_sharding_info(*s, "");  // the problem names the file
         if (!r) {
           problem(in.name, "", r.error().message);
           continue;
@@ -165,8 +159,8 @@ class Builder {
           }
           if (te.shape.size() != tb.rank) {
             problem(in.name, te.name,
-                    fmt::format("rank {} differs from rank {} in {}", te.shape.size(), tb.rank,
-                                chunk_files(tb)));
+                    fmt::format("number of dimensions {} differs from {} in {}", te.shape.size(),
+                                tb.rank, chunk_files(tb)));
             tb.broken = true;
           }
           if (full && tb.full_shape && *full != *tb.full_shape) {
@@ -185,6 +179,22 @@ class Builder {
         }
         tb.chunks.push_back(std::move(c));
       }
+    }
+  }
+
+  // Every shard name must agree on M (the number of output files): the most common value
+  // wins and each file saying otherwise is named.
+  void check_output_counts() {
+    std::map<uint32_t, size_t> votes;
+    for (const auto& s : ck_->shards) votes[s.parsed.m]++;
+    if (votes.size() <= 1) return;
+    auto best = std::max_element(votes.begin(), votes.end(),
+                                 [](auto& a, auto& b) { return a.second < b.second; });
+    for (const auto& s : ck_->shards) {
+      if (s.parsed.m == best->first) continue;
+      problem(s.name, "",
+              fmt::format("name says {} output files but the other {} shard file(s) say {}",
+                          s.parsed.m, best->second, best->first));
     }
   }
 
@@ -274,6 +284,17 @@ class Builder {
     if (*numel > 0) {
       if (!check_tiling(t)) return;
       if (!check_bit_alignment(t)) return;
+    } else {
+      // Empty tensor: nothing to tile; keep per-dim bounds for inspect.
+      t.grid.bounds.assign(r, {});
+      for (size_t d = 0; d < r; ++d) {
+        auto& b = t.grid.bounds[d];
+        b = {0, shape[d]};
+        for (const auto& c : t.chunks) b.push_back(c.offsets[d] + c.sizes[d]);
+        std::sort(b.begin(), b.end());
+        b.erase(std::unique(b.begin(), b.end()), b.end());
+        if (b.size() < 2) b.push_back(b.back());
+      }
     }
     tensor_index_.emplace(t.name, static_cast<uint32_t>(ck_->tensors.size()));
     tensor_k_.push_back(tb.k);
@@ -460,8 +481,9 @@ class Builder {
         m = std::max(m, k);
         auto it = tensor_index_.find(fqn);
         if (it == tensor_index_.end()) {
-          problem(std::string(format::kFqnMappingFileName), fqn,
-                  "listed in the mapping file but found in no shard (missing shard?)");
+          problem(
+              std::string(format::kHfMetadataDir) + "/" + std::string(format::kFqnMappingFileName),
+              fqn, "listed in the mapping file but found in no shard (missing shard?)");
           continue;
         }
         order.push_back(it->second);

@@ -53,9 +53,7 @@ layout::FileStamp stamp_of(const struct stat& st) {
                            static_cast<uint64_t>(st.st_size), mtime_ns(st), ctime_ns(st)};
 }
 
-bool is_shard_entry(const DirEntry& e) {
-  return S_ISREG(e.st.st_mode) && format::parse_shard_name(e.name).has_value();
-}
+bool is_shard_entry(const DirEntry& e) { return format::looks_like_shard_name(e.name); }
 
 bool has_shards(const std::vector<DirEntry>& entries) {
   return std::any_of(entries.begin(), entries.end(), is_shard_entry);
@@ -99,6 +97,15 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
     if (!is_shard_entry(e)) continue;
     layout::ShardInput si;
     si.name = e.name;
+    if (!S_ISREG(e.st.st_mode)) {
+      si.stamp = stamp_of(e.st);
+      si.error = S_ISLNK(e.st.st_mode)
+                     ? "is a symlink; shard files must be regular files (symlinks are not followed)"
+                 : S_ISDIR(e.st.st_mode) ? "is a directory, not a shard file"
+                                         : "is not a regular file";
+      in.shards.push_back(std::move(si));
+      continue;
+    }
     auto fd = open_at(dirfd, e.name, O_RDONLY | O_NOFOLLOW);
     if (!fd) {
       si.stamp = stamp_of(e.st);

@@ -18,7 +18,7 @@ import numpy as np
 # dtype name -> (numpy dtype used to hold raw values, element bytes)
 DTYPES = {
     "BOOL": (np.uint8, 1), "U8": (np.uint8, 1), "I8": (np.int8, 1),
-    "F8_E4M3": (np.uint8, 1), "F8_E5M2": (np.uint8, 1),
+    "F8_E4M3": (np.uint8, 1), "F8_E5M2": (np.uint8, 1), "F8_E8M0": (np.uint8, 1),
     "I16": (np.int16, 2), "U16": (np.uint16, 2), "F16": (np.float16, 2), "BF16": (np.uint16, 2),
     "I32": (np.int32, 4), "U32": (np.uint32, 4), "F32": (np.float32, 4),
     "I64": (np.int64, 8), "U64": (np.uint64, 8), "F64": (np.float64, 8), "C64": (np.uint64, 8),
@@ -72,6 +72,8 @@ def random_array(rng: np.random.Generator, dt: str, shape) -> np.ndarray:
     raw = rng.integers(0, 256, size=int(np.prod(shape, dtype=np.int64)) * size, dtype=np.uint8)
     if dt in ("F16", "F32", "F64"):  # keep floats finite so torch comparisons are meaningful
         return rng.standard_normal(size=shape).astype(npdt)
+    if dt == "BOOL":  # only 0 and 1 are valid bools (same draws, so later tensors are unchanged)
+        return (raw % 2).reshape(shape)
     return raw.view(npdt).reshape(shape)
 
 

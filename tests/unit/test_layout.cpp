@@ -148,7 +148,7 @@ TEST(Build, DtypeAndRankMismatchesAreErrors) {
   EXPECT_TRUE(has_problem(*b.ck, "dtype BF16 differs from F32", "w")) << problems(*b.ck);
   auto c = build({{shard(1), {chunk("w", DType::F32, {0}, {4})}},
                   {shard(2), {chunk("w", DType::F32, {4, 0}, {4, 1})}}});
-  EXPECT_TRUE(has_problem(*c.ck, "rank 2 differs from rank 1", "w")) << problems(*c.ck);
+  EXPECT_TRUE(has_problem(*c.ck, "number of dimensions 2 differs from 1", "w")) << problems(*c.ck);
   auto d = build({{shard(1), {chunk("w", DType::F32, {0, 0}, {4})}}});
   EXPECT_TRUE(has_problem(*d.ck, "saved_offsets [0, 0] has rank 2", "w")) << problems(*d.ck);
 }

@@ -33,6 +33,9 @@ struct ModelName {
 std::optional<ShardName> parse_shard_name(std::string_view name);
 std::optional<ModelName> parse_model_name(std::string_view name);
 bool is_safetensors_name(std::string_view name);
+// "shard-*.safetensors": treated as part of the checkpoint (and refused when it is not a
+// well-formed, regular rank shard) rather than silently ignored.
+bool looks_like_shard_name(std::string_view name);
 
 std::string model_file_name(uint32_t k, uint32_t m);
 std::string shard_file_name(uint32_t shard, uint32_t k, uint32_t m);

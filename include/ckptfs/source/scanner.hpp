@@ -29,6 +29,8 @@ struct DirEntry {
 Result<std::vector<DirEntry>> list_dir(int dirfd);
 
 layout::FileStamp stamp_of(const struct stat& st);
+// Any entry named like a rank shard (shard-*.safetensors), whatever its type: it belongs to
+// the checkpoint, and one that is not a well-formed regular shard makes it invalid.
 bool is_shard_entry(const DirEntry& e);
 bool has_shards(const std::vector<DirEntry>& entries);
 
