@@ -2,6 +2,8 @@
 
 #include <charconv>
 
+#include <fmt/core.h>
+
 namespace ckptfs::cli {
 
 std::optional<std::string> Args::get(std::string_view name) const {
@@ -79,6 +81,24 @@ Result<Args> parse_args(std::span<char*> argv, std::span<const OptSpec> spec,
     out.opts[std::string(s->name)].push_back(*inline_value);
   }
   return out;
+}
+
+std::variant<Args, int> parse_command(std::span<char*> argv, std::span<const OptSpec> spec,
+                                      const CommandSpec& cmd) {
+  auto args = parse_args(argv, spec, cmd.name);
+  if (!args) {
+    fmt::print(stderr, "{}\n", args.error().message);
+    return 2;
+  }
+  if (args->has("help")) {
+    fmt::print("{}", cmd.usage);
+    return 0;
+  }
+  if (args->positional.size() != cmd.count) {
+    fmt::print(stderr, "ckptfs {}: expected {}\n{}", cmd.name, cmd.positional, cmd.usage);
+    return 2;
+  }
+  return std::move(args).value();
 }
 
 Result<unsigned> parse_unsigned(std::string_view text, std::string_view what) {

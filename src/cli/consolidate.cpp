@@ -309,19 +309,9 @@ void fsync_dir(const std::string& dir) {
 
 int cmd_consolidate(std::span<char*> argv) {
   static constexpr OptSpec spec[] = {{"threads", 'j', true}, {"force", 0, false}};
-  auto args = parse_args(argv, spec, "consolidate");
-  if (!args) {
-    fmt::print(stderr, "{}\n", args.error().message);
-    return 2;
-  }
-  if (args->has("help")) {
-    fmt::print("{}", kUsage);
-    return 0;
-  }
-  if (args->positional.size() != 2) {
-    fmt::print(stderr, "ckptfs consolidate: expected SRC and DST\n{}", kUsage);
-    return 2;
-  }
+  auto parsed = parse_command(argv, spec, {"consolidate", kUsage, "SRC and DST", 2});
+  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
+  auto* args = &std::get<Args>(parsed);
   unsigned threads = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
   if (auto t = args->get("threads")) {
     auto v = parse_unsigned(*t, "--threads");

@@ -192,19 +192,9 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
 
 int cmd_inspect(std::span<char*> argv) {
   static constexpr OptSpec spec[] = {{"json", 0, false}};
-  auto args = parse_args(argv, spec, "inspect");
-  if (!args) {
-    fmt::print(stderr, "{}\n", args.error().message);
-    return 2;
-  }
-  if (args->has("help")) {
-    fmt::print("{}", kInspectUsage);
-    return 0;
-  }
-  if (args->positional.size() != 1) {
-    fmt::print(stderr, "ckptfs inspect: expected one DIR\n{}", kInspectUsage);
-    return 2;
-  }
+  auto parsed = parse_command(argv, spec, {"inspect", kInspectUsage, "DIR", 1});
+  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
+  auto* args = &std::get<Args>(parsed);
   auto all = load_all(args->positional[0]);
   if (!all) {
     fmt::print(stderr, "ckptfs inspect: {}\n", all.error().message);
@@ -226,19 +216,9 @@ int cmd_inspect(std::span<char*> argv) {
 
 int cmd_verify(std::span<char*> argv) {
   static constexpr OptSpec spec[] = {{"data", 0, false}};
-  auto args = parse_args(argv, spec, "verify");
-  if (!args) {
-    fmt::print(stderr, "{}\n", args.error().message);
-    return 2;
-  }
-  if (args->has("help")) {
-    fmt::print("{}", kVerifyUsage);
-    return 0;
-  }
-  if (args->positional.size() != 1) {
-    fmt::print(stderr, "ckptfs verify: expected one DIR\n{}", kVerifyUsage);
-    return 2;
-  }
+  auto parsed = parse_command(argv, spec, {"verify", kVerifyUsage, "DIR", 1});
+  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
+  auto* args = &std::get<Args>(parsed);
   auto all = load_all(args->positional[0]);
   if (!all) {
     fmt::print(stderr, "ckptfs verify: {}\n", all.error().message);

@@ -112,21 +112,10 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
   static constexpr OptSpec spec[] = {{"foreground", 'f', false}, {"threads", 0, true},
                                      {"log-level", 0, true},     {"log-file", 0, true},
                                      {"options", 'o', true},     {"debug", 'd', false}};
-  const std::string_view cmd = helper_form ? "" : "mount";
-  auto args = parse_args(argv, spec, helper_form ? "(mount helper)" : "mount");
-  if (!args) {
-    fmt::print(stderr, "{}\n", args.error().message);
-    return 2;
-  }
-  if (args->has("help")) {
-    fmt::print("{}", kUsage);
-    return 0;
-  }
-  (void)cmd;
-  if (args->positional.size() != 2) {
-    fmt::print(stderr, "ckptfs mount: expected SRC and MNT\n{}", kUsage);
-    return 2;
-  }
+  auto parsed = parse_command(argv, spec,
+                              {helper_form ? "(mount helper)" : "mount", kUsage, "SRC and MNT", 2});
+  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
+  auto* args = &std::get<Args>(parsed);
   fuse::MountOptions o;
   o.source = args->positional[0];
   o.mountpoint = args->positional[1];

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_strict.hpp"
+
 namespace ckptfs::format {
 
 std::string serialize_index(const Index& index) {
@@ -14,12 +16,7 @@ std::string serialize_index(const Index& index) {
 }
 
 Result<Index> parse_index(std::string_view text, std::string_view what) {
-  nlohmann::ordered_json j;
-  try {
-    j = nlohmann::ordered_json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::exception& e) {
-    return make_error(EINVAL, "{}: not valid JSON: {}", what, e.what());
-  }
+  CKPTFS_TRY(nlohmann::json j, detail::parse_json_strict(text, what, "index"));
   if (!j.is_object()) return make_error(EINVAL, "{}: index is not a JSON object", what);
   Index idx;
   auto md = j.find("metadata");
@@ -43,22 +40,18 @@ Result<Index> parse_index(std::string_view text, std::string_view what) {
 }
 
 Result<FqnMapping> parse_fqn_mapping(std::string_view text, std::string_view what) {
-  nlohmann::ordered_json j;
-  try {
-    j = nlohmann::ordered_json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::exception& e) {
-    return make_error(EINVAL, "{}: not valid JSON: {}", what, e.what());
-  }
+  std::vector<std::string> order;
+  CKPTFS_TRY(nlohmann::json j, detail::parse_json_strict(text, what, "mapping", &order));
   if (!j.is_object()) return make_error(EINVAL, "{}: mapping is not a JSON object", what);
   FqnMapping out;
-  out.reserve(j.size());
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const auto& v = it.value();
+  out.reserve(order.size());
+  for (const auto& key : order) {
+    const auto& v = j.at(key);
     if (!v.is_number_unsigned() || v.get<uint64_t>() < 1 || v.get<uint64_t>() > 99999) {
       return make_error(EINVAL, "{}: tensor '{}': file index {} is not an integer in 1..99999",
-                        what, it.key(), v.dump());
+                        what, key, detail::dump_safe(v));
     }
-    out.emplace_back(it.key(), static_cast<uint32_t>(v.get<uint64_t>()));
+    out.emplace_back(key, static_cast<uint32_t>(v.get<uint64_t>()));
   }
   return out;
 }

@@ -6,7 +6,8 @@
 namespace ckptfs::format::detail {
 
 Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view what,
-                                         std::string_view kind) {
+                                         std::string_view kind,
+                                         std::vector<std::string>* top_keys) {
   using nlohmann::json;
   std::vector<std::unordered_set<std::string>> keys;
   std::string dup;
@@ -22,6 +23,7 @@ Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view
         if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && dup.empty()) {
           dup = parsed.get<std::string>();
         }
+        if (top_keys && keys.size() == 1) top_keys->push_back(parsed.get<std::string>());
         break;
       default:
         break;

@@ -3,6 +3,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -16,9 +17,12 @@ inline std::string prefix(std::string_view what) {
 }
 
 // Parses JSON, refusing duplicate keys in any object (nlohmann keeps the last one silently;
-// the reference loader refuses them). `kind` names the document in errors.
+// the reference loader refuses them). `kind` names the document in errors. When
+// `top_keys` is given it receives the top-level object's keys in document order (the parsed
+// object is std::map-backed: ordered_json would make large objects quadratic).
 Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view what,
-                                         std::string_view kind);
+                                         std::string_view kind,
+                                         std::vector<std::string>* top_keys = nullptr);
 
 // Dumps JSON, replacing invalid UTF-8 (which error messages may quote from bad input).
 std::string dump_safe(const nlohmann::json& j, int indent = -1);

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "ckptfs/util/result.hpp"
@@ -30,6 +31,18 @@ struct Args {
 // Parses argv (without the program and subcommand). "--help"/"-h" is always accepted.
 // Unknown options are an error naming the option and the command.
 Result<Args> parse_args(std::span<char*> argv, std::span<const OptSpec> spec, std::string_view cmd);
+
+// The common front of every subcommand: parses argv, answers --help (exit 0), refuses
+// unknown options or a wrong number of positional arguments (exit 2). Returns the parsed
+// arguments, or the exit status to return right away.
+struct CommandSpec {
+  std::string_view name;        // "inspect"
+  std::string_view usage;       // full --help text
+  std::string_view positional;  // "DIR", "SRC and DST": used in the error
+  size_t count = 0;             // required positional arguments
+};
+std::variant<Args, int> parse_command(std::span<char*> argv, std::span<const OptSpec> spec,
+                                      const CommandSpec& cmd);
 
 Result<unsigned> parse_unsigned(std::string_view text, std::string_view what);
 
