@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -116,7 +117,15 @@ struct View {
 // the stamps the View was built from.
 struct ShardFds {
   std::vector<UniqueFd> owned;
-  std::vector<int> raw;  // -1 where not needed
+  std::vector<int> raw;                     // -1 where not needed
+  std::atomic<int64_t>* counter = nullptr;  // Impl::open_shard_fds, released on destruction
+  int64_t count = 0;
+  ShardFds() = default;
+  ShardFds(const ShardFds&) = delete;
+  ShardFds& operator=(const ShardFds&) = delete;
+  ~ShardFds() {
+    if (counter) counter->fetch_sub(count);
+  }
 };
 
 namespace {
@@ -209,6 +218,10 @@ struct Filesystem::Impl {
   UniqueFd root;
   uint64_t root_dev = 0, root_ino = 0;
   source::HeaderCache headers;
+  // Shard fds held by open consolidated files, bounded by RLIMIT_NOFILE (less a reserve for
+  // FUSE, passthrough files and the header scans).
+  std::atomic<int64_t> open_shard_fds{0};
+  int64_t fd_budget = 0;
   Notifier* notifier = nullptr;
 
   // Lock order: DirState::mu -> mu_. The header cache has its own leaf lock.
@@ -549,12 +562,27 @@ struct Filesystem::Impl {
     std::lock_guard lock(v->fd_mu);
     if (auto f = v->fds.lock()) return f;
     const auto& ck = *v->ckpt;
+    const auto n = static_cast<int64_t>(ck.shards.size());
+    if (open_shard_fds.fetch_add(n) + n > fd_budget) {
+      open_shard_fds.fetch_sub(n);
+      spdlog::error(
+          "{}: opening its {} shards would pass the fd limit ({} shard fds already open, "
+          "budget {}); raise `ulimit -n`",
+          source_path(v->rel), n, open_shard_fds.load(), fd_budget);
+      return make_error(EMFILE, "shard fd budget exhausted");
+    }
     auto fds = std::make_shared<ShardFds>();
+    fds->counter = &open_shard_fds;
+    fds->count = n;
     fds->owned.resize(ck.shards.size());
     fds->raw.assign(ck.shards.size(), -1);
     CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), v->rel, O_RDONLY | O_DIRECTORY));
     for (uint32_t s = 0; s < ck.shards.size(); ++s) {
       auto fd = open_at(dir.get(), ck.shards[s].name, O_RDONLY | O_NOFOLLOW);
+      if (!fd && fd.error().code != ENOENT) {
+        spdlog::error("{}/{}: {}", source_path(v->rel), ck.shards[s].name, fd.error().message);
+        return std::move(fd).error();
+      }
       struct stat st {};
       if (!fd || ::fstat(fd->get(), &st) != 0 || source::stamp_of(st) != ck.shards[s].stamp) {
         spdlog::warn("{}/{}: changed since the view was built; revalidating", source_path(v->rel),
@@ -587,6 +615,10 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   if (::fstat(impl->root.get(), &st) != 0) {
     return make_error(errno, "{}: cannot stat: {}", source, std::strerror(errno));
   }
+  struct rlimit rl {};
+  ::getrlimit(RLIMIT_NOFILE, &rl);
+  impl->fd_budget =
+      rl.rlim_cur == RLIM_INFINITY ? (1 << 20) : static_cast<int64_t>(rl.rlim_cur) - 256;
   impl->root_dev = static_cast<uint64_t>(st.st_dev);
   impl->root_ino = static_cast<uint64_t>(st.st_ino);
   Node root;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -296,4 +297,18 @@ TEST(Fs, NamesThatCouldEscapeAreRefused) {
   EXPECT_FALSE(t.f->lookup(fs::kRootIno, "..").ok());
   EXPECT_FALSE(t.f->lookup(fs::kRootIno, "a/b").ok());
   EXPECT_FALSE(t.f->lookup(fs::kRootIno, "").ok());
+}
+
+TEST(Fs, ShardFdsAreBoundedByTheFdLimit) {
+  struct rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  struct rlimit low = saved;
+  low.rlim_cur = 256 + 1;  // a budget of one shard fd
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  Fs t;  // two-shard checkpoint
+  ::setrlimit(RLIMIT_NOFILE, &saved);
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto o = t.f->open(file, O_RDONLY);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error().code, EMFILE);
 }
