@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -245,25 +246,37 @@ struct Filesystem::Impl {
     return ino_for_locked(k);
   }
 
-  std::shared_ptr<Node> get(Ino ino) {
+  // A copy of the node, taken under the lock (rel may change when the source is renamed).
+  std::optional<Node> get(Ino ino) {
     std::lock_guard lock(mu_);
     auto it = nodes_.find(ino);
-    return it == nodes_.end() ? nullptr : it->second;
+    if (it == nodes_.end()) return std::nullopt;
+    return *it->second;
   }
 
-  // Registers (or finds) the node for `key` and counts one lookup.
-  std::shared_ptr<Node> remember(const Key& key, Node proto) {
+  // Registers (or finds) the node for `key`, counts one lookup, and returns a copy.
+  Node remember(const Key& key, Node proto) {
     std::lock_guard lock(mu_);
     Ino ino = ino_for_locked(key);
     auto& slot = nodes_[ino];
     if (!slot) {
       proto.ino = ino;
       slot = std::make_shared<Node>(std::move(proto));
-    } else if (slot->kind != Kind::Output && slot->kind != Kind::Index) {
-      slot->rel = proto.rel;  // a real inode may have moved within the source
+    } else {
+      slot->rel = proto.rel;  // the inode (or its directory) may have moved within the source
     }
     slot->nlookup++;
-    return slot;
+    return *slot;
+  }
+
+  // Records the stamp a plain file was opened with; returns whether it matches the last one.
+  bool swap_cached_stamp(Ino ino, const layout::FileStamp& stamp) {
+    std::lock_guard lock(mu_);
+    auto it = nodes_.find(ino);
+    if (it == nodes_.end()) return false;
+    bool same = it->second->cached == stamp;
+    it->second->cached = stamp;
+    return same;
   }
 
   static Kind kind_of(mode_t m) {
@@ -307,7 +320,10 @@ struct Filesystem::Impl {
       return nullptr;
     }
     auto sig = source::signature_of(dirfd->get(), *entries);
-    const int64_t quiet_ns = now_realtime_ns() - sig.newest_mtime_ns;
+    // Quiet since the newest change of any shard, including being moved in (ctime) and the
+    // directory itself being created or renamed into place.
+    const int64_t changed_ns = std::max({sig.newest_change_ns, mtime_ns(dst), ctime_ns(dst)});
+    const int64_t quiet_ns = now_realtime_ns() - changed_ns;
     const int64_t settle_ns =
         std::chrono::duration_cast<std::chrono::nanoseconds>(opts.settle).count();
     const bool settled = quiet_ns >= settle_ns;
@@ -400,7 +416,7 @@ struct Filesystem::Impl {
     st.st_blocks = static_cast<blkcnt_t>((size + 511) / 512);
     st.st_blksize = 1 << 20;
     set_times(st, n.view->mtime_ns);
-    if (auto d = stat_beneath(root.get(), n.view->rel); d.ok()) {
+    if (auto d = stat_beneath(root.get(), n.rel); d.ok()) {
       st.st_uid = d->st_uid;
       st.st_gid = d->st_gid;
     }
@@ -417,20 +433,20 @@ struct Filesystem::Impl {
     proto.rel = rel;
     proto.dev = static_cast<uint64_t>(st.st_dev);
     proto.bino = static_cast<uint64_t>(st.st_ino);
-    auto n = remember(Key{0, proto.dev, proto.bino, 0, {}}, std::move(proto));
-    decorate_real(n->ino, rel, st);
-    return EntryOut{n->ino, st};
+    Node n = remember(Key{0, proto.dev, proto.bino, 0, {}}, std::move(proto));
+    decorate_real(n.ino, rel, st);
+    return EntryOut{n.ino, st};
   }
 
-  Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, Kind kind, uint32_t output,
-                                  const std::string& name) {
+  Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, const std::string& dir_rel,
+                                  Kind kind, uint32_t output, const std::string& name) {
     Node proto;
     proto.kind = kind;
-    proto.rel = v->rel;
+    proto.rel = dir_rel;  // where the checkpoint directory is now (it may have been renamed)
     proto.view = v;
     proto.output = output;
-    auto n = remember(Key{1, v->dir_dev, v->dir_ino, v->generation, name}, std::move(proto));
-    return EntryOut{n->ino, virtual_attr(*n)};
+    Node n = remember(Key{1, v->dir_dev, v->dir_ino, v->generation, name}, std::move(proto));
+    return EntryOut{n.ino, virtual_attr(n)};
   }
 
   Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv) {
@@ -442,9 +458,9 @@ struct Filesystem::Impl {
     if (v->complete) {
       const auto& ck = *v->ckpt;
       for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
-        if (ck.outputs[i].name == name) return lookup_virtual(v, Kind::Output, i, name);
+        if (ck.outputs[i].name == name) return lookup_virtual(v, dir.rel, Kind::Output, i, name);
       }
-      if (name == format::kIndexFileName) return lookup_virtual(v, Kind::Index, 0, name);
+      if (name == format::kIndexFileName) return lookup_virtual(v, dir.rel, Kind::Index, 0, name);
     }
     if (name == kShardsDirName && opts.show_shards) {
       Node proto;
@@ -452,11 +468,11 @@ struct Filesystem::Impl {
       proto.rel = dir.rel;
       proto.dev = static_cast<uint64_t>(dst.st_dev);
       proto.bino = static_cast<uint64_t>(dst.st_ino);
-      auto n = remember(Key{2, proto.dev, proto.bino, 0, {}}, std::move(proto));
+      Node n = remember(Key{2, proto.dev, proto.bino, 0, {}}, std::move(proto));
       struct stat st = dst;
-      st.st_ino = n->ino;
+      st.st_ino = n.ino;
       st.st_mode = S_IFDIR | 0555;
-      return EntryOut{n->ino, st};
+      return EntryOut{n.ino, st};
     }
     if (name == format::kHfMetadataDir || is_model_output_name(name) ||
         format::looks_like_shard_name(name)) {
@@ -558,7 +574,10 @@ struct Filesystem::Impl {
 
   // --- opening ---------------------------------------------------------------------------
 
-  Result<std::shared_ptr<const ShardFds>> shard_fds(const std::shared_ptr<const View>& v) {
+  // Opens the shards of View `v`, whose directory is now at `rel` (it may have been renamed
+  // since the View was built; its identity is checked).
+  Result<std::shared_ptr<const ShardFds>> shard_fds(const std::shared_ptr<const View>& v,
+                                                    const std::string& rel) {
     std::lock_guard lock(v->fd_mu);
     if (auto f = v->fds.lock()) return f;
     const auto& ck = *v->ckpt;
@@ -568,7 +587,7 @@ struct Filesystem::Impl {
       spdlog::error(
           "{}: opening its {} shards would pass the fd limit ({} shard fds already open, "
           "budget {}); raise `ulimit -n`",
-          source_path(v->rel), n, open_shard_fds.load(), fd_budget);
+          source_path(rel), n, open_shard_fds.load(), fd_budget);
       return make_error(EMFILE, "shard fd budget exhausted");
     }
     auto fds = std::make_shared<ShardFds>();
@@ -576,16 +595,21 @@ struct Filesystem::Impl {
     fds->count = n;
     fds->owned.resize(ck.shards.size());
     fds->raw.assign(ck.shards.size(), -1);
-    CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), v->rel, O_RDONLY | O_DIRECTORY));
+    auto dir = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
+    struct stat dst {};
+    if (!dir || ::fstat(dir->get(), &dst) != 0 || static_cast<uint64_t>(dst.st_dev) != v->dir_dev ||
+        static_cast<uint64_t>(dst.st_ino) != v->dir_ino) {
+      return make_error(ESTALE, "{}: checkpoint directory moved", rel);
+    }
     for (uint32_t s = 0; s < ck.shards.size(); ++s) {
-      auto fd = open_at(dir.get(), ck.shards[s].name, O_RDONLY | O_NOFOLLOW);
+      auto fd = open_at(dir->get(), ck.shards[s].name, O_RDONLY | O_NOFOLLOW);
       if (!fd && fd.error().code != ENOENT) {
-        spdlog::error("{}/{}: {}", source_path(v->rel), ck.shards[s].name, fd.error().message);
+        spdlog::error("{}/{}: {}", source_path(rel), ck.shards[s].name, fd.error().message);
         return std::move(fd).error();
       }
       struct stat st {};
       if (!fd || ::fstat(fd->get(), &st) != 0 || source::stamp_of(st) != ck.shards[s].stamp) {
-        spdlog::warn("{}/{}: changed since the view was built; revalidating", source_path(v->rel),
+        spdlog::warn("{}/{}: changed since the view was built; revalidating", source_path(rel),
                      ck.shards[s].name);
         return make_error(ESTALE, "{}: shard changed", ck.shards[s].name);
       }
@@ -721,7 +745,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags) {
   OpenOut out;
   switch (n->kind) {
     case Kind::Output: {
-      auto fds = impl_->shard_fds(n->view);
+      auto fds = impl_->shard_fds(n->view, n->rel);
       if (!fds) {
         impl_->force_revalidate(*n->view);
         return std::move(fds).error();
@@ -745,11 +769,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags) {
         return make_error(ESTALE, "{}: replaced", n->rel);
       }
       auto stamp = source::stamp_of(st);
-      {
-        std::lock_guard lock(impl_->mu_);
-        out.keep_cache = n->cached == stamp;
-        n->cached = stamp;
-      }
+      out.keep_cache = impl_->swap_cached_stamp(n->ino, stamp);
       h->reader = std::make_shared<PassthroughReader>(
           std::move(fd), static_cast<uint64_t>(st.st_size), impl_->source_path(n->rel));
       break;

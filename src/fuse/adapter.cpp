@@ -321,11 +321,15 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   if (!r) return reply_error(req, r.error(), "open");
   fi->fh = r->fh;
   fi->keep_cache = r->keep_cache;
+  // Take what the prefetcher needs before replying: once the reply is out, the kernel may
+  // send RELEASE on another thread and the handle is gone.
+  std::shared_ptr<const fs::FileReader> reader;
+  if (c.prefetch && r->is_virtual) reader = c.fs->reader(r->fh);
   if (fuse_reply_open(req, fi) != 0) {
     c.fs->release(r->fh);  // the opener went away
     return;
   }
-  if (c.prefetch && r->is_virtual) c.prefetch->on_open(ino, c.fs->reader(r->fh));
+  if (reader) c.prefetch->on_open(ino, std::move(reader));
 }
 
 void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info* fi) {
@@ -537,13 +541,15 @@ void set_read_ahead(const std::string& dev, unsigned kb) {
 }
 
 void setup_background_logging(const MountOptions& o) {
+  const auto level = spdlog::get_level();
+  spdlog::drop("ckptfs");  // the foreground logger of the same name (also the default one)
   std::shared_ptr<spdlog::logger> logger;
   if (!o.log_file.empty()) {
     logger = spdlog::basic_logger_mt("ckptfs", o.log_file);
   } else {
     logger = spdlog::syslog_logger_mt("ckptfs", "ckptfs", LOG_PID, LOG_DAEMON);
   }
-  logger->set_level(spdlog::get_level());
+  logger->set_level(level);
   logger->flush_on(spdlog::level::info);
   spdlog::set_default_logger(logger);
 }
@@ -613,7 +619,9 @@ int run_mount(const MountOptions& o) {
     fsys.set_notifier(nullptr);
   }
   spdlog::info("unmounting {}", o.mountpoint);
-  return rc == 0 ? 0 : 1;
+  // libfuse returns the number of the signal that ended the loop (SIGTERM, SIGINT, SIGHUP):
+  // that is a clean unmount too. Only a negative value is an error.
+  return rc >= 0 ? 0 : 1;
 }
 
 }  // namespace ckptfs::fuse

@@ -65,10 +65,12 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
     if (!is_shard_entry(e)) continue;
     sig.files.emplace_back(e.name, stamp_of(e.st));
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(e.st));
+    sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(e.st), ctime_ns(e.st)});
   }
   if (auto st = stat_beneath(dirfd, kMappingRel); st.ok()) {
     sig.files.emplace_back(kMappingRel, stamp_of(*st));
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(*st));
+    sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(*st), ctime_ns(*st)});
   }
   return sig;
 }

@@ -37,7 +37,8 @@ bool has_shards(const std::vector<DirEntry>& entries);
 // What the checkpoint build depends on: each shard's and the mapping file's stamp.
 struct Signature {
   std::vector<std::pair<std::string, layout::FileStamp>> files;
-  int64_t newest_mtime_ns = 0;
+  int64_t newest_mtime_ns = 0;   // newest content change of any input
+  int64_t newest_change_ns = 0;  // newest mtime or ctime (a rename-in changes only ctime)
   bool operator==(const Signature& o) const { return files == o.files; }
 };
 Signature signature_of(int dirfd, const std::vector<DirEntry>& entries);
