@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -101,7 +102,8 @@ uint64_t mem_available() {
 // `kQueue` pushes wait.
 class Prefetcher {
  public:
-  Prefetcher(fuse_session* se, unsigned threads) : se_(se) {
+  // `lead`: bytes after a read miss that the kernel's own read-ahead will request anyway.
+  Prefetcher(fuse_session* se, unsigned threads, uint64_t lead) : se_(se), lead_(lead) {
     for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
   }
   ~Prefetcher() {
@@ -119,8 +121,21 @@ class Prefetcher {
     }
     request(ino, std::move(reader), 0);
   }
+  // A read reached the daemon up to `off`: the kernel's read-ahead covers the next `lead_`
+  // bytes, so a running push skips ahead of that window instead of duplicating it.
   void on_miss(fs::Ino ino, const std::shared_ptr<const fs::FileReader>& reader, uint64_t off) {
-    request(ino, reader, off);
+    {
+      std::lock_guard lock(mu_);
+      auto it = running_.find(ino);
+      if (it != running_.end()) {
+        uint64_t want = off + lead_;
+        uint64_t cur = it->second->load();
+        while (cur < want && !it->second->compare_exchange_weak(cur, want)) {
+        }
+        return;
+      }
+    }
+    request(ino, reader, off + lead_);
   }
 
  private:
@@ -132,6 +147,7 @@ class Prefetcher {
     fs::Ino ino;
     std::shared_ptr<const fs::FileReader> reader;
     uint64_t start;
+    std::shared_ptr<std::atomic<uint64_t>> floor;  // never push below this (readers are there)
   };
 
   void request(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader, uint64_t off) {
@@ -139,8 +155,9 @@ class Prefetcher {
       std::lock_guard lock(mu_);
       if (stop_ || running_.count(ino) || q_.size() >= kQueue) return;
       if (off >= reader->size()) return;
-      running_.insert(ino);
-      q_.push_back({ino, std::move(reader), off - off % kChunk});
+      auto floor = std::make_shared<std::atomic<uint64_t>>(off);
+      running_.emplace(ino, floor);
+      q_.push_back({ino, std::move(reader), off - off % kChunk, std::move(floor)});
     }
     cv_.notify_one();
   }
@@ -165,9 +182,11 @@ class Prefetcher {
     uint64_t avail = mem_available();
     if (avail < kReserve + kChunk) return;
     const uint64_t end = std::min(size, job.start + (avail - kReserve) / 2);
+    uint64_t pushed = 0;
     for (uint64_t off = job.start; off < end; off += kChunk) {
-      if ((off - job.start) % (256 * kChunk) == 0 && off != job.start &&
-          mem_available() < kReserve) {
+      if (uint64_t floor = job.floor->load(); floor > off) off = floor - floor % kChunk;
+      if (off >= end) break;
+      if (++pushed % 256 == 0 && mem_available() < kReserve) {
         spdlog::debug("prefetch of inode {} paused at {}: memory is short", job.ino, off);
         return;
       }
@@ -193,11 +212,13 @@ class Prefetcher {
   }
 
   fuse_session* se_;
+  uint64_t lead_;
   std::mutex mu_;  // guards q_, running_, opened_ and stop_
   std::condition_variable cv_;
   std::deque<Job> q_;
-  std::set<fs::Ino> running_;  // inodes with a queued or running push
-  std::set<fs::Ino> opened_;   // inodes whose first open already triggered a push
+  // Inodes with a queued or running push, and the offset below which it must not push.
+  std::map<fs::Ino, std::shared_ptr<std::atomic<uint64_t>>> running_;
+  std::set<fs::Ino> opened_;  // inodes whose first open already triggered a push
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };
@@ -606,7 +627,10 @@ int run_mount(const MountOptions& o) {
     NotifyQueue notify(se.get());
     fsys.set_notifier(&notify);
     std::unique_ptr<Prefetcher> pf;
-    if (o.prefetch) pf = std::make_unique<Prefetcher>(se.get(), o.prefetch_threads);
+    if (o.prefetch) {
+      pf = std::make_unique<Prefetcher>(se.get(), o.prefetch_threads,
+                                        uint64_t{std::max(o.read_ahead_kb, 128u)} << 10);
+    }
     c.prefetch = pf.get();
     fuse_loop_config* cfg = fuse_loop_cfg_create();
     fuse_loop_cfg_set_clone_fd(cfg, 1);
