@@ -17,7 +17,7 @@ Measures, side by side in one run (the machine is noisy: compare ratios, not abs
 --dir on tmpfs only the FUSE side is cold; on a disk-backed --dir both are.
 
 Usage: sudo tools/bench_read.py [--dir /dev/shm/ckptfs-bench] [--size-mb 1024] [--repeat 3]
-                               [--bin build/src/ckptfs] [--splice]
+                               [--bin build/src/ckptfs] [--splice] [--mount-opt OPT ...]
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
     ap.add_argument("--splice", action="store_true", help="mount with -o splice=on")
+    ap.add_argument("--mount-opt", action="append", default=[], help="extra -o option (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
     args = ap.parse_args()
 
@@ -211,7 +212,7 @@ def main() -> int:
         open(stamp, "w").close()
     make_many(src)
     mnt = os.path.join(args.dir, "mnt")
-    base = ["settle=0", f"splice={'on' if args.splice else 'off'}"]
+    base = ["settle=0", f"splice={'on' if args.splice else 'off'}", *args.mount_opt]
     rows = []
 
     def row(name, value, unit, note=""):
