@@ -1,6 +1,9 @@
 // `ckptfs mount SRC MNT` and the mount.fuse3 form `ckptfs SRC MNT -o opts`.
 #include <sys/stat.h>
 
+#include <limits.h>
+#include <stdlib.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
@@ -156,6 +159,16 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
   if (::stat(o.mountpoint.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     fmt::print(stderr, "ckptfs mount: {}: mount point is not a directory\n", o.mountpoint);
     return 1;
+  }
+  // A mount point inside the source is hidden from the view (it is the view itself).
+  char src_real[PATH_MAX], mnt_real[PATH_MAX];
+  if (::realpath(o.source.c_str(), src_real) && ::realpath(o.mountpoint.c_str(), mnt_real)) {
+    std::string s = src_real, m = mnt_real;
+    if (s != "/" && m.size() > s.size() && m.starts_with(s) && m[s.size()] == '/') {
+      o.fs.hide_rel = m.substr(s.size() + 1);
+    } else if (s == "/" && m != "/") {
+      o.fs.hide_rel = m.substr(1);
+    }
   }
   return fuse::run_mount(o);
 }

@@ -308,7 +308,7 @@ struct Filesystem::Impl {
 
     auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
     if (!dirfd) return st->view;  // vanished: keep serving what open files hold
-    auto entries = source::list_dir(dirfd->get());
+    auto entries = source::list_dir(dirfd->get(), hidden_child(rel));
     if (!entries) return st->view;
     const bool is_ckpt = source::has_shards(*entries);
     std::shared_ptr<const View> old = st->view;
@@ -449,8 +449,22 @@ struct Filesystem::Impl {
     return EntryOut{n.ino, virtual_attr(n)};
   }
 
+  // The name in directory `rel` that must never be stat'ed (see Options::hide_rel).
+  std::string_view hidden_child(const std::string& rel) const {
+    const auto& h = opts.hide_rel;
+    if (h.empty()) return {};
+    if (rel.empty())
+      return h.find('/') == std::string::npos ? std::string_view(h) : std::string_view();
+    if (h.size() > rel.size() + 1 && h.starts_with(rel) && h[rel.size()] == '/' &&
+        h.find('/', rel.size() + 1) == std::string::npos) {
+      return std::string_view(h).substr(rel.size() + 1);
+    }
+    return {};
+  }
+
   Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv) {
     std::string name(name_sv);
+    if (name == hidden_child(dir.rel)) return make_error(ENOENT, "the mount point itself");
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     auto v = view_of(dir.rel, dst, dir.ino);
     const std::string rel = join_rel(dir.rel, name);
@@ -509,7 +523,7 @@ struct Filesystem::Impl {
   Result<std::vector<DirEntryOut>> list(const Node& dir) {
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     CKPTFS_TRY(UniqueFd fd, open_beneath(root.get(), dir.rel, O_RDONLY | O_DIRECTORY));
-    CKPTFS_TRY(auto entries, source::list_dir(fd.get()));
+    CKPTFS_TRY(auto entries, source::list_dir(fd.get(), hidden_child(dir.rel)));
     std::vector<DirEntryOut> out;
     auto real = [&](const source::DirEntry& e) {
       out.push_back(DirEntryOut{

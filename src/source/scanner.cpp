@@ -20,7 +20,7 @@ const std::string kMappingRel =
 
 }  // namespace
 
-Result<std::vector<DirEntry>> list_dir(int dirfd) {
+Result<std::vector<DirEntry>> list_dir(int dirfd, std::string_view skip) {
   int dup = ::openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dup < 0) {
     int e = errno;
@@ -36,7 +36,7 @@ Result<std::vector<DirEntry>> list_dir(int dirfd) {
   errno = 0;
   while (struct dirent* de = ::readdir(d)) {
     std::string_view name(de->d_name);
-    if (name == "." || name == "..") continue;
+    if (name == "." || name == ".." || (!skip.empty() && name == skip)) continue;
     DirEntry e;
     e.name = std::string(name);
     if (::fstatat(dirfd, de->d_name, &e.st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // raced away

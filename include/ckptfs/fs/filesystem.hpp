@@ -40,6 +40,9 @@ struct Options {
   std::chrono::milliseconds revalidate{1000};  // TTL of a directory's cached view
   std::chrono::milliseconds settle{1000};      // quiet time before a checkpoint shows
   layout::BuildOptions build;
+  // A path relative to the source that is never looked at: the mount point itself when it
+  // lies inside the source (stat'ing it would call the daemon from inside the daemon).
+  std::string hide_rel;
 };
 
 // Told when names or inodes the kernel may cache have changed. Implementations must not call

@@ -25,8 +25,9 @@ struct DirEntry {
   struct stat st {};  // lstat: symlinks are not followed
 };
 
-// Every entry of an open directory except "." and "..", sorted by name.
-Result<std::vector<DirEntry>> list_dir(int dirfd);
+// Every entry of an open directory except "." and ".." and `skip` (never even stat'ed: the
+// view's own mount point when it lies inside the source), sorted by name.
+Result<std::vector<DirEntry>> list_dir(int dirfd, std::string_view skip = {});
 
 layout::FileStamp stamp_of(const struct stat& st);
 // Any entry named like a rank shard (shard-*.safetensors), whatever its type: it belongs to

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# ckptfs demo, end to end, on a fresh Debian 12 machine (as root). Idempotent; run from anywhere.
+#   1. tools/setup.sh: Debian packages + the Python venv (torch, transformers, safetensors)
+#   2. build: meson setup build (first time only) + ninja -C build, under a build lock
+#   3. generate a small Llama checkpoint as REAL torch DCP rank shards: fsdp_tp on 4 ranks
+#      (dp 2 x tp 2), NeMo AutoModel layout (tools/gen_checkpoint.py), plus its
+#      save_pretrained reference; reused on later runs
+#   4. ckptfs mount SRC MNT
+#   5. tools/demo.py: from_pretrained(MNT/.../model), checked against the reference (tensors,
+#      logits, greedy generation from fixed token ids), and timed against "consolidate with
+#      torch first, then load"; one summary line
+#   6. unmount (always, from a trap)
+# Exit status: non-zero if any step or check fails. Needs no network beyond apt and PyPI
+# (set-up only); nothing is fetched from the HuggingFace hub.
+# Environment: CKPTFS_DEMO_DIR (work dir, default /tmp/ckptfs-demo), CKPTFS_CACHE (venv, see setup.sh)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+WORK=${CKPTFS_DEMO_DIR:-/tmp/ckptfs-demo}
+SRC=$WORK/src                       # what is mounted: a training run with one step
+CK=$SRC/run/step_1000               # the checkpoint (NeMo layout: shards in $CK/model/)
+REF=$WORK/reference/step_1000       # save_pretrained output of the same model
+MNT=$WORK/mnt
+BIN=$ROOT/build/src/ckptfs
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+GEN_OPTS=(--layout fsdp_tp --world 4 --tp 2 --nemo --files 2 --layers 4 --hidden 512
+          --intermediate 1408 --heads 8 --kv-heads 4 --vocab 16000 --dtype bf16 --seed 0)
+
+step() { printf '\n=== %s\n' "$*"; }
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+
+step "1/6 set-up (tools/setup.sh)"
+VENV=$(tools/setup.sh | tail -n 1)
+PY=$VENV/bin/python
+echo "venv: $VENV ($("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+
+step "2/6 build"
+mkdir -p "$WORK"
+if ! flock /tmp/ckptfs-build.lock bash -c '[[ -f build/build.ninja ]] || meson setup build; ninja -C build' \
+     >"$WORK/build.log" 2>&1; then
+  tail -n 40 "$WORK/build.log"
+  echo "demo: build failed (full log: $WORK/build.log)" >&2
+  exit 1
+fi
+tail -n 1 "$WORK/build.log"
+"$BIN" --help | head -n 1
+
+step "3/6 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
+stamp=$WORK/generated.json          # written last: an interrupted generation is redone
+want="${GEN_OPTS[*]}"
+if [[ -f $stamp ]] && [[ "$(sed -n 1p "$stamp")" == "$want" ]] &&
+   (($(find "$CK/model" -maxdepth 1 -name 'shard-*.safetensors' 2>/dev/null | wc -l) == 4)) &&
+   [[ -f $REF/config.json ]]; then
+  echo "reusing $CK (generated earlier with: $want)"
+else
+  rm -rf "$CK" "$REF" "$stamp"
+  mkdir -p "$(dirname "$CK")" "$(dirname "$REF")"
+  summary=$("$PY" tools/gen_checkpoint.py "$CK" --reference "$REF" "${GEN_OPTS[@]}" | tail -n 1)
+  printf '%s\n%s\n' "$want" "$summary" >"$stamp"
+fi
+find "$CK" -type f -printf '  %12s B  %P\n' | sort -k3
+
+step "4/6 mount"
+DAEMON=
+# shellcheck disable=SC2317  # invoked from the trap
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if grep -qs " $MNT fuse" /proc/mounts; then
+    for _ in $(seq 50); do
+      fusermount3 -u "$MNT" 2>/dev/null && break
+      sleep 0.1
+    done
+    grep -qs " $MNT fuse" /proc/mounts && fusermount3 -u -z "$MNT" 2>/dev/null
+    echo "unmounted $MNT"
+  fi
+  if [[ -n $DAEMON ]]; then
+    for _ in $(seq 100); do kill -0 "$DAEMON" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$DAEMON" 2>/dev/null && kill "$DAEMON" 2>/dev/null
+    wait "$DAEMON" 2>/dev/null || true
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+if grep -qs " $MNT fuse" /proc/mounts; then   # left over from an interrupted run
+  fusermount3 -u "$MNT" 2>/dev/null || fusermount3 -u -z "$MNT"
+fi
+mkdir -p "$MNT"
+# Foreground daemon in the background: this script knows its pid (for the RSS report and a
+# clean wait at the end), and its log goes to $WORK/ckptfs.log.
+t0=$(now_ms)
+"$BIN" mount "$SRC" "$MNT" -f >"$WORK/ckptfs.log" 2>&1 &
+DAEMON=$!
+for _ in $(seq 200); do
+  grep -qs " $MNT fuse" /proc/mounts && break
+  kill -0 "$DAEMON" 2>/dev/null || { cat "$WORK/ckptfs.log"; echo "demo: ckptfs mount failed" >&2; exit 1; }
+  sleep 0.05
+done
+grep -qs " $MNT fuse" /proc/mounts || { cat "$WORK/ckptfs.log"; echo "demo: no mount after 10 s" >&2; exit 1; }
+ms=$(($(now_ms) - t0))
+mount_s=$((ms / 1000)).$(printf '%03d' $((ms % 1000)))
+echo "$BIN mount $SRC $MNT   (daemon pid $DAEMON, log $WORK/ckptfs.log)"
+
+step "5/6 from_pretrained through the mount, checked against the original model"
+status=0
+"$PY" tools/demo.py --view "$MNT/run/step_1000/model" --shards "$CK/model" --reference "$REF" \
+  --daemon-pid "$DAEMON" --mount-seconds "$mount_s" --work "$WORK" || status=$?
+
+step "6/6 unmount"
+exit "$status"
