@@ -24,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_read import ROOT, drop_caches, make_data  # noqa: E402
+from bench_read import ROOT, drop_caches, ensure_data  # noqa: E402
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
@@ -49,13 +49,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
 
-    src = os.path.join(args.dir, "src")
-    stamp = os.path.join(src, f".size-{args.size_mb}")
-    if not os.path.exists(stamp):
-        shutil.rmtree(src, ignore_errors=True)
-        os.makedirs(src)
-        make_data(src, args.size_mb << 20)
-        open(stamp, "w").close()
+    src = ensure_data(args.dir, args.size_mb)
     out = os.path.join(args.dir, "out")
     print(f"{'layout':8s} {'cp s':>8s} {'ckptfs s':>9s} {'speed ratio':>12s} {'cp RSS MB':>10s} {'ckptfs RSS MB':>14s}")
     for layout in ("row", "col"):

@@ -192,6 +192,25 @@ def unmount(mnt: str, daemon: subprocess.Popen):
         daemon.wait()
 
 
+def start_mount(st: dict, a):
+    """Starts `ckptfs mount -f` on st["src"] and waits until the view shows the index.
+    Returns (daemon, log file, view path)."""
+    mnt = st["mnt"]
+    os.makedirs(mnt, exist_ok=True)
+    logf = open(mnt + ".log", "w")
+    daemon = subprocess.Popen([a.bin, "mount", st["src"], mnt, "-f", *a.mount_args],
+                              stdout=logf, stderr=subprocess.STDOUT)
+    view = os.path.join(mnt, "ckpt")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(view, "model.safetensors.index.json")):
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            unmount(mnt, daemon)
+            logf.close()
+            raise RuntimeError("ckptfs mount failed: " + open(mnt + ".log").read())
+        time.sleep(0.005)
+    return daemon, logf, view
+
+
 def run_variant(v: str, st: dict, a, cold: bool, hot: bool = False) -> dict:
     child = Child(a.python, st["tiny"])
     if cold:
@@ -199,18 +218,8 @@ def run_variant(v: str, st: dict, a, cold: bool, hot: bool = False) -> dict:
     if v == "a" and hot:
         # The mount stays up: an untimed load fills its page cache, then a fresh child
         # loads again through the same mount (re-loading a checkpoint that is mounted).
-        mnt = st["mnt"]
-        os.makedirs(mnt, exist_ok=True)
-        logf = open(st["mnt"] + ".log", "w")
-        daemon = subprocess.Popen([a.bin, "mount", st["src"], mnt, "-f", *a.mount_args],
-                                  stdout=logf, stderr=subprocess.STDOUT)
+        daemon, logf, view = start_mount(st, a)
         try:
-            view = os.path.join(mnt, "ckpt")
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(view, "model.safetensors.index.json")):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("ckptfs mount failed: " + open(st["mnt"] + ".log").read())
-                time.sleep(0.005)
             child.run({"op": "load", "path": view})
             second = Child(a.python, st["tiny"])
             t0 = time.perf_counter()
@@ -219,30 +228,20 @@ def run_variant(v: str, st: dict, a, cold: bool, hot: bool = False) -> dict:
             r["mount_s"] = 0.0
             r["daemon_hwm_mb"] = vm_hwm_mb(daemon.pid)
         finally:
-            unmount(mnt, daemon)
+            unmount(st["mnt"], daemon)
             logf.close()
         return r
     if v == "a":
-        mnt = st["mnt"]
-        os.makedirs(mnt, exist_ok=True)
-        logf = open(st["mnt"] + ".log", "w")
         t0 = time.perf_counter()
-        daemon = subprocess.Popen([a.bin, "mount", st["src"], mnt, "-f", *a.mount_args],
-                                  stdout=logf, stderr=subprocess.STDOUT)
+        daemon, logf, view = start_mount(st, a)
         try:
-            view = os.path.join(mnt, "ckpt")
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(view, "model.safetensors.index.json")):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("ckptfs mount failed: " + open(st["mnt"] + ".log").read())
-                time.sleep(0.005)
             t_mount = time.perf_counter() - t0
             r = child.run({"op": "load", "path": view})
             r["total_s"] = r.pop("t_done") - t0
             r["mount_s"] = t_mount
             r["daemon_hwm_mb"] = vm_hwm_mb(daemon.pid)
         finally:
-            unmount(mnt, daemon)
+            unmount(st["mnt"], daemon)
             logf.close()
         return r
     if v == "b":

@@ -89,6 +89,18 @@ def make_data(root: str, size: int, ranks: int = 8) -> None:
             remaining -= len(chunk)
 
 
+def ensure_data(root: str, size_mb: int) -> str:
+    """Generates row/, col/ and plain/ under root/src once per size; returns root/src."""
+    src = os.path.join(root, "src")
+    stamp = os.path.join(src, f".size-{size_mb}")
+    if not os.path.exists(stamp):
+        shutil.rmtree(src, ignore_errors=True)
+        os.makedirs(src)
+        make_data(src, size_mb << 20)
+        open(stamp, "w").close()
+    return src
+
+
 def make_many(root: str, shards: int = 1000, tensors: int = 10000) -> None:
     d = os.path.join(root, "many")
     if os.path.isdir(d):
@@ -203,13 +215,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
     args = ap.parse_args()
 
-    src = os.path.join(args.dir, "src")
-    stamp = os.path.join(src, f".size-{args.size_mb}")
-    if not os.path.exists(stamp):
-        shutil.rmtree(src, ignore_errors=True)
-        os.makedirs(src)
-        make_data(src, args.size_mb << 20)
-        open(stamp, "w").close()
+    src = ensure_data(args.dir, args.size_mb)
     make_many(src)
     mnt = os.path.join(args.dir, "mnt")
     base = ["settle=0", f"splice={'on' if args.splice else 'off'}", *args.mount_opt]

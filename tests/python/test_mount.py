@@ -97,6 +97,16 @@ def consolidate(src, dst) -> pathlib.Path:
     return pathlib.Path(dst)
 
 
+def entry_of(p) -> tuple:
+    """('dir', None) | ('file', bytes) | ('link', target), symlinks not followed."""
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):
+        return ("link", os.readlink(p))
+    if stat.S_ISDIR(st.st_mode):
+        return ("dir", None)
+    return ("file", read(p))
+
+
 def snapshot(top) -> dict:
     """rel path -> ('dir', None) | ('file', bytes) | ('link', target), symlinks not followed."""
     out = {}
@@ -104,14 +114,7 @@ def snapshot(top) -> dict:
         rel = os.path.relpath(dirpath, top)
         rel = "" if rel == "." else rel
         for n in dirnames + filenames:
-            p, r = os.path.join(dirpath, n), os.path.join(rel, n)
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                out[r] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[r] = ("dir", None)
-            else:
-                out[r] = ("file", read(p))
+            out[os.path.join(rel, n)] = entry_of(os.path.join(dirpath, n))
     return out
 
 
@@ -128,14 +131,7 @@ def expected_snapshot(src, consolidated: dict[str, pathlib.Path]) -> dict:
             dirnames[:] = [d for d in dirnames if d != ".hf_metadata"]
             filenames = [f for f in filenames if not SHARD_RE.match(f) and not is_model_output(f)]
         for n in dirnames + filenames:
-            p, r = os.path.join(dirpath, n), os.path.join(rel, n)
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                out[r] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[r] = ("dir", None)
-            else:
-                out[r] = ("file", read(p))
+            out[os.path.join(rel, n)] = entry_of(os.path.join(dirpath, n))
         if ck is not None:
             for n in os.listdir(ck):
                 out[os.path.join(rel, n)] = ("file", read(ck / n))
