@@ -109,6 +109,8 @@ struct View {
   bool complete = false;  // valid and settled: consolidated files are shown
   std::string rel;        // checkpoint directory, relative to the source root
   uint64_t dir_dev = 0, dir_ino = 0;
+  uid_t uid = 0;  // owner of the checkpoint directory, shown as the owner of its files
+  gid_t gid = 0;
 
   mutable std::mutex fd_mu;  // guards fds
   mutable std::weak_ptr<const struct ShardFds> fds;
@@ -354,6 +356,8 @@ struct Filesystem::Impl {
     v->rel = rel;
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
+    v->uid = dst.st_uid;
+    v->gid = dst.st_gid;
     st->is_checkpoint = true;
     st->sig = std::move(sig);
     st->view = v;
@@ -416,10 +420,8 @@ struct Filesystem::Impl {
     st.st_blocks = static_cast<blkcnt_t>((size + 511) / 512);
     st.st_blksize = 1 << 20;
     set_times(st, n.view->mtime_ns);
-    if (auto d = stat_beneath(root.get(), n.rel); d.ok()) {
-      st.st_uid = d->st_uid;
-      st.st_gid = d->st_gid;
-    }
+    st.st_uid = n.view->uid;
+    st.st_gid = n.view->gid;
     return st;
   }
 
