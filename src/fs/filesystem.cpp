@@ -193,14 +193,13 @@ struct FileHandle {
 
 }  // namespace
 
-Result<size_t> FileReader::read(uint64_t off, size_t len, char* dst) const {
-  ReadPlan p;
-  plan(off, len, p);
-  if (p.src.ckpt == nullptr && !p.segs.empty() && !p.segs[0].is_memory()) {
-    // Passthrough: a plain pread, short at end of file.
+Result<size_t> execute(const ReadPlan& p, char* dst) {
+  if (p.passthrough()) {
+    const auto& seg = p.segs[0];
     size_t done = 0;
-    while (done < len) {
-      ssize_t n = ::pread(p.src.fds[0], dst + done, len - done, static_cast<off_t>(off + done));
+    while (done < seg.len) {
+      ssize_t n =
+          ::pread(p.src.fds[0], dst + done, seg.len - done, static_cast<off_t>(seg.src + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) {
         int e = errno;
@@ -213,6 +212,12 @@ Result<size_t> FileReader::read(uint64_t off, size_t len, char* dst) const {
   }
   CKPTFS_CHECK(gather(p.src, p.segs, dst));
   return static_cast<size_t>(p.size);
+}
+
+Result<size_t> FileReader::read(uint64_t off, size_t len, char* dst) const {
+  ReadPlan p;
+  plan(off, len, p);
+  return execute(p, dst);
 }
 
 struct Filesystem::Impl {
@@ -427,8 +432,7 @@ struct Filesystem::Impl {
 
   // --- lookups ---------------------------------------------------------------------------
 
-  Result<EntryOut> lookup_real(const std::string& rel, bool follow_ok = true) {
-    (void)follow_ok;
+  Result<EntryOut> lookup_real(const std::string& rel) {
     CKPTFS_TRY(struct stat st, stat_beneath(root.get(), rel));
     Node proto;
     proto.kind = kind_of(st.st_mode);

@@ -363,8 +363,7 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
   if (c.prefetch && plan.src.ckpt != nullptr) {
     c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off) + size);
   }
-  const bool passthrough =
-      plan.src.ckpt == nullptr && plan.segs.size() == 1 && !plan.segs[0].is_memory();
+  const bool passthrough = plan.passthrough();
   if (c.opts->splice && (passthrough || plan.segs.size() <= 16)) {
     // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory.
     const size_t n = plan.segs.size();
@@ -389,23 +388,9 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
     fuse_reply_data(req, bv, FUSE_BUF_SPLICE_MOVE);
     return;
   }
-  if (passthrough) {
-    size_t done = 0;
-    while (done < size) {
-      ssize_t n = ::pread(plan.src.fds[0], buf.data() + done, size - done,
-                          static_cast<off_t>(off) + static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0)
-        return reply_error(req, make_error(errno, "{}: read failed", plan.src.file), "read");
-      if (n == 0) break;
-      done += static_cast<size_t>(n);
-    }
-    fuse_reply_buf(req, buf.data(), done);
-    return;
-  }
-  auto g = fs::gather(plan.src, plan.segs, buf.data());
-  if (!g) return reply_error(req, g.error(), "read");
-  fuse_reply_buf(req, buf.data(), plan.size);
+  auto n = fs::execute(plan, buf.data());
+  if (!n) return reply_error(req, n.error(), "read");
+  fuse_reply_buf(req, buf.data(), *n);
 }
 
 void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {

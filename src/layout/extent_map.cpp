@@ -31,7 +31,6 @@ struct RunPos {
 
 inline RunPos run_at(const Tensor& t, const Chunk& c, const uint64_t* x) {
   const size_t k = c.run_dim;
-  const size_t r = t.shape.size();
   uint64_t out = c.offsets[k] * t.strides[k];
   uint64_t in = 0;
   uint64_t cstride = c.sizes[k] * t.strides[k];  // chunk stride of dim k-1
@@ -40,7 +39,6 @@ inline RunPos run_at(const Tensor& t, const Chunk& c, const uint64_t* x) {
     in += (x[d] - c.offsets[d]) * cstride;
     cstride *= c.sizes[d];
   }
-  (void)r;
   return RunPos{out, in, c.sizes[k] * t.strides[k]};
 }
 
@@ -142,7 +140,6 @@ void chunk_runs(const Checkpoint& ckpt, uint32_t ti, uint32_t ci, std::vector<Ru
     out.push_back(Run{t.out_offset, c.file_offset, t.nbytes});
     return;
   }
-  const size_t r = t.shape.size();
   const size_t k = c.run_dim;
   std::vector<uint64_t> x(c.offsets.begin(), c.offsets.end());
   while (true) {
@@ -168,7 +165,6 @@ void chunk_runs(const Checkpoint& ckpt, uint32_t ti, uint32_t ci, std::vector<Ru
     }
     if (done) break;
   }
-  (void)r;
 }
 
 }  // namespace ckptfs::layout

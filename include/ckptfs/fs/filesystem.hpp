@@ -71,7 +71,15 @@ struct ReadPlan {
   std::vector<layout::Segment> segs;
   GatherSource src;
   uint64_t size = 0;  // bytes planned (short at end of file)
+
+  // A plain file: one run of one fd, read like the file (short at its current end).
+  [[nodiscard]] bool passthrough() const {
+    return src.ckpt == nullptr && segs.size() == 1 && !segs[0].is_memory();
+  }
 };
+
+// Copies the bytes of a plan into `dst` (at least plan.size bytes); returns how many.
+Result<size_t> execute(const ReadPlan& plan, char* dst);
 
 // Everything a read of one open file depends on, kept alive by handles and the prefetcher.
 class FileReader {
