@@ -31,6 +31,66 @@ Result<UniqueFd> open_at(int dirfd, const std::string& name, int flags, mode_t m
   return UniqueFd(fd);
 }
 
+namespace {
+
+const char* kind_of(mode_t mode) {
+  switch (mode & S_IFMT) {
+    case S_IFDIR:
+      return "a directory";
+    case S_IFLNK:
+      return "a symbolic link";
+    case S_IFIFO:
+      return "a FIFO";
+    case S_IFSOCK:
+      return "a socket";
+    case S_IFCHR:
+      return "a character device";
+    case S_IFBLK:
+      return "a block device";
+    default:
+      return "not a regular file";
+  }
+}
+
+}  // namespace
+
+Result<UniqueFd> require_regular(UniqueFd fd, std::string_view what) {
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    int e = errno;
+    return make_error(e, "{}: stat failed: {}", what, std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    int e = S_ISDIR(st.st_mode) ? EISDIR : S_ISLNK(st.st_mode) ? ELOOP : EINVAL;
+    return make_error(e, "{}: is {}, not a regular file; refusing it", what, kind_of(st.st_mode));
+  }
+  int fl = ::fcntl(fd.get(), F_GETFL);
+  if (fl < 0 || ((fl & O_NONBLOCK) && ::fcntl(fd.get(), F_SETFL, fl & ~O_NONBLOCK) != 0)) {
+    int e = errno;
+    return make_error(e, "{}: cannot clear O_NONBLOCK: {}", what, std::strerror(e));
+  }
+  return fd;
+}
+
+Error open_regular_error(int e, std::string_view what) {
+  if (e == ENXIO) {
+    return make_error(EINVAL, "{}: is a socket or a device, not a regular file; refusing it", what);
+  }
+  return make_error(e, "{}: cannot open: {}", what, std::strerror(e));
+}
+
+Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what) {
+  int fd = ::openat(dirfd, name.c_str(), kOpenRegularFlags | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    if (e == ELOOP) {  // O_NOFOLLOW: the final component is a symlink
+      return make_error(ELOOP, "{}: is a symbolic link, not a regular file; refusing it", what);
+    }
+    return open_regular_error(e, what);
+  }
+  return require_regular(UniqueFd(fd), what);
+}
+
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what) {
   auto* p = static_cast<char*>(buf);
   size_t done = 0;
@@ -68,7 +128,9 @@ Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string
 }
 
 Result<std::string> read_small_file(const std::string& path, uint64_t limit) {
-  CKPTFS_TRY(UniqueFd fd, open_file(path, O_RDONLY));
+  int raw = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (raw < 0) return open_regular_error(errno, path);
+  CKPTFS_TRY(UniqueFd fd, require_regular(UniqueFd(raw), path));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
     int e = errno;

@@ -1,6 +1,7 @@
 // RAII file descriptors and small exact-I/O helpers.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -42,13 +43,34 @@ class UniqueFd {
 Result<UniqueFd> open_file(const std::string& path, int flags, mode_t mode = 0644);
 Result<UniqueFd> open_at(int dirfd, const std::string& name, int flags, mode_t mode = 0644);
 
+// Flags for opening a file that must be a regular file: the final component is not followed,
+// a FIFO swapped in opens at once instead of blocking, and a terminal never becomes the
+// controlling one. Use with open_at / open_beneath, then pass the descriptor to require_regular.
+inline constexpr int kOpenRegularFlags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY;
+
+// Checks with fstat that `fd` is a regular file and clears O_NONBLOCK. Anything else is refused
+// with an error naming `what`: EISDIR for a directory, ELOOP for a symlink, EINVAL for a FIFO,
+// socket or device.
+Result<UniqueFd> require_regular(UniqueFd fd, std::string_view what);
+
+// The error for an open with kOpenRegularFlags that failed with errno `e`. ENXIO (a socket, or a
+// device without a driver: never a regular file) becomes EINVAL, like the other non-regular files.
+Error open_regular_error(int e, std::string_view what);
+
+// openat(dirfd, name, kOpenRegularFlags) followed by require_regular: the file must be a regular
+// file, not a symlink (ELOOP), directory (EISDIR), FIFO, socket or device (EINVAL). Returns a
+// blocking, close-on-exec descriptor. `name` is meant to be one component: openat follows
+// symlinks in any earlier ones (use open_regular_beneath in util/path.hpp for relative paths).
+Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what);
+
 // Reads exactly `len` bytes at `off`, retrying on EINTR and short reads.
 // A premature end of file is an error (EIO) naming `what`.
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what);
 // Writes all of `len` bytes at `off`.
 Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string_view what);
 
-// Whole small file into memory (refuses files larger than `limit`).
+// Whole small file into memory (refuses files larger than `limit`, and anything but a regular
+// file as require_regular does; `path` is opened without blocking, symlinks followed).
 Result<std::string> read_small_file(const std::string& path, uint64_t limit);
 
 }  // namespace ckptfs
