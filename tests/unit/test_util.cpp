@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -29,6 +30,11 @@
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 #include "fixture.hpp"
+
+namespace ckptfs {
+// gtest prints the resolver by name in failure messages.
+void PrintTo(Resolve how, std::ostream* os) { *os << (how == Resolve::Auto ? "Auto" : "Walk"); }
+}  // namespace ckptfs
 
 using namespace ckptfs;
 
