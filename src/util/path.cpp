@@ -5,6 +5,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstring>
 
 namespace ckptfs {
@@ -169,11 +170,22 @@ Result<UniqueFd> open_regular_beneath(int rootfd, std::string_view rel, Resolve 
   return require_regular(std::move(fd).value(), rel);
 }
 
-int64_t mtime_ns(const struct stat& st) {
-  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+namespace {
+
+// Nanoseconds since the epoch, saturated: a hostile file can carry any time ext4 stores
+// (years past 2262 overflow 64 bits of nanoseconds), and overflow must not be undefined.
+int64_t to_ns(const struct timespec& ts) {
+  int64_t ns;
+  if (__builtin_mul_overflow(static_cast<int64_t>(ts.tv_sec), int64_t{1000000000}, &ns) ||
+      __builtin_add_overflow(ns, static_cast<int64_t>(ts.tv_nsec), &ns)) {
+    return ts.tv_sec < 0 ? INT64_MIN : INT64_MAX;
+  }
+  return ns;
 }
-int64_t ctime_ns(const struct stat& st) {
-  return static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
-}
+
+}  // namespace
+
+int64_t mtime_ns(const struct stat& st) { return to_ns(st.st_mtim); }
+int64_t ctime_ns(const struct stat& st) { return to_ns(st.st_ctim); }
 
 }  // namespace ckptfs
