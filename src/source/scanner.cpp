@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,8 @@
 
 namespace ckptfs::source {
 namespace {
+
+constexpr uint64_t kTrimAfterHeaderBytes = 8ull << 20;
 
 const std::string kMappingRel =
     std::string(format::kHfMetadataDir) + "/" + std::string(format::kFqnMappingFileName);
@@ -55,8 +58,12 @@ layout::FileStamp stamp_of(const struct stat& st) {
 
 bool is_shard_entry(const DirEntry& e) { return format::looks_like_shard_name(e.name); }
 
+bool is_rank_shard(const DirEntry& e) {
+  return S_ISREG(e.st.st_mode) && format::parse_shard_name(e.name).has_value();
+}
+
 bool has_shards(const std::vector<DirEntry>& entries) {
-  return std::any_of(entries.begin(), entries.end(), is_shard_entry);
+  return std::any_of(entries.begin(), entries.end(), is_rank_shard);
 }
 
 Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
@@ -75,17 +82,56 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
   return sig;
 }
 
+namespace {
+
+// What an entry keeps alive, roughly: the parsed names, shapes and metadata.
+uint64_t approx_bytes(const HeaderCache::Entry& e) {
+  uint64_t n = 256 + e.error.size();
+  if (const auto* h = e.header.get()) {
+    n += sizeof(format::Header);
+    for (const auto& t : h->tensors) {
+      n += sizeof(format::TensorEntry) + t.name.size() + t.shape.size() * sizeof(uint64_t);
+    }
+    for (const auto& [k, v] : h->metadata) n += 64 + k.size() + v.size();
+  }
+  return n;
+}
+
+}  // namespace
+
 std::optional<HeaderCache::Entry> HeaderCache::find(const layout::FileStamp& s) {
   std::lock_guard lock(mu_);
-  auto it = map_.find(key(s));
-  if (it == map_.end()) return std::nullopt;
-  return it->second;
+  auto it = map_.find({s.dev, s.ino});
+  if (it == map_.end() || !(it->second.stamp == s)) return std::nullopt;
+  lru_.splice(lru_.begin(), lru_, it->second.lru);
+  return it->second.entry;
 }
 
 void HeaderCache::put(const layout::FileStamp& s, Entry e) {
+  const uint64_t n = approx_bytes(e);
   std::lock_guard lock(mu_);
-  if (map_.size() >= max_entries_) map_.clear();  // crude bound; rebuilt on demand
-  map_[key(s)] = std::move(e);
+  if (auto it = map_.find({s.dev, s.ino}); it != map_.end()) erase_locked(it);
+  if (n > max_bytes_) return;  // the View holding it is enough; re-read if it changes
+  while (bytes_ + n > max_bytes_ && !lru_.empty()) erase_locked(map_.find(lru_.back()));
+  lru_.push_front({s.dev, s.ino});
+  map_.emplace(lru_.front(), Item{s, std::move(e), n, lru_.begin()});
+  bytes_ += n;
+}
+
+void HeaderCache::erase_locked(std::map<Key, Item>::iterator it) {
+  bytes_ -= it->second.bytes;
+  lru_.erase(it->second.lru);
+  map_.erase(it);
+}
+
+uint64_t HeaderCache::bytes() const {
+  std::lock_guard lock(mu_);
+  return bytes_;
+}
+
+size_t HeaderCache::size() const {
+  std::lock_guard lock(mu_);
+  return map_.size();
 }
 
 std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
@@ -108,7 +154,7 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
       in.shards.push_back(std::move(si));
       continue;
     }
-    auto fd = open_at(dirfd, e.name, O_RDONLY | O_NOFOLLOW);
+    auto fd = open_regular_at(dirfd, e.name, e.name);
     if (!fd) {
       si.stamp = stamp_of(e.st);
       si.error = fd.error().message;
@@ -123,6 +169,11 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
       si.error = hit->error;
     } else {
       auto h = format::read_header(fd->get(), si.stamp.size, e.name);
+      if (h.ok() && h->json_len > kTrimAfterHeaderBytes) {
+        // Parsing a header that large left tens of MB of freed JSON nodes in malloc's arenas;
+        // hand them back so one hostile header does not keep the daemon's RSS up.
+        ::malloc_trim(0);
+      }
       HeaderCache::Entry ce;
       if (h.ok()) {
         ce.header = std::make_shared<const format::Header>(std::move(h).value());
@@ -138,11 +189,16 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
     }
     in.shards.push_back(std::move(si));
   }
-  auto mfd = open_beneath(dirfd, kMappingRel, O_RDONLY | O_NOFOLLOW);
+  // The mapping is read only from a real .hf_metadata directory: a symlink named .hf_metadata
+  // is never followed (as everywhere in the source), so it is as if there were none.
+  const bool has_meta_dir = std::any_of(entries.begin(), entries.end(), [](const DirEntry& e) {
+    return e.name == format::kHfMetadataDir && S_ISDIR(e.st.st_mode);
+  });
+  auto mfd = has_meta_dir ? open_regular_beneath(dirfd, kMappingRel)
+                          : Result<UniqueFd>(make_error(ENOENT, "no .hf_metadata directory"));
   if (mfd.ok()) {
     struct stat st {};
     std::string text;
-    Status st_ok;
     if (::fstat(mfd->get(), &st) != 0 ||
         static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
       in.problems.push_back({kMappingRel, "", "unreadable or larger than the side-file limit"});
@@ -157,7 +213,7 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
         in.problems.push_back({"", "", m.error().message});
       }
     }
-  } else if (mfd.error().code != ENOENT && mfd.error().code != ENOTDIR) {
+  } else if (mfd.error().code != ENOENT) {
     in.problems.push_back({kMappingRel, "", mfd.error().message});
   }
   return layout::build_checkpoint(std::move(in), opts);
@@ -175,11 +231,14 @@ Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std
 
 namespace {
 
-Status walk(int dirfd, const std::string& path, std::vector<std::string>& out, int depth) {
-  if (depth > 64) return {};
+Status walk(int dirfd, const std::string& path, Found& out, int depth) {
+  if (depth > kMaxSearchDepth) {
+    out.too_deep.push_back(path);
+    return {};
+  }
   auto entries = list_dir(dirfd);
   if (!entries) return std::move(entries).error().context(path);
-  if (has_shards(*entries)) out.push_back(path);
+  if (has_shards(*entries)) out.dirs.push_back(path);
   for (const auto& e : *entries) {
     if (!S_ISDIR(e.st.st_mode)) continue;
     auto sub = open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
@@ -191,13 +250,13 @@ Status walk(int dirfd, const std::string& path, std::vector<std::string>& out, i
 
 }  // namespace
 
-Result<std::vector<std::string>> find_checkpoint_dirs(const std::string& root) {
+Result<Found> find_checkpoint_dirs(const std::string& root) {
   CKPTFS_TRY(UniqueFd fd, open_file(root, O_RDONLY | O_DIRECTORY));
-  std::vector<std::string> out;
+  Found out;
   std::string base = root;
   while (base.size() > 1 && base.back() == '/') base.pop_back();
   CKPTFS_CHECK(walk(fd.get(), base, out, 0));
-  std::sort(out.begin(), out.end());
+  std::sort(out.dirs.begin(), out.dirs.end());
   return out;
 }
 

@@ -7,6 +7,8 @@
 
 #include <sys/stat.h>
 
+#include <climits>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,25 +32,33 @@ struct DirEntry {
 Result<std::vector<DirEntry>> list_dir(int dirfd, std::string_view skip = {});
 
 layout::FileStamp stamp_of(const struct stat& st);
-// Any entry named like a rank shard (shard-*.safetensors), whatever its type: it belongs to
-// the checkpoint, and one that is not a well-formed regular shard makes it invalid.
+// Any entry named like a rank shard (shard-*.safetensors), whatever its type. In a checkpoint
+// directory it belongs to the checkpoint (hidden from the view), and one that is not a
+// well-formed regular shard makes the checkpoint invalid.
 bool is_shard_entry(const DirEntry& e);
+// A regular file named exactly shard-R-model-K-of-M.safetensors. Only these make a directory a
+// checkpoint: a stray symlink or directory with a shard-like name does not.
+bool is_rank_shard(const DirEntry& e);
 bool has_shards(const std::vector<DirEntry>& entries);
 
 // What the checkpoint build depends on: each shard's and the mapping file's stamp.
 struct Signature {
   std::vector<std::pair<std::string, layout::FileStamp>> files;
-  int64_t newest_mtime_ns = 0;   // newest content change of any input
-  int64_t newest_change_ns = 0;  // newest mtime or ctime (a rename-in changes only ctime)
+  // Newest content change of any input, and newest mtime or ctime (a rename-in changes only
+  // ctime). INT64_MIN when there is none: times before 1970 are negative, not zero.
+  int64_t newest_mtime_ns = INT64_MIN;
+  int64_t newest_change_ns = INT64_MIN;
   bool operator==(const Signature& o) const { return files == o.files; }
 };
 Signature signature_of(int dirfd, const std::vector<DirEntry>& entries);
 
-// Parsed shard headers keyed by file identity, so a revalidation after one shard changes
-// re-reads only that shard. Thread-safe.
+// Parsed shard headers, so a revalidation after one shard changes re-reads only that shard.
+// One entry per file identity (dev, ino): a newer stamp of the same file replaces the older
+// one. The total is bounded by an estimate of the bytes held, least recently used first out,
+// so rewritten shards and deleted steps cannot grow the daemon. Thread-safe.
 class HeaderCache {
  public:
-  explicit HeaderCache(size_t max_entries = 1u << 16) : max_entries_(max_entries) {}
+  explicit HeaderCache(uint64_t max_bytes = 64ull << 20) : max_bytes_(max_bytes) {}
 
   struct Entry {
     std::shared_ptr<const format::Header> header;
@@ -57,14 +67,24 @@ class HeaderCache {
   std::optional<Entry> find(const layout::FileStamp& s);
   void put(const layout::FileStamp& s, Entry e);
 
+  [[nodiscard]] uint64_t bytes() const;
+  [[nodiscard]] size_t size() const;
+
  private:
-  using Key = std::tuple<uint64_t, uint64_t, uint64_t, int64_t, int64_t>;
-  static Key key(const layout::FileStamp& s) {
-    return {s.dev, s.ino, s.size, s.mtime_ns, s.ctime_ns};
-  }
-  size_t max_entries_;
-  std::mutex mu_;  // guards map_
-  std::map<Key, Entry> map_;
+  using Key = std::pair<uint64_t, uint64_t>;  // (dev, ino)
+  struct Item {
+    layout::FileStamp stamp;
+    Entry entry;
+    uint64_t bytes = 0;
+    std::list<Key>::iterator lru;
+  };
+  void erase_locked(std::map<Key, Item>::iterator it);
+
+  uint64_t max_bytes_;
+  mutable std::mutex mu_;  // guards map_, lru_ and bytes_
+  std::map<Key, Item> map_;
+  std::list<Key> lru_;  // most recently used first
+  uint64_t bytes_ = 0;
 };
 
 // Reads and builds the checkpoint held by `dirfd`. `display` names the directory in
@@ -78,7 +98,15 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
 // The same from a path.
 Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std::string& dir);
 
-// Every directory at or below `root` that holds rank shards (symlinks not followed), sorted.
-Result<std::vector<std::string>> find_checkpoint_dirs(const std::string& root);
+// Directories searched below a root: at most this many levels down.
+inline constexpr int kMaxSearchDepth = 64;
+
+struct Found {
+  std::vector<std::string> dirs;      // holding rank shards, sorted
+  std::vector<std::string> too_deep;  // directories not searched: deeper than kMaxSearchDepth
+};
+
+// Every directory at or below `root` that holds rank shards (symlinks not followed).
+Result<Found> find_checkpoint_dirs(const std::string& root);
 
 }  // namespace ckptfs::source
