@@ -28,6 +28,7 @@
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
+#include "ckptfs/util/text.hpp"
 
 namespace ckptfs::cli {
 namespace {
@@ -127,7 +128,8 @@ class Consolidator {
   Status open_shards() {
     fds_.reserve(ck_.shards.size());
     for (const auto& s : ck_.shards) {
-      CKPTFS_TRY(UniqueFd fd, open_file(src_ + "/" + s.name, O_RDONLY));
+      const std::string path = src_ + "/" + s.name;
+      CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path));
       struct stat st {};
       if (::fstat(fd.get(), &st) != 0 || source::stamp_of(st) != s.stamp) {
         return make_error(ESTALE, "{}/{}: changed while consolidating", src_, s.name);
@@ -299,7 +301,7 @@ std::vector<std::pair<std::string, std::string>> side_files(const std::string& s
 }
 
 Status copy_file(const std::string& from, const std::string& to) {
-  CKPTFS_TRY(UniqueFd in, open_file(from, O_RDONLY));
+  CKPTFS_TRY(UniqueFd in, open_regular_at(AT_FDCWD, from, from));  // a FIFO never blocks
   struct stat st {};
   if (::fstat(in.get(), &st) != 0) return make_error(errno, "{}: stat failed", from);
   CKPTFS_TRY(UniqueFd out, open_file(to, O_WRONLY | O_CREAT | O_TRUNC, st.st_mode & 0777));
@@ -358,17 +360,18 @@ int cmd_consolidate(std::span<char*> argv) {
 
   auto loaded = source::load_checkpoint_path(src);
   if (!loaded) {
-    fmt::print(stderr, "ckptfs consolidate: {}\n", loaded.error().message);
-    if (auto below = source::find_checkpoint_dirs(src); below && !below->empty()) {
+    fmt::print(stderr, "ckptfs consolidate: {}\n", printable(loaded.error().message));
+    if (auto below = source::find_checkpoint_dirs(src); below && !below->dirs.empty()) {
       fmt::print(stderr, "checkpoints found below it:\n");
-      for (const auto& d : *below) fmt::print(stderr, "  {}\n", d);
+      for (const auto& d : below->dirs) fmt::print(stderr, "  {}\n", printable(d));
     }
     return 1;
   }
   const auto& ck = **loaded;
   if (!ck.valid()) {
-    fmt::print(stderr, "ckptfs consolidate: {} is not a complete, valid checkpoint:\n", src);
-    for (const auto& p : ck.problems) fmt::print(stderr, "  {}\n", p.to_string());
+    fmt::print(stderr, "ckptfs consolidate: {} is not a complete, valid checkpoint:\n",
+               printable(src));
+    for (const auto& p : ck.problems) fmt::print(stderr, "  {}\n", printable(p.to_string()));
     return 1;
   }
 
@@ -419,7 +422,7 @@ int cmd_consolidate(std::span<char*> argv) {
   }
 
   auto fail = [&](const Error& e) {
-    fmt::print(stderr, "ckptfs consolidate: {}\n", e.message);
+    fmt::print(stderr, "ckptfs consolidate: {}\n", printable(e.message));
     std::error_code ignore;
     stdfs::remove_all(staging, ignore);
     return 1;

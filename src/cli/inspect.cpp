@@ -15,6 +15,7 @@
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/text.hpp"
 
 namespace ckptfs::cli {
 namespace {
@@ -103,8 +104,11 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
   return j;
 }
 
+// Text output for a terminal: every string that comes from the source (directory and tensor
+// names, messages quoting them) goes through printable(), so a name cannot forge a line or
+// send escape sequences. --json output is JSON-escaped instead and keeps names exact.
 void print_text(const layout::Checkpoint& c) {
-  fmt::print("checkpoint {}: {}\n", c.dir, c.valid() ? "valid" : "INVALID");
+  fmt::print("checkpoint {}: {}\n", printable(c.dir), c.valid() ? "valid" : "INVALID");
   fmt::print("  {} shard files, {} tensors, {} bytes of tensor data\n", c.shards.size(),
              c.tensors.size(), c.total_bytes());
   if (!c.outputs.empty()) {
@@ -121,31 +125,46 @@ void print_text(const layout::Checkpoint& c) {
     for (const auto& t : c.tensors) {
       size_t reps = 0;
       for (const auto& ch : t.chunks) reps += ch.replicas.size();
-      fmt::print("    {}  {} [{}]  grid {}  {} chunk{}{}{}\n", t.name, format::dtype_name(t.dtype),
-                 fmt::join(t.shape, ", "), grid_str(t), t.chunks.size(),
-                 t.chunks.size() == 1 ? "" : "s", reps ? fmt::format(" (+{} replicas)", reps) : "",
+      fmt::print("    {}  {} [{}]  grid {}  {} chunk{}{}{}\n", printable(t.name),
+                 format::dtype_name(t.dtype), fmt::join(t.shape, ", "), grid_str(t),
+                 t.chunks.size(), t.chunks.size() == 1 ? "" : "s",
+                 reps ? fmt::format(" (+{} replicas)", reps) : "",
                  c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
     }
   }
   if (!c.problems.empty()) {
     fmt::print("  problems:\n");
-    for (const auto& p : c.problems) fmt::print("    {}\n", p.to_string());
+    for (const auto& p : c.problems) fmt::print("    {}\n", printable(p.to_string()));
   }
 }
 
-Result<std::vector<std::shared_ptr<const layout::Checkpoint>>> load_all(const std::string& dir) {
-  CKPTFS_TRY(auto dirs, source::find_checkpoint_dirs(dir));
-  if (dirs.empty()) {
+struct Loaded {
+  std::vector<std::shared_ptr<const layout::Checkpoint>> ckpts;
+  std::vector<std::string> too_deep;  // directories the search did not enter
+};
+
+Result<Loaded> load_all(const std::string& dir) {
+  CKPTFS_TRY(auto found, source::find_checkpoint_dirs(dir));
+  if (found.dirs.empty() && found.too_deep.empty()) {
     return make_error(
         ENOENT, "{}: no rank-sharded checkpoint found (no shard-R-model-K-of-M.safetensors files)",
         dir);
   }
-  std::vector<std::shared_ptr<const layout::Checkpoint>> out;
-  for (const auto& d : dirs) {
+  Loaded out;
+  out.too_deep = std::move(found.too_deep);
+  for (const auto& d : found.dirs) {
     CKPTFS_TRY(auto c, source::load_checkpoint_path(d));
-    out.push_back(std::move(c));
+    out.ckpts.push_back(std::move(c));
   }
   return out;
+}
+
+// The search stops at a depth limit; what it did not enter is said, and is a failure.
+void report_too_deep(std::string_view cmd, const Loaded& l) {
+  for (const auto& d : l.too_deep) {
+    fmt::print(stderr, "ckptfs {}: {}: not searched: deeper than {} levels (the depth limit)\n",
+               cmd, printable(d), source::kMaxSearchDepth);
+  }
 }
 
 // Compares every replica of every chunk with the primary copy, block by block.
@@ -153,7 +172,8 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
   std::vector<UniqueFd> fds(c.shards.size());
   auto fd_of = [&](uint32_t s) -> int {
     if (!fds[s].valid()) {
-      auto r = open_file(c.dir + "/" + c.shards[s].name, O_RDONLY);
+      const std::string path = c.dir + "/" + c.shards[s].name;
+      auto r = open_regular_at(AT_FDCWD, path, path);
       if (r) fds[s] = std::move(r).value();
     }
     return fds[s].get();
@@ -197,20 +217,22 @@ int cmd_inspect(std::span<char*> argv) {
   auto* args = &std::get<Args>(parsed);
   auto all = load_all(args->positional[0]);
   if (!all) {
-    fmt::print(stderr, "ckptfs inspect: {}\n", all.error().message);
+    fmt::print(stderr, "ckptfs inspect: {}\n", printable(all.error().message));
     return 1;
   }
-  bool ok = true;
-  for (const auto& c : *all) ok = ok && c->valid();
+  bool ok = all->too_deep.empty();
+  for (const auto& c : all->ckpts) ok = ok && c->valid();
   if (args->has("json")) {
     nlohmann::ordered_json j;
     j["checkpoints"] = nlohmann::ordered_json::array();
-    for (const auto& c : *all) j["checkpoints"].push_back(to_json(*c));
+    for (const auto& c : all->ckpts) j["checkpoints"].push_back(to_json(*c));
+    j["not_searched"] = all->too_deep;
     // Messages may quote bytes of malformed input: never let them break the JSON.
     fmt::print("{}\n", j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
   } else {
-    for (const auto& c : *all) print_text(*c);
+    for (const auto& c : all->ckpts) print_text(*c);
   }
+  report_too_deep("inspect", *all);
   return ok ? 0 : 1;
 }
 
@@ -221,20 +243,22 @@ int cmd_verify(std::span<char*> argv) {
   auto* args = &std::get<Args>(parsed);
   auto all = load_all(args->positional[0]);
   if (!all) {
-    fmt::print(stderr, "ckptfs verify: {}\n", all.error().message);
+    fmt::print(stderr, "ckptfs verify: {}\n", printable(all.error().message));
     return 1;
   }
   std::vector<std::string> problems;
-  for (const auto& c : *all) {
+  for (const auto& c : all->ckpts) {
     for (const auto& p : c->problems) {
       problems.push_back(p.file.empty() ? fmt::format("{}: {}", c->dir, p.to_string())
                                         : fmt::format("{}/{}", c->dir, p.to_string()));
     }
     if (c->valid() && args->has("data")) verify_replicas(*c, problems);
   }
-  for (const auto& p : problems) fmt::print(stderr, "{}\n", p);
-  if (problems.empty()) {
-    fmt::print("ok: {} checkpoint{} verified\n", all->size(), all->size() == 1 ? "" : "s");
+  for (const auto& p : problems) fmt::print(stderr, "{}\n", printable(p));
+  report_too_deep("verify", *all);
+  if (problems.empty() && all->too_deep.empty()) {
+    fmt::print("ok: {} checkpoint{} verified\n", all->ckpts.size(),
+               all->ckpts.size() == 1 ? "" : "s");
     return 0;
   }
   return 1;

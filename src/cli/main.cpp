@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/cli/args.hpp"
+#include "ckptfs/util/text.hpp"
 
 namespace {
 
@@ -31,7 +32,9 @@ Run 'ckptfs <command> --help' for a command's options.
 
 int main(int argc, char** argv) {
   // Logs go to stderr (stdout carries command output such as inspect --json).
-  spdlog::set_default_logger(spdlog::stderr_color_mt("ckptfs"));
+  auto logger = spdlog::stderr_color_mt("ckptfs");
+  logger->set_formatter(ckptfs::safe_log_formatter());  // names from headers never go out raw
+  spdlog::set_default_logger(std::move(logger));
   std::span<char*> args(argv, static_cast<size_t>(argc));
   if (argc < 2) {
     fmt::print(stderr, "{}", kUsage);

@@ -474,7 +474,8 @@ def test_inspect_json_matches_truth(made):
     r = ck("inspect", made.src, "--json")
     assert_exit(r, 0)
     j = json.loads(r.stdout)
-    assert list(j) == ["checkpoints"]
+    assert list(j) == ["checkpoints", "not_searched"]
+    assert j["not_searched"] == []
     [c] = j["checkpoints"]
     assert set(c) >= {"dir", "valid", "shards", "outputs", "tensors", "problems"}
     assert c["dir"] == str(made.src) and c["valid"] is True and c["problems"] == []
