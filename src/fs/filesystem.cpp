@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -25,36 +26,109 @@ namespace ckptfs::fs {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr int64_t kNsPerSec = 1'000'000'000;
 
 int64_t now_realtime_ns() {
   struct timespec ts {};
   ::clock_gettime(CLOCK_REALTIME, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+  return static_cast<int64_t>(ts.tv_sec) * kNsPerSec + ts.tv_nsec;
+}
+
+int64_t saturating_sub(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_sub_overflow(a, b, &r)) return b < 0 ? INT64_MAX : INT64_MIN;
+  return r;
+}
+
+// Nanoseconds since the epoch as a timespec. Times before 1970 are negative and keep tv_nsec
+// in [0, 1e9), as POSIX requires (plain division would give a negative tv_nsec).
+struct timespec to_timespec(int64_t ns) {
+  int64_t sec = ns / kNsPerSec;
+  int64_t rem = ns % kNsPerSec;
+  if (rem < 0) {
+    rem += kNsPerSec;
+    --sec;
+  }
+  return timespec{static_cast<time_t>(sec), static_cast<long>(rem)};
 }
 
 void set_times(struct stat& st, int64_t ns) {
-  struct timespec ts {
-    static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)
-  };
-  st.st_mtim = ts;
-  st.st_ctim = ts;
-  st.st_atim = ts;
+  st.st_mtim = st.st_ctim = st.st_atim = to_timespec(ns);
 }
 
 bool is_model_output_name(std::string_view n) {
   return n == format::kIndexFileName || format::parse_model_name(n).has_value();
 }
 
-// Names a checkpoint directory hides: its shards, .hf_metadata, and real files that the
-// synthesized ones replace.
-bool hidden_in_checkpoint(const source::DirEntry& e) {
+// Names a checkpoint directory hides: its shards, .hf_metadata, real files that the
+// synthesized ones replace, and, with show_shards, a real entry named like the .shards folder
+// (it is listed inside that folder instead, so no name is shown twice).
+bool hidden_in_checkpoint(const source::DirEntry& e, bool show_shards) {
   return source::is_shard_entry(e) || e.name == format::kHfMetadataDir ||
-         is_model_output_name(e.name);
+         is_model_output_name(e.name) || (show_shards && e.name == kShardsDirName);
 }
 
 std::string parent_of(std::string_view rel) {
   auto slash = rel.rfind('/');
   return slash == std::string_view::npos ? std::string() : std::string(rel.substr(0, slash));
+}
+
+uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// --- access -------------------------------------------------------------------------------
+
+// Owner and mode of one input of a synthesized file.
+struct Perm {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  mode_t mode = 0;
+};
+
+// The kernel's rule for reading a file: the owner class if the caller owns it, else the group
+// class if the caller is in its group, else other; root reads anything.
+bool may_read(const Perm& p, const Caller& c) {
+  if (c.uid == 0) return true;
+  if (c.uid == p.uid) return (p.mode & S_IRUSR) != 0;
+  if (c.gid == p.gid || std::find(c.groups.begin(), c.groups.end(), p.gid) != c.groups.end()) {
+    return (p.mode & S_IRGRP) != 0;
+  }
+  return (p.mode & S_IROTH) != 0;
+}
+
+// The owner and read bits shown for a file made of `inputs`: the inputs' common owner and
+// group (else the directory's), and a read bit for a class only where every input grants it.
+// The kernel checks these (default_permissions); open() then applies may_read to every input,
+// which also covers what a mode alone cannot say (a caller who owns one shard but not another).
+Perm shown_perm(const std::vector<Perm>& inputs, uid_t dir_uid, gid_t dir_gid) {
+  Perm out{dir_uid, dir_gid, 0};
+  if (!inputs.empty()) {
+    auto same = [&](auto field) {
+      return std::all_of(inputs.begin(), inputs.end(),
+                         [&](const Perm& p) { return field(p) == field(inputs[0]); });
+    };
+    if (same([](const Perm& p) { return p.uid; })) out.uid = inputs[0].uid;
+    if (same([](const Perm& p) { return p.gid; })) out.gid = inputs[0].gid;
+  }
+  auto all = [&](auto pred) { return std::all_of(inputs.begin(), inputs.end(), pred); };
+  // The shown owner may not be in a shard's group: only its own bits or other's count.
+  if (all([&](const Perm& p) {
+        return p.uid == out.uid ? (p.mode & S_IRUSR) : (p.mode & S_IROTH);
+      })) {
+    out.mode |= S_IRUSR;
+  }
+  if (all([&](const Perm& p) {
+        return p.gid == out.gid ? (p.mode & S_IRGRP) : (p.mode & S_IROTH);
+      })) {
+    out.mode |= S_IRGRP;
+  }
+  if (all([](const Perm& p) { return (p.mode & S_IROTH) != 0; })) out.mode |= S_IROTH;
+  return out;
 }
 
 // --- readers --------------------------------------------------------------------------
@@ -109,8 +183,8 @@ struct View {
   bool complete = false;  // valid and settled: consolidated files are shown
   std::string rel;        // checkpoint directory, relative to the source root
   uint64_t dir_dev = 0, dir_ino = 0;
-  uid_t uid = 0;  // owner of the checkpoint directory, shown as the owner of its files
-  gid_t gid = 0;
+  std::vector<Perm> inputs;  // owner and mode of every shard: who may read the synthesized files
+  Perm shown;                // owner and mode shown for them (see shown_perm)
 
   mutable std::mutex fd_mu;  // guards fds
   mutable std::weak_ptr<const struct ShardFds> fds;
@@ -155,8 +229,20 @@ class OutputReader final : public FileReader {
 
 enum class Kind : uint8_t { Dir, File, Symlink, Other, Output, Index, ShardsDir };
 
+// What a FUSE inode number stands for. Numbers are handed out on lookup and retired when the
+// kernel forgets them, so the table holds only what the kernel holds.
+struct Key {
+  uint8_t type;  // 0 real, 1 virtual file, 2 .shards
+  uint32_t fmt;  // S_IFMT of a real node: a backing number reused for another type is another
+                 // node (ext4 gives a deleted file's number to the next directory)
+  uint64_t dev, ino, gen;
+  std::string name;
+  auto operator<=>(const Key&) const = default;
+};
+
 struct Node {
   Ino ino = 0;
+  Key key;
   Kind kind = Kind::Other;
   std::string rel;  // backing path (real nodes) or the checkpoint directory (virtual, .shards)
   uint64_t dev = 0, bino = 0;        // backing identity (real nodes and .shards' directory)
@@ -166,21 +252,23 @@ struct Node {
   layout::FileStamp cached;  // stamp when last opened: decides keep_cache
 };
 
-struct Key {
-  uint8_t type;  // 0 real, 1 virtual file, 2 .shards
-  uint64_t dev, ino, gen;
-  std::string name;
-  auto operator<=>(const Key&) const = default;
+// What a caller of view_of needs.
+enum class Need : uint8_t {
+  Any,      // whether the directory is a checkpoint (a view being rebuilt may be returned)
+  Current,  // the current model: waits for a rebuild in progress (consolidated names, listings)
 };
 
 struct DirState {
-  std::mutex mu;  // guards every field below; taken before Impl::mu_, never after
+  std::mutex mu;                  // guards every field below; taken before Impl::mu_, never after
+  std::condition_variable built;  // signalled (with mu) when `building` ends
   bool checked = false;
+  bool building = false;  // a thread is reading the shards' headers, without holding mu
   Clock::time_point next_check;
-  bool is_checkpoint = false;
   source::Signature sig;
+  int64_t changed_ns = INT64_MIN;  // newest stamped change of the inputs or the directory
+  Clock::time_point seen_since;    // when the daemon first saw this signature and stamp
+  bool skew_logged = false;
   std::shared_ptr<const View> view;
-  uint64_t generation = 0;
 };
 
 struct DirHandle {
@@ -214,6 +302,32 @@ Result<size_t> execute(const ReadPlan& p, char* dst) {
   return static_cast<size_t>(p.size);
 }
 
+Status check_extents(const ReadPlan& p) {
+  if (p.src.ckpt == nullptr) return {};  // a plain file reads like the file: short at its end
+  // Segments per request are few (the splice path takes at most 16); a pass per shard is fine.
+  for (size_t i = 0; i < p.segs.size(); ++i) {
+    const auto& g = p.segs[i];
+    if (g.is_memory()) continue;
+    bool seen = false;
+    for (size_t j = 0; j < i && !seen; ++j)
+      seen = !p.segs[j].is_memory() && p.segs[j].shard == g.shard;
+    if (seen) continue;
+    uint64_t end = 0;
+    for (const auto& h : p.segs) {
+      if (!h.is_memory() && h.shard == g.shard) end = std::max(end, h.src + h.len);
+    }
+    struct stat st {};
+    if (::fstat(p.src.fds[g.shard], &st) != 0) {
+      return make_error(errno, "{}: stat failed: {}", p.src.name_of(g.shard), std::strerror(errno));
+    }
+    if (static_cast<uint64_t>(st.st_size) < end) {
+      return make_error(EIO, "{}: shrank to {} bytes under an open file that reads up to {}",
+                        p.src.name_of(g.shard), st.st_size, end);
+    }
+  }
+  return {};
+}
+
 Result<size_t> FileReader::read(uint64_t off, size_t len, char* dst) const {
   ReadPlan p;
   plan(off, len, p);
@@ -226,31 +340,33 @@ struct Filesystem::Impl {
   UniqueFd root;
   uint64_t root_dev = 0, root_ino = 0;
   source::HeaderCache headers;
-  // Shard fds held by open consolidated files, bounded by RLIMIT_NOFILE (less a reserve for
-  // FUSE, passthrough files and the header scans).
+  // Shard fds held by open consolidated files, bounded by RLIMIT_NOFILE less a reserve for
+  // FUSE, plain files and header scans that scales with the limit.
   std::atomic<int64_t> open_shard_fds{0};
   int64_t fd_budget = 0;
+  std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
   Notifier* notifier = nullptr;
 
   // Lock order: DirState::mu -> mu_. The header cache has its own leaf lock.
   mutable std::mutex mu_;  // guards nodes_, keys_, next_ino_, dirs_
   std::unordered_map<Ino, std::shared_ptr<Node>> nodes_;
-  std::map<Key, Ino> keys_;  // stable inode numbers for the life of the mount
-  Ino next_ino_ = kRootIno + 1;
+  std::map<Key, Ino> keys_;      // the inode number of every node the kernel holds
+  Ino next_ino_ = kRootIno + 1;  // never reused: a retired number never names another file
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<DirState>> dirs_;
 
   // --- inode numbers and nodes ---------------------------------------------------------
 
-  Ino ino_for_locked(const Key& k) {
-    if (k.type == 0 && k.dev == root_dev && k.ino == root_ino) return kRootIno;
-    auto [it, inserted] = keys_.emplace(k, 0);
-    if (inserted) it->second = next_ino_++;
-    return it->second;
+  // st_ino of a real file: its backing number on the source's own device, so it is stable
+  // for as long as the file exists whatever the kernel forgets; a hash on other devices.
+  uint64_t shown_ino(uint64_t dev, uint64_t ino) const {
+    if (dev == root_dev) return ino;
+    return (mix64(dev * 0x9e3779b97f4a7c15ull ^ ino) & ~(3ull << 62)) | (1ull << 62);
   }
-
-  Ino ino_for(const Key& k) {
-    std::lock_guard lock(mu_);
-    return ino_for_locked(k);
+  // st_ino of a synthesized entry: one number per version of each name.
+  static uint64_t virtual_ino(uint64_t dev, uint64_t ino, uint64_t gen, std::string_view name) {
+    uint64_t h = mix64(dev ^ mix64(ino ^ mix64(gen)));
+    for (unsigned char c : name) h = mix64(h ^ c);
+    return h | (1ull << 63);
   }
 
   // A copy of the node, taken under the lock (rel may change when the source is renamed).
@@ -264,10 +380,12 @@ struct Filesystem::Impl {
   // Registers (or finds) the node for `key`, counts one lookup, and returns a copy.
   Node remember(const Key& key, Node proto) {
     std::lock_guard lock(mu_);
-    Ino ino = ino_for_locked(key);
-    auto& slot = nodes_[ino];
+    auto [it, inserted] = keys_.emplace(key, 0);
+    if (inserted) it->second = next_ino_++;
+    auto& slot = nodes_[it->second];
     if (!slot) {
-      proto.ino = ino;
+      proto.ino = it->second;
+      proto.key = key;
       slot = std::make_shared<Node>(std::move(proto));
     } else {
       slot->rel = proto.rel;  // the inode (or its directory) may have moved within the source
@@ -293,6 +411,15 @@ struct Filesystem::Impl {
     return Kind::Other;
   }
 
+  static Key real_key(const struct stat& st) {
+    return Key{0,
+               static_cast<uint32_t>(st.st_mode & S_IFMT),
+               static_cast<uint64_t>(st.st_dev),
+               static_cast<uint64_t>(st.st_ino),
+               0,
+               {}};
+  }
+
   // --- directory state (the checkpoint view of a real directory) ------------------------
 
   std::shared_ptr<DirState> dir_state(uint64_t dev, uint64_t ino) {
@@ -302,73 +429,117 @@ struct Filesystem::Impl {
     return s;
   }
 
-  // Returns the current view of directory `rel` (null when it is no checkpoint),
-  // revalidating it when its TTL has passed. `dir_ino` is its FUSE inode, for invalidation.
+  std::shared_ptr<const View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
+                                        const std::string& rel, const struct stat& dst,
+                                        const source::Signature& sig,
+                                        const std::vector<source::DirEntry>& entries,
+                                        bool complete) {
+    auto v = std::make_shared<View>();
+    v->ckpt = std::move(ck);
+    v->generation = ++generations;
+    v->mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(dst));
+    v->complete = complete && v->ckpt->valid();
+    v->rel = rel;
+    v->dir_dev = static_cast<uint64_t>(dst.st_dev);
+    v->dir_ino = static_cast<uint64_t>(dst.st_ino);
+    for (const auto& e : entries) {
+      if (source::is_shard_entry(e)) v->inputs.push_back({e.st.st_uid, e.st.st_gid, e.st.st_mode});
+    }
+    v->shown = shown_perm(v->inputs, dst.st_uid, dst.st_gid);
+    return v;
+  }
+
+  // Returns the view of directory `rel` (null when it is no checkpoint), revalidating it when
+  // its TTL has passed. `dir_ino` is its FUSE inode, for invalidation.
+  //
+  // Reading the shards' headers can be slow (a hostile header is up to 100 MB), so it runs
+  // without holding the directory's lock: meanwhile, callers that only need to know whether
+  // this is a checkpoint (Need::Any: unrelated names, attributes) get the previous view, or a
+  // placeholder that shows nothing consolidated yet; only callers of the consolidated names
+  // and of the listing wait for the new one.
   std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst, Ino dir_ino,
-                                      bool force = false) {
+                                      Need need) {
     auto st = dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
-    std::lock_guard lock(st->mu);
+    std::unique_lock lock(st->mu);
+    while (st->building) {
+      if (need == Need::Any) return st->view;
+      st->built.wait(lock);
+    }
     auto now = Clock::now();
-    if (st->checked && !force && now < st->next_check) return st->view;
+    if (st->checked && now < st->next_check) return st->view;
     st->checked = true;
     st->next_check = now + opts.revalidate;
 
     auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
-    if (!dirfd) return st->view;  // vanished: keep serving what open files hold
+    if (!dirfd) return st->view;  // vanished: open files keep their own views
     auto entries = source::list_dir(dirfd->get(), hidden_child(rel));
     if (!entries) return st->view;
-    const bool is_ckpt = source::has_shards(*entries);
     std::shared_ptr<const View> old = st->view;
-    if (!is_ckpt) {
-      st->is_checkpoint = false;
+    if (!source::has_shards(*entries)) {
       st->sig = {};
       st->view = nullptr;
       if (old) changed(old, nullptr, dir_ino);
       return nullptr;
     }
     auto sig = source::signature_of(dirfd->get(), *entries);
-    // Quiet since the newest change of any shard, including being moved in (ctime) and the
-    // directory itself being created or renamed into place.
+    // Settle: quiet since the newest change of any shard (written: mtime; moved in: ctime)
+    // and of the directory (created or renamed into place). Stamps can lie (clock skew, a
+    // future mtime): the daemon's own observation counts too, so a checkpoint whose stamps
+    // say "in the future" shows once nothing changed for `settle` while the daemon watched.
     const int64_t changed_ns = std::max({sig.newest_change_ns, mtime_ns(dst), ctime_ns(dst)});
-    const int64_t quiet_ns = now_realtime_ns() - changed_ns;
+    const bool same_inputs = old && sig == st->sig;
+    if (!same_inputs || changed_ns != st->changed_ns) st->seen_since = now;
+    st->changed_ns = changed_ns;
+    const int64_t stamp_age = saturating_sub(now_realtime_ns(), changed_ns);
+    if (stamp_age < -kNsPerSec && !st->skew_logged) {
+      st->skew_logged = true;
+      spdlog::warn(
+          "{}: shard or directory times lie {} s in the future (clock skew?); settle is "
+          "timed from when the daemon saw them",
+          source_path(rel), -stamp_age / kNsPerSec);
+    }
+    const int64_t seen_age =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - st->seen_since).count();
+    const int64_t quiet_ns = std::max(stamp_age, seen_age);
     const int64_t settle_ns =
         std::chrono::duration_cast<std::chrono::nanoseconds>(opts.settle).count();
     const bool settled = quiet_ns >= settle_ns;
     if (!settled) {
-      auto wait = std::chrono::nanoseconds(settle_ns - quiet_ns);
-      st->next_check = std::min(st->next_check, now + wait);
+      st->next_check =
+          std::min(st->next_check, now + std::chrono::nanoseconds(settle_ns - quiet_ns));
     }
-    if (st->is_checkpoint && old && sig == st->sig &&
-        old->complete == (settled && old->ckpt->valid())) {
-      return old;
-    }
-    std::shared_ptr<const layout::Checkpoint> ck;
-    if (old && sig == st->sig) {
-      ck = old->ckpt;  // only the settle state changed
+    if (same_inputs && old->complete == (settled && old->ckpt->valid())) return old;
+
+    std::shared_ptr<const View> v;
+    if (same_inputs) {
+      v = make_view(old->ckpt, rel, dst, sig, *entries, settled);  // only settle changed
     } else {
-      ck = source::load_checkpoint(dirfd->get(), *entries, source_path(rel), headers, opts.build);
+      st->sig = sig;
+      st->building = true;
+      if (!old) {
+        // Until the headers are read: a checkpoint with nothing consolidated to show.
+        auto pending = std::make_shared<layout::Checkpoint>();
+        pending->dir = source_path(rel);
+        pending->problems.push_back({"", "", "shard headers are being read"});
+        st->view = make_view(std::move(pending), rel, dst, sig, *entries, false);
+      }
+      lock.unlock();
+      auto ck =
+          source::load_checkpoint(dirfd->get(), *entries, source_path(rel), headers, opts.build);
       if (!ck->valid()) {
         for (const auto& p : ck->problems) {
           spdlog::error("{}: checkpoint not shown: {}", source_path(rel), p.to_string());
         }
       }
+      v = make_view(std::move(ck), rel, dst, sig, *entries, settled);
+      lock.lock();
+      st->building = false;
+      st->built.notify_all();
     }
-    auto v = std::make_shared<View>();
-    v->ckpt = ck;
-    v->generation = ++st->generation;
-    v->mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(dst));
-    v->complete = settled && ck->valid();
-    v->rel = rel;
-    v->dir_dev = static_cast<uint64_t>(dst.st_dev);
-    v->dir_ino = static_cast<uint64_t>(dst.st_ino);
-    v->uid = dst.st_uid;
-    v->gid = dst.st_gid;
-    st->is_checkpoint = true;
-    st->sig = std::move(sig);
     st->view = v;
     if (v->complete) {
       spdlog::info("{}: serving {} consolidated file(s), {} tensors", source_path(rel),
-                   ck->outputs.size(), ck->tensors.size());
+                   v->ckpt->outputs.size(), v->ckpt->tensors.size());
     }
     changed(old, v, dir_ino);
     return v;
@@ -394,30 +565,31 @@ struct Filesystem::Impl {
 
   // --- attributes ----------------------------------------------------------------------
 
-  // Fresh attributes of a real node, or ESTALE when its path now names another file.
+  // Fresh attributes of a real node, or ESTALE when its path now names another file (or the
+  // same number reused for another type).
   Result<struct stat> real_attr(const Node& n) {
     CKPTFS_TRY(struct stat st, stat_beneath(root.get(), n.rel));
-    if (static_cast<uint64_t>(st.st_dev) != n.dev || static_cast<uint64_t>(st.st_ino) != n.bino) {
+    if (!(real_key(st) == n.key) && n.ino != kRootIno) {
       return make_error(ESTALE, "{}: replaced", n.rel);
     }
     decorate_real(n.ino, n.rel, st);
     return st;
   }
 
+  // Attributes of a real entry as shown: a checkpoint directory's mtime follows its shards.
   void decorate_real(Ino ino, const std::string& rel, struct stat& st) {
     if (S_ISDIR(st.st_mode)) {
-      if (auto v = view_of(rel, st, ino); v && v->mtime_ns > mtime_ns(st)) {
-        st.st_mtim = timespec{static_cast<time_t>(v->mtime_ns / 1000000000),
-                              static_cast<long>(v->mtime_ns % 1000000000)};
+      if (auto v = view_of(rel, st, ino, Need::Any); v && v->mtime_ns > mtime_ns(st)) {
+        st.st_mtim = to_timespec(v->mtime_ns);
       }
     }
-    st.st_ino = ino;
+    st.st_ino = shown_ino(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
   }
 
   struct stat virtual_attr(const Node& n) const {
     struct stat st {};
-    st.st_ino = n.ino;
-    st.st_mode = S_IFREG | 0444;
+    st.st_ino = virtual_ino(n.key.dev, n.key.ino, n.key.gen, n.key.name);
+    st.st_mode = S_IFREG | n.view->shown.mode;
     st.st_nlink = 1;
     uint64_t size = n.kind == Kind::Index ? n.view->ckpt->index_json.size()
                                           : n.view->ckpt->outputs[n.output].size;
@@ -425,8 +597,8 @@ struct Filesystem::Impl {
     st.st_blocks = static_cast<blkcnt_t>((size + 511) / 512);
     st.st_blksize = 1 << 20;
     set_times(st, n.view->mtime_ns);
-    st.st_uid = n.view->uid;
-    st.st_gid = n.view->gid;
+    st.st_uid = n.view->shown.uid;
+    st.st_gid = n.view->shown.gid;
     return st;
   }
 
@@ -439,7 +611,7 @@ struct Filesystem::Impl {
     proto.rel = rel;
     proto.dev = static_cast<uint64_t>(st.st_dev);
     proto.bino = static_cast<uint64_t>(st.st_ino);
-    Node n = remember(Key{0, proto.dev, proto.bino, 0, {}}, std::move(proto));
+    Node n = remember(real_key(st), std::move(proto));
     decorate_real(n.ino, rel, st);
     return EntryOut{n.ino, st};
   }
@@ -451,7 +623,7 @@ struct Filesystem::Impl {
     proto.rel = dir_rel;  // where the checkpoint directory is now (it may have been renamed)
     proto.view = v;
     proto.output = output;
-    Node n = remember(Key{1, v->dir_dev, v->dir_ino, v->generation, name}, std::move(proto));
+    Node n = remember(Key{1, 0, v->dir_dev, v->dir_ino, v->generation, name}, std::move(proto));
     return EntryOut{n.ino, virtual_attr(n)};
   }
 
@@ -472,7 +644,8 @@ struct Filesystem::Impl {
     std::string name(name_sv);
     if (name == hidden_child(dir.rel)) return make_error(ENOENT, "the mount point itself");
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
-    auto v = view_of(dir.rel, dst, dir.ino);
+    const bool consolidated_name = is_model_output_name(name);
+    auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
     const std::string rel = join_rel(dir.rel, name);
     if (!v) return lookup_real(rel);
     if (v->complete) {
@@ -488,25 +661,19 @@ struct Filesystem::Impl {
       proto.rel = dir.rel;
       proto.dev = static_cast<uint64_t>(dst.st_dev);
       proto.bino = static_cast<uint64_t>(dst.st_ino);
-      Node n = remember(Key{2, proto.dev, proto.bino, 0, {}}, std::move(proto));
+      Node n = remember(Key{2, 0, proto.dev, proto.bino, 0, {}}, std::move(proto));
       struct stat st = dst;
-      st.st_ino = n.ino;
+      st.st_ino = virtual_ino(n.dev, n.bino, 0, kShardsDirName);
       st.st_mode = S_IFDIR | 0555;
       return EntryOut{n.ino, st};
     }
-    if (name == format::kHfMetadataDir || is_model_output_name(name) ||
+    if (name == format::kHfMetadataDir || consolidated_name ||
         format::looks_like_shard_name(name)) {
-      // Hidden in a checkpoint directory (only a real, regular shard is hidden; anything
-      // else with such a name would have been shown, so check).
-      auto st = stat_beneath(root.get(), rel);
-      if (!st) return std::move(st).error();
-      source::DirEntry e{name, *st};
-      if (hidden_in_checkpoint(e)) return make_error(ENOENT, "{}: hidden", rel);
-      return lookup_real(rel);
+      return make_error(ENOENT, "{}: hidden in a checkpoint directory", rel);
     }
     auto real = lookup_real(rel);
     if (real.ok() || real.error().code != ENOENT) return real;
-    // Lifted from .hf_metadata/ (never the mapping file).
+    // Lifted from .hf_metadata/ (never the mapping file). No symlink is followed on the way.
     if (name == format::kFqnMappingFileName) return real;
     const std::string lifted = join_rel(join_rel(dir.rel, format::kHfMetadataDir), name);
     auto st = stat_beneath(root.get(), lifted);
@@ -518,7 +685,7 @@ struct Filesystem::Impl {
     const std::string rel = join_rel(dir.rel, name);
     CKPTFS_TRY(struct stat st, stat_beneath(root.get(), rel));
     source::DirEntry e{std::string(name), st};
-    if (!hidden_in_checkpoint(e) || e.name == format::kHfMetadataDir) {
+    if (!hidden_in_checkpoint(e, opts.show_shards) || e.name == format::kHfMetadataDir) {
       return make_error(ENOENT, "{}: not a hidden file", rel);
     }
     return lookup_real(rel);
@@ -533,25 +700,23 @@ struct Filesystem::Impl {
     std::vector<DirEntryOut> out;
     auto real = [&](const source::DirEntry& e) {
       out.push_back(DirEntryOut{
-          e.name,
-          ino_for(Key{
-              0, static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino), 0, {}}),
+          e.name, shown_ino(static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino)),
           static_cast<mode_t>(e.st.st_mode & S_IFMT)});
     };
     if (dir.kind == Kind::ShardsDir) {
       for (const auto& e : entries) {
-        if (hidden_in_checkpoint(e) && e.name != format::kHfMetadataDir) real(e);
+        if (hidden_in_checkpoint(e, opts.show_shards) && e.name != format::kHfMetadataDir) real(e);
       }
       return out;
     }
-    auto v = view_of(dir.rel, dst, dir.ino);
+    auto v = view_of(dir.rel, dst, dir.ino, Need::Current);
     if (!v) {
       for (const auto& e : entries) real(e);
       return out;
     }
     std::set<std::string> names;
     for (const auto& e : entries) {
-      if (hidden_in_checkpoint(e)) continue;
+      if (hidden_in_checkpoint(e, opts.show_shards)) continue;
       real(e);
       names.insert(e.name);
     }
@@ -574,18 +739,17 @@ struct Filesystem::Impl {
       const auto& ck = *v->ckpt;
       for (const auto& o : ck.outputs) {
         out.push_back(DirEntryOut{
-            o.name, ino_for(Key{1, v->dir_dev, v->dir_ino, v->generation, o.name}), S_IFREG});
+            o.name, virtual_ino(v->dir_dev, v->dir_ino, v->generation, o.name), S_IFREG});
       }
-      std::string idx(format::kIndexFileName);
-      out.push_back(
-          DirEntryOut{idx, ino_for(Key{1, v->dir_dev, v->dir_ino, v->generation, idx}), S_IFREG});
+      out.push_back(DirEntryOut{
+          std::string(format::kIndexFileName),
+          virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
     }
     if (opts.show_shards) {
-      out.push_back(DirEntryOut{
-          std::string(kShardsDirName),
-          ino_for(
-              Key{2, static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino), 0, {}}),
-          S_IFDIR});
+      out.push_back(DirEntryOut{std::string(kShardsDirName),
+                                virtual_ino(static_cast<uint64_t>(dst.st_dev),
+                                            static_cast<uint64_t>(dst.st_ino), 0, kShardsDirName),
+                                S_IFDIR});
     }
     std::sort(out.begin(), out.end(),
               [](const DirEntryOut& a, const DirEntryOut& b) { return a.name < b.name; });
@@ -605,10 +769,11 @@ struct Filesystem::Impl {
     if (open_shard_fds.fetch_add(n) + n > fd_budget) {
       open_shard_fds.fetch_sub(n);
       spdlog::error(
-          "{}: opening its {} shards would pass the fd limit ({} shard fds already open, "
-          "budget {}); raise `ulimit -n`",
+          "{}: opening its {} shards would pass the daemon's fd limit ({} shard fds already "
+          "open, budget {}); raise the daemon's `ulimit -n`",
           source_path(rel), n, open_shard_fds.load(), fd_budget);
-      return make_error(EMFILE, "shard fd budget exhausted");
+      // ENFILE rather than EMFILE: the limit is the daemon's, not the reader's.
+      return make_error(ENFILE, "shard fd budget exhausted");
     }
     auto fds = std::make_shared<ShardFds>();
     fds->counter = &open_shard_fds;
@@ -622,15 +787,12 @@ struct Filesystem::Impl {
       return make_error(ESTALE, "{}: checkpoint directory moved", rel);
     }
     for (uint32_t s = 0; s < ck.shards.size(); ++s) {
-      auto fd = open_at(dir->get(), ck.shards[s].name, O_RDONLY | O_NOFOLLOW);
-      if (!fd && fd.error().code != ENOENT) {
-        spdlog::error("{}/{}: {}", source_path(rel), ck.shards[s].name, fd.error().message);
-        return std::move(fd).error();
-      }
+      // Never blocks (a FIFO swapped in is refused, not opened) and is a regular file.
+      auto fd = open_regular_at(dir->get(), ck.shards[s].name, ck.shards[s].name);
       struct stat st {};
       if (!fd || ::fstat(fd->get(), &st) != 0 || source::stamp_of(st) != ck.shards[s].stamp) {
-        spdlog::warn("{}/{}: changed since the view was built; revalidating", source_path(rel),
-                     ck.shards[s].name);
+        spdlog::warn("{}/{}: changed since the view was built ({}); revalidating", source_path(rel),
+                     ck.shards[s].name, fd ? std::string("new stamp") : fd.error().message);
         return make_error(ESTALE, "{}: shard changed", ck.shards[s].name);
       }
       fds->raw[s] = fd->get();
@@ -661,16 +823,21 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   }
   struct rlimit rl {};
   ::getrlimit(RLIMIT_NOFILE, &rl);
-  impl->fd_budget =
-      rl.rlim_cur == RLIM_INFINITY ? (1 << 20) : static_cast<int64_t>(rl.rlim_cur) - 256;
+  const int64_t limit =
+      rl.rlim_cur == RLIM_INFINITY ? (int64_t{1} << 20) : static_cast<int64_t>(rl.rlim_cur);
+  // A quarter of the limit (16..256) stays free for FUSE channels, logs, plain files and the
+  // one shard at a time a header scan opens; the rest may be held by open consolidated files.
+  impl->fd_budget = limit - std::clamp<int64_t>(limit / 4, 16, 256);
   impl->root_dev = static_cast<uint64_t>(st.st_dev);
   impl->root_ino = static_cast<uint64_t>(st.st_ino);
   Node root;
   root.ino = kRootIno;
+  root.key = Impl::real_key(st);
   root.kind = Kind::Dir;
   root.dev = impl->root_dev;
   root.bino = impl->root_ino;
   root.nlookup = 1;
+  impl->keys_.emplace(root.key, kRootIno);
   impl->nodes_.emplace(kRootIno, std::make_shared<Node>(std::move(root)));
   return std::unique_ptr<Filesystem>(new Filesystem(std::move(impl)));
 }
@@ -696,7 +863,12 @@ void Filesystem::forget(Ino ino, uint64_t n) {
     std::abort();
   }
   node.nlookup -= n;
-  if (node.nlookup == 0) impl_->nodes_.erase(it);
+  if (node.nlookup > 0) return;
+  // The kernel holds nothing of it any more: retire its number and, for a directory, its
+  // cached view (rebuilt from the header cache if it is looked up again).
+  impl_->keys_.erase(node.key);
+  if (node.kind == Kind::Dir) impl_->dirs_.erase({node.dev, node.bino});
+  impl_->nodes_.erase(it);
 }
 
 Result<struct stat> Filesystem::getattr(Ino ino) {
@@ -708,7 +880,7 @@ Result<struct stat> Filesystem::getattr(Ino ino) {
       return impl_->virtual_attr(*n);
     case Kind::ShardsDir: {
       CKPTFS_TRY(struct stat st, stat_beneath(impl_->root.get(), n->rel));
-      st.st_ino = n->ino;
+      st.st_ino = Impl::virtual_ino(n->dev, n->bino, 0, kShardsDirName);
       st.st_mode = S_IFDIR | 0555;
       return st;
     }
@@ -755,11 +927,17 @@ Status Filesystem::readdir(uint64_t dh, uint64_t offset,
 
 void Filesystem::releasedir(uint64_t dh) { delete reinterpret_cast<DirHandle*>(dh); }
 
-Result<OpenOut> Filesystem::open(Ino ino, int flags) {
+Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
     return make_error(EROFS, "read-only view");
+  }
+  if (n->kind == Kind::Output || n->kind == Kind::Index) {
+    const auto& in = n->view->inputs;
+    if (!std::all_of(in.begin(), in.end(), [&](const Perm& p) { return may_read(p, who); })) {
+      return make_error(EACCES, "{}: uid {} may not read every shard", n->rel, who.uid);
+    }
   }
   auto h = std::make_unique<FileHandle>();
   OpenOut out;
@@ -781,13 +959,10 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags) {
       out.is_virtual = true;
       break;
     case Kind::File: {
-      CKPTFS_TRY(UniqueFd fd, open_beneath(impl_->root.get(), n->rel, O_RDONLY | O_NOFOLLOW));
+      CKPTFS_TRY(UniqueFd fd, open_regular_beneath(impl_->root.get(), n->rel));
       struct stat st {};
       if (::fstat(fd.get(), &st) != 0) return make_error(errno, "{}: stat failed", n->rel);
-      if (static_cast<uint64_t>(st.st_dev) != n->dev ||
-          static_cast<uint64_t>(st.st_ino) != n->bino) {
-        return make_error(ESTALE, "{}: replaced", n->rel);
-      }
+      if (!(Impl::real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
       auto stamp = source::stamp_of(st);
       out.keep_cache = impl_->swap_cached_stamp(n->ino, stamp);
       h->reader = std::make_shared<PassthroughReader>(
@@ -831,6 +1006,18 @@ Status Filesystem::modify(Ino, std::string_view what) {
 size_t Filesystem::live_nodes() const {
   std::lock_guard lock(impl_->mu_);
   return impl_->nodes_.size();
+}
+
+Filesystem::Counts Filesystem::counts() const {
+  Counts c;
+  {
+    std::lock_guard lock(impl_->mu_);
+    c.nodes = impl_->nodes_.size();
+    c.keys = impl_->keys_.size();
+    c.dirs = impl_->dirs_.size();
+  }
+  c.header_bytes = impl_->headers.bytes();
+  return c;
 }
 
 void Filesystem::invalidate_all() {

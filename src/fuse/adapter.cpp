@@ -20,6 +20,8 @@
 #include <spdlog/sinks/syslog_sink.h>
 #include <spdlog/spdlog.h>
 
+#include "ckptfs/util/text.hpp"
+
 namespace ckptfs::fuse {
 namespace {
 
@@ -243,7 +245,7 @@ Context& ctx(fuse_req_t req) {
 }
 
 void reply_error(fuse_req_t req, const Error& e, std::string_view op) {
-  if (e.code != ENOENT && e.code != EROFS && e.code != ESTALE) {
+  if (e.code != ENOENT && e.code != EROFS && e.code != ESTALE && e.code != EACCES) {
     spdlog::error("{}: {}", op, e.message);
   }
   fuse_reply_err(req, e.code);
@@ -336,9 +338,25 @@ void op_releasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   fuse_reply_err(req, 0);
 }
 
+// The request's credentials, for the access check of synthesized files.
+fs::Caller caller_of(fuse_req_t req) {
+  const fuse_ctx* fc = fuse_req_ctx(req);
+  fs::Caller who{fc->uid, fc->gid, {}};
+  if (who.uid == 0) return who;
+  who.groups.resize(64);
+  int n = fuse_req_getgroups(req, static_cast<int>(who.groups.size()), who.groups.data());
+  if (n > static_cast<int>(who.groups.size())) {
+    who.groups.resize(static_cast<size_t>(n));
+    n = fuse_req_getgroups(req, n, who.groups.data());
+  }
+  // Without the groups (no /proc), only the primary group counts: stricter, never looser.
+  who.groups.resize(n > 0 ? std::min(static_cast<size_t>(n), who.groups.size()) : 0);
+  return who;
+}
+
 void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   auto& c = ctx(req);
-  auto r = c.fs->open(ino, fi->flags);
+  auto r = c.fs->open(ino, fi->flags, caller_of(req));
   if (!r) return reply_error(req, r.error(), "open");
   fi->fh = r->fh;
   fi->keep_cache = r->keep_cache;
@@ -365,7 +383,9 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
   }
   const bool passthrough = plan.passthrough();
   if (c.opts->splice && (passthrough || plan.segs.size() <= 16)) {
-    // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory.
+    // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory. A short
+    // splice would reach the reader as an early end of file, so shrunken shards are an error.
+    if (auto ok = fs::check_extents(plan); !ok) return reply_error(req, ok.error(), "read");
     const size_t n = plan.segs.size();
     std::vector<char> storage(sizeof(fuse_bufvec) + n * sizeof(fuse_buf));
     auto* bv = new (storage.data()) fuse_bufvec{};
@@ -555,6 +575,7 @@ void setup_background_logging(const MountOptions& o) {
   } else {
     logger = spdlog::syslog_logger_mt("ckptfs", "ckptfs", LOG_PID, LOG_DAEMON);
   }
+  logger->set_formatter(safe_log_formatter());
   logger->set_level(level);
   logger->flush_on(spdlog::level::info);
   spdlog::set_default_logger(logger);
@@ -572,7 +593,10 @@ int run_mount(const MountOptions& o) {
   auto& fsys = **fsr;
 
   std::vector<std::string> argv_s{"ckptfs"};
-  std::string opts = "default_permissions,fsname=ckptfs:" + o.source + ",subtype=ckptfs";
+  // default_permissions: the kernel checks the modes shown (a synthesized file's are derived
+  // from its shards'); nodev, nosuid: device nodes and set-id bits in SRC mean nothing here.
+  std::string opts =
+      "default_permissions,nodev,nosuid,fsname=ckptfs:" + o.source + ",subtype=ckptfs";
   if (o.auto_unmount) opts += ",auto_unmount";
   for (const auto& x : o.fuse_opts) opts += "," + x;
   argv_s.push_back("-o");
@@ -580,6 +604,11 @@ int run_mount(const MountOptions& o) {
   std::vector<char*> argv;
   for (auto& s : argv_s) argv.push_back(s.data());
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  // libfuse may allocate a new argument vector while parsing; freed after the session.
+  struct ArgsGuard {
+    fuse_args* a;
+    ~ArgsGuard() { fuse_opt_free_args(a); }
+  } args_guard{&args};
 
   Context c;
   c.fs = &fsys;

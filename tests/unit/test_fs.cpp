@@ -4,8 +4,10 @@
 
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -132,8 +134,21 @@ TEST(Fs, ConsolidatedBytesAndAttributes) {
   ASSERT_TRUE(attr.ok());
   std::string bytes = read_all(*t.f, file);
   EXPECT_EQ(static_cast<uint64_t>(attr->st_size), bytes.size());
-  EXPECT_EQ(attr->st_mode, S_IFREG | 0444);
-  EXPECT_EQ(attr->st_ino, file);
+  EXPECT_EQ(attr->st_mode, S_IFREG | 0444);    // the shards are 0644: read bits only
+  EXPECT_NE(attr->st_ino & (1ull << 63), 0u);  // synthesized: never a backing number
+  // The number readdir gives is the one stat gives.
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  auto dh = t.f->opendir(model);
+  ASSERT_TRUE(dh.ok());
+  uint64_t listed = 0;
+  ASSERT_TRUE(t.f->readdir(*dh, 0,
+                           [&](const fs::DirEntryOut& e, uint64_t) {
+                             if (e.name == "model-00001-of-00001.safetensors") listed = e.ino;
+                             return true;
+                           })
+                  .ok());
+  t.f->releasedir(*dh);
+  EXPECT_EQ(listed, attr->st_ino);
   auto h = format::parse_file_bytes(bytes, "view");
   ASSERT_TRUE(h.ok()) << h.error().message;
   ASSERT_EQ(h->tensors.size(), 1u);
@@ -159,14 +174,37 @@ TEST(Fs, InodesAreStableAndForgettable) {
   fs::Ino a = t.walk({"run", "notes.txt"});
   fs::Ino b = t.walk({"run", "notes.txt"});
   EXPECT_EQ(a, b);
+  const auto shown = t.f->getattr(a)->st_ino;
+  struct stat backing {};
+  ASSERT_EQ(::stat((t.dir.path() + "/run/notes.txt").c_str(), &backing), 0);
+  EXPECT_EQ(shown, backing.st_ino);  // the backing number, on the source's own device
   fs::Ino v1 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
   fs::Ino v2 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
   EXPECT_EQ(v1, v2);
-  size_t live = t.f->live_nodes();
+  const auto before = t.f->counts();
   t.f->forget(a, 2);
-  EXPECT_EQ(t.f->live_nodes(), live - 1);
+  const auto after = t.f->counts();
+  EXPECT_EQ(after.nodes, before.nodes - 1);
+  EXPECT_EQ(after.keys, before.keys - 1);  // the number is retired with the node
   EXPECT_EQ(t.f->getattr(a).error().code, ESTALE);
-  EXPECT_EQ(t.walk({"run", "notes.txt"}), a);  // same number after being forgotten
+  fs::Ino again = t.walk({"run", "notes.txt"});
+  EXPECT_NE(again, a);                            // node ids are never reused...
+  EXPECT_EQ(t.f->getattr(again)->st_ino, shown);  // ...but st_ino is stable
+}
+
+TEST(Fs, ForgottenDirectoriesDropTheirViews) {
+  Fs t;
+  fs::Ino step = t.walk({"run", "step_1"});
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  ASSERT_EQ(names(*t.f, model).size(), 3u);
+  const auto before = t.f->counts();
+  t.f->forget(model, 1);
+  t.f->forget(step, 2);  // looked up by both walks
+  const auto after = t.f->counts();
+  EXPECT_LT(after.dirs, before.dirs);
+  EXPECT_EQ(after.keys, before.keys - 2);
+  // Looked up again, the view is rebuilt (from the header cache) and still complete.
+  EXPECT_EQ(names(*t.f, t.walk({"run", "step_1", "model"})).size(), 3u);
 }
 
 TEST(Fs, RewrittenShardMakesANewVersionAndOpenFilesKeepTheOld) {
@@ -303,12 +341,189 @@ TEST(Fs, ShardFdsAreBoundedByTheFdLimit) {
   struct rlimit saved {};
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
   struct rlimit low = saved;
-  low.rlim_cur = 256 + 1;  // a budget of one shard fd
+  low.rlim_cur = 17;  // the reserve is a quarter of the limit but at least 16: one shard fd
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
   Fs t;  // two-shard checkpoint
   ::setrlimit(RLIMIT_NOFILE, &saved);
   fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
   auto o = t.f->open(file, O_RDONLY);
   ASSERT_FALSE(o.ok());
-  EXPECT_EQ(o.error().code, EMFILE);
+  EXPECT_EQ(o.error().code, ENFILE);  // the daemon's limit, not the reader's
+}
+
+TEST(Fs, TheFdReserveScalesWithASmallLimit) {
+  struct rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  struct rlimit low = saved;
+  low.rlim_cur = 64;  // a fixed reserve of 256 left no shard fd at all here
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  Fs t;
+  ::setrlimit(RLIMIT_NOFILE, &saved);
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto o = t.f->open(file, O_RDONLY);
+  ASSERT_TRUE(o.ok()) << o.error().message;
+  t.f->release(o->fh);
+}
+
+// --- hostile sources ----------------------------------------------------------------------
+
+TEST(Fs, ConsolidatedFilesAreNoMoreReadableThanTheirShards) {
+  Fs t;
+  const auto dir = t.dir.path() + "/run/step_1/model/";
+  ::chmod((dir + format::shard_file_name(1, 1, 1)).c_str(), 0600);
+  ::chown((dir + format::shard_file_name(1, 1, 1)).c_str(), 1000, 1000);
+  ::chown((dir + format::shard_file_name(2, 1, 1)).c_str(), 1000, 1000);
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  fs::Ino idx = t.walk({"run", "step_1", "model", "model.safetensors.index.json"});
+  auto attr = t.f->getattr(file);
+  ASSERT_TRUE(attr.ok());
+  EXPECT_EQ(attr->st_mode, S_IFREG | 0400);
+  EXPECT_EQ(attr->st_uid, 1000u);
+  EXPECT_EQ(t.f->getattr(idx)->st_mode, S_IFREG | 0400);
+  // errno of an open by `who` (0 when it opens).
+  auto open_as = [&](fs::Ino ino, fs::Caller who) {
+    auto o = t.f->open(ino, O_RDONLY, who);
+    if (!o) return o.error().code;
+    t.f->release(o->fh);
+    return 0;
+  };
+  // The owner of every shard reads; anyone else, even in the group, is refused.
+  EXPECT_EQ(open_as(file, {1000, 1000, {}}), 0);
+  EXPECT_EQ(open_as(file, {1001, 1000, {}}), EACCES);
+  EXPECT_EQ(open_as(idx, {1001, 1000, {}}), EACCES);
+  EXPECT_EQ(open_as(file, {65534, 65534, {1000}}), EACCES);
+  EXPECT_EQ(open_as(file, {0, 0, {}}), 0);
+  // Shards of two owners, each readable by its owner only: nobody but root reads the whole.
+  ::chown((dir + format::shard_file_name(2, 1, 1)).c_str(), 1001, 1000);
+  ::chmod((dir + format::shard_file_name(2, 1, 1)).c_str(), 0600);
+  file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  attr = t.f->getattr(file);
+  ASSERT_TRUE(attr.ok());
+  EXPECT_EQ(attr->st_mode & 0777, 0u);
+  EXPECT_EQ(open_as(file, {1000, 1000, {}}), EACCES);
+  EXPECT_EQ(open_as(file, {1001, 1000, {}}), EACCES);
+  EXPECT_EQ(open_as(file, {0, 0, {}}), 0);
+  // Group-readable shards of one group: a member reads through a supplementary group.
+  ::chmod((dir + format::shard_file_name(1, 1, 1)).c_str(), 0640);
+  ::chmod((dir + format::shard_file_name(2, 1, 1)).c_str(), 0640);
+  file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  EXPECT_EQ(t.f->getattr(file)->st_mode & 0777, 0040u);
+  EXPECT_EQ(open_as(file, {2000, 2000, {7, 1000}}), 0);
+  EXPECT_EQ(open_as(file, {2000, 2000, {7}}), EACCES);
+}
+
+TEST(Fs, AStrayShardLikeNameDoesNotMakeACheckpoint) {
+  Fs t;
+  const auto dir = t.dir.path() + "/hf";
+  test::write_file(dir + "/model.safetensors", "not parsed by the view");
+  test::write_file(dir + "/config.json", "{}");
+  stdfs::create_symlink("nowhere", dir + "/" + format::shard_file_name(1, 1, 1));
+  stdfs::create_directory(dir + "/" + format::shard_file_name(2, 1, 1));
+  test::write_file(dir + "/shard-x.safetensors", "x");
+  fs::Ino hf = t.walk({"hf"});
+  EXPECT_EQ(names(*t.f, hf),
+            (std::vector<std::string>{"config.json", "model.safetensors",
+                                      format::shard_file_name(1, 1, 1),
+                                      format::shard_file_name(2, 1, 1), "shard-x.safetensors"}));
+  EXPECT_EQ(read_all(*t.f, t.walk({"hf", "model.safetensors"})), "not parsed by the view");
+  // In a real checkpoint directory, a symlink named like a shard makes it invalid (a rank
+  // that is not a regular file cannot be served), and it stays hidden.
+  stdfs::create_symlink("nowhere",
+                        t.dir.path() + "/run/step_1/model/" + format::shard_file_name(3, 1, 1));
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  EXPECT_EQ(names(*t.f, model), (std::vector<std::string>{"config.json"}));
+}
+
+TEST(Fs, ARealShardsFolderIsListedOnceAndStaysReachable) {
+  fs::Options o;
+  o.show_shards = true;
+  Fs t(o);
+  test::write_file(t.dir.path() + "/run/step_1/model/.shards/mine.txt", "mine");
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  auto listing = names(*t.f, model);
+  EXPECT_EQ(std::count(listing.begin(), listing.end(), ".shards"), 1);
+  fs::Ino mine = t.walk({"run", "step_1", "model", ".shards", ".shards", "mine.txt"});
+  EXPECT_EQ(read_all(*t.f, mine), "mine");
+}
+
+TEST(Fs, TimesBefore1970AreShownAsTheyAre) {
+  Fs t;
+  const auto path = t.dir.path() + "/run/old.txt";
+  test::write_file(path, "old");
+  struct timespec times[2] = {{-100000, 250}, {-100000, 250}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  auto attr = t.f->getattr(t.walk({"run", "old.txt"}));
+  ASSERT_TRUE(attr.ok());
+  EXPECT_EQ(attr->st_mtim.tv_sec, -100000);
+  EXPECT_EQ(attr->st_mtim.tv_nsec, 250);
+  // A checkpoint whose shards are all older than 1970 keeps their time too.
+  const auto dir = t.dir.path() + "/run/step_1/model/";
+  for (const auto& input : {format::shard_file_name(1, 1, 1), format::shard_file_name(2, 1, 1),
+                            std::string(".hf_metadata/fqn_to_file_index_mapping.json")}) {
+    ASSERT_EQ(::utimensat(AT_FDCWD, (dir + input).c_str(), times, 0), 0);
+  }
+  ASSERT_EQ(::utimensat(AT_FDCWD, dir.c_str(), times, 0), 0);
+  auto file = t.f->getattr(t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"}));
+  ASSERT_TRUE(file.ok());
+  EXPECT_LT(file->st_mtim.tv_sec, 0);
+  EXPECT_GE(file->st_mtim.tv_nsec, 0);
+}
+
+TEST(Fs, AShardStampedInTheFutureSettlesByObservation) {
+  fs::Options o;
+  test::TempDir d;
+  write_ckpt(d.path() + "/ck", 'a');
+  struct timespec future[2] = {{::time(nullptr) + 7200, 0}, {::time(nullptr) + 7200, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, (d.path() + "/ck/" + format::shard_file_name(1, 1, 1)).c_str(),
+                        future, 0),
+            0);
+  o.settle = std::chrono::milliseconds(200);
+  o.revalidate = std::chrono::milliseconds(0);
+  auto f = fs::Filesystem::create(d.path(), o);
+  ASSERT_TRUE(f.ok());
+  auto ck = (*f)->lookup(fs::kRootIno, "ck");
+  ASSERT_TRUE(ck.ok());
+  // Not shown at once (it may still be being written)...
+  EXPECT_EQ((*f)->lookup(ck->ino, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  // ...but once nothing changed for `settle` while watched, not two hours later.
+  bool shown = false;
+  for (int i = 0; i < 100 && !shown; ++i) {
+    ::usleep(20000);
+    shown = (*f)->lookup(ck->ino, "model-00001-of-00001.safetensors").ok();
+  }
+  EXPECT_TRUE(shown);
+}
+
+TEST(Fs, ASpliceOfAShrunkenShardIsAnError) {
+  Fs t;
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto o = t.f->open(file, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  auto size = t.f->reader(o->fh)->size();
+  fs::ReadPlan plan;
+  ASSERT_TRUE(t.f->read(o->fh, 0, size, plan).ok());
+  EXPECT_TRUE(fs::check_extents(plan).ok());
+  const auto shard = t.dir.path() + "/run/step_1/model/" + format::shard_file_name(2, 1, 1);
+  stdfs::resize_file(shard, stdfs::file_size(shard) - 4);
+  auto st = fs::check_extents(plan);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EIO);
+  EXPECT_NE(st.error().message.find(format::shard_file_name(2, 1, 1)), std::string::npos);
+  t.f->release(o->fh);
+}
+
+TEST(Fs, AFifoShardNeverBlocks) {
+  Fs t;
+  const auto dir = t.dir.path() + "/run/step_1/model/";
+  // Swapped in after the view was built: the open refuses it instead of waiting for a writer.
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  stdfs::remove(dir + format::shard_file_name(2, 1, 1));
+  ASSERT_EQ(::mkfifo((dir + format::shard_file_name(2, 1, 1)).c_str(), 0644), 0);
+  ::alarm(10);  // a regression blocks in open(2): fail loudly instead of hanging
+  auto o = t.f->open(file, O_RDONLY);
+  EXPECT_FALSE(o.ok());
+  // And the rebuilt view reads no FIFO either: the checkpoint is invalid, not hung.
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  EXPECT_EQ(names(*t.f, model), (std::vector<std::string>{"config.json"}));
+  ::alarm(0);
 }

@@ -81,6 +81,11 @@ struct ReadPlan {
 // Copies the bytes of a plan into `dst` (at least plan.size bytes); returns how many.
 Result<size_t> execute(const ReadPlan& plan, char* dst);
 
+// Checks that every shard a plan reads still holds the bytes the plan reads from it (EIO,
+// naming the shard, when one shrank). A gathered read finds this itself; a spliced reply
+// cannot report a short read, so the adapter calls this before splicing.
+Status check_extents(const ReadPlan& plan);
+
 // Everything a read of one open file depends on, kept alive by handles and the prefetcher.
 class FileReader {
  public:
@@ -89,6 +94,13 @@ class FileReader {
   virtual void plan(uint64_t off, uint64_t len, ReadPlan& out) const = 0;
   // Reads [off, off+len) (clamped) into dst; returns bytes read.
   Result<size_t> read(uint64_t off, size_t len, char* dst) const;
+};
+
+// Who is asking: the credentials of the request, for the access check of synthesized files.
+struct Caller {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;  // supplementary groups
 };
 
 struct OpenOut {
@@ -117,7 +129,9 @@ class Filesystem {
                  const std::function<bool(const DirEntryOut&, uint64_t)>& add);
   void releasedir(uint64_t dh);
 
-  Result<OpenOut> open(Ino ino, int flags);
+  // A consolidated file or index opens only for a caller who may read every shard it is made
+  // of, checked as the kernel checks a real file (EACCES otherwise).
+  Result<OpenOut> open(Ino ino, int flags, const Caller& who = {});
   Status read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan);
   [[nodiscard]] std::shared_ptr<const FileReader> reader(uint64_t fh) const;
   void release(uint64_t fh);
@@ -130,6 +144,15 @@ class Filesystem {
 
   // Number of inodes the kernel currently holds (for tests and stats).
   [[nodiscard]] size_t live_nodes() const;
+
+  // What the daemon keeps, for tests of its memory bounds.
+  struct Counts {
+    size_t nodes = 0;           // inodes the kernel holds
+    size_t keys = 0;            // identities with an inode number
+    size_t dirs = 0;            // directories with a cached view
+    uint64_t header_bytes = 0;  // estimate held by the header cache
+  };
+  [[nodiscard]] Counts counts() const;
 
   // Forces every cached directory view to revalidate on next access.
   void invalidate_all();
