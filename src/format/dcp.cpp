@@ -20,7 +20,7 @@ Result<std::vector<uint64_t>> dims(const nlohmann::json& j, std::string_view wha
       return make_error(EINVAL,
                         "{}tensor '{}': DCP_SHARDING_INFO '{}' holds {} where a non-negative "
                         "integer is required",
-                        detail::prefix(what), fqn, key, detail::dump_safe(v));
+                        detail::prefix(what), fqn, key, detail::describe(v));
     }
     out.push_back(v.get<uint64_t>());
   }

@@ -48,8 +48,8 @@ Result<FqnMapping> parse_fqn_mapping(std::string_view text, std::string_view wha
   for (const auto& key : order) {
     const auto& v = j.at(key);
     if (!v.is_number_unsigned() || v.get<uint64_t>() < 1 || v.get<uint64_t>() > 99999) {
-      return make_error(EINVAL, "{}: tensor '{}': file index {} is not an integer in 1..99999",
-                        what, key, detail::dump_safe(v));
+      return make_error(EINVAL, "{}: tensor '{}': file index is {}, not an integer in 1..99999",
+                        what, key, detail::describe(v));
     }
     out.emplace_back(key, static_cast<uint32_t>(v.get<uint64_t>()));
   }

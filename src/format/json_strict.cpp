@@ -1,16 +1,145 @@
 #include "json_strict.hpp"
 
 #include <unordered_set>
-#include <vector>
+
+#include <fmt/format.h>
 
 namespace ckptfs::format::detail {
+namespace {
 
-Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view what,
-                                         std::string_view kind,
-                                         std::vector<std::string>* top_keys) {
-  using nlohmann::json;
+using nlohmann::json;
+
+// Quoted strings in messages are cut here: values are shown for a hint, but a duplicate key
+// is usually a tensor name, which the reader needs whole (MoE names run to ~60 characters).
+constexpr size_t kMaxValueChars = 40;
+constexpr size_t kMaxKeyChars = 256;
+
+// Offset of the bracket that opens nesting level kMaxJsonDepth + 1, or npos. A single pass
+// with no recursion, run before nlohmann sees the text, so no later step (parsing, error
+// messages, destruction) ever meets a value deeper than the cap. Brackets inside strings do
+// not count; a backslash skips the next byte so an escaped quote does not end the string.
+// Unbalanced text is not this scan's business: the parser refuses it afterwards.
+size_t too_deep_at(std::string_view text) {
+  size_t depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    switch (c) {
+      case '"':
+        in_string = true;
+        break;
+      case '[':
+      case '{':
+        if (++depth > kMaxJsonDepth) return i;
+        break;
+      case ']':
+      case '}':
+        if (depth > 0) --depth;
+        break;
+      default:
+        break;
+    }
+  }
+  return std::string_view::npos;
+}
+
+// Cuts a message to about `max` bytes without splitting a UTF-8 sequence. nlohmann's parse
+// errors quote the offending token, which may be a megabyte-long string of a hostile file.
+std::string bounded(std::string s, size_t max = 240) {
+  if (s.size() <= max) return s;
+  size_t cut = max;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  s.resize(cut);
+  s += "...";
+  return s;
+}
+
+// Length of the well-formed UTF-8 sequence starting at s[i] (RFC 3629: no overlongs, no
+// surrogates, nothing past U+10FFFF), or 0 when there is none.
+size_t utf8_len(std::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const unsigned char c = b(0);
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (i + n > s.size() || b(1) < lo || b(1) > hi) return 0;
+  for (size_t k = 2; k < n; ++k) {
+    if ((b(k) & 0xC0) != 0x80) return 0;
+  }
+  return n;
+}
+
+// A string quoted for a message: at most `max_chars` characters, control characters (C0,
+// DEL, C1) and bytes that are not UTF-8 escaped, so a hostile name cannot forge terminal
+// output or make a message megabytes long.
+std::string quote_bounded(std::string_view s, size_t max_chars) {
+  std::string out = "\"";
+  size_t i = 0;
+  for (size_t chars = 0; i < s.size() && chars < max_chars; ++chars) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+      ++i;
+    } else if (c == '\n') {
+      out += "\\n";
+      ++i;
+    } else if (c == '\t') {
+      out += "\\t";
+      ++i;
+    } else if (c < 0x20 || c == 0x7F) {
+      out += fmt::format("\\u{:04x}", c);
+      ++i;
+    } else if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+    } else if (size_t n = utf8_len(s, i); n == 0) {
+      out += fmt::format("\\x{:02x}", c);
+      ++i;
+    } else if (n == 2 && c == 0xC2 && static_cast<unsigned char>(s[i + 1]) < 0xA0) {
+      out += fmt::format("\\u{:04x}", static_cast<unsigned char>(s[i + 1]));  // C1 control
+      i += n;
+    } else {
+      out.append(s.substr(i, n));
+      i += n;
+    }
+  }
+  out += '"';
+  if (i < s.size()) out += fmt::format("... ({} bytes)", s.size());
+  return out;
+}
+
+}  // namespace
+
+Result<json> parse_json_strict(std::string_view text, std::string_view what, std::string_view kind,
+                               std::vector<std::string>* top_keys) {
+  if (size_t at = too_deep_at(text); at != std::string_view::npos) {
+    return make_error(EINVAL, "{}{} is nested deeper than {} levels (at byte {})", prefix(what),
+                      kind, kMaxJsonDepth, at);
+  }
   std::vector<std::unordered_set<std::string>> keys;
   std::string dup;
+  bool have_dup = false;
   json::parser_callback_t cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) {
     switch (ev) {
       case json::parse_event_t::object_start:
@@ -20,8 +149,9 @@ Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view
         if (!keys.empty()) keys.pop_back();
         break;
       case json::parse_event_t::key:
-        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && dup.empty()) {
+        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && !have_dup) {
           dup = parsed.get<std::string>();
+          have_dup = true;
         }
         if (top_keys && keys.size() == 1) top_keys->push_back(parsed.get<std::string>());
         break;
@@ -34,16 +164,42 @@ Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view
   try {
     j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
   } catch (const json::exception& e) {
-    return make_error(EINVAL, "{}{} is not valid JSON: {}", prefix(what), kind, e.what());
+    return make_error(EINVAL, "{}{} is not valid JSON: {}", prefix(what), kind, bounded(e.what()));
   }
-  if (!dup.empty()) {
-    return make_error(EINVAL, "{}{} has duplicate key '{}'", prefix(what), kind, dup);
+  if (have_dup) {
+    return make_error(EINVAL, "{}{} has duplicate key {}", prefix(what), kind,
+                      quote_bounded(dup, kMaxKeyChars));
   }
   return j;
 }
 
-std::string dump_safe(const nlohmann::json& j, int indent) {
-  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+std::string describe(const json& v) {
+  switch (v.type()) {
+    case json::value_t::object: {
+      const size_t n = v.size();
+      if (n == 0) return "an empty object";
+      return fmt::format("an object with {} key{}", n, n == 1 ? "" : "s");
+    }
+    case json::value_t::array: {
+      const size_t n = v.size();
+      if (n == 0) return "an empty array";
+      return fmt::format("an array of {} element{}", n, n == 1 ? "" : "s");
+    }
+    case json::value_t::string:
+      return "the string " + quote_bounded(v.get_ref<const std::string&>(), kMaxValueChars);
+    case json::value_t::binary:
+      return "binary data";
+    case json::value_t::discarded:
+      return "a discarded value";
+    case json::value_t::null:
+    case json::value_t::boolean:
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+    case json::value_t::number_float:
+      break;
+  }
+  // A scalar: dump() prints it without recursing, in at most a few dozen bytes.
+  return v.dump();
 }
 
 }  // namespace ckptfs::format::detail

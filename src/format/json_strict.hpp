@@ -1,6 +1,7 @@
 // Internal to the format layer: strict JSON parsing shared by the parsers.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,20 +12,30 @@
 
 namespace ckptfs::format::detail {
 
+// Deepest nesting of arrays and objects accepted in untrusted JSON. Real documents nest 3 or
+// 4 levels; the cap exists because code that walks a value recursively (nlohmann's dump(),
+// comparisons, a future visitor) would overflow the stack on a hostile 100,000-level value.
+inline constexpr size_t kMaxJsonDepth = 64;
+
 // "what: " or "" when `what` is empty (callers that attach the file name themselves).
 inline std::string prefix(std::string_view what) {
   return what.empty() ? std::string() : std::string(what) + ": ";
 }
 
-// Parses JSON, refusing duplicate keys in any object (nlohmann keeps the last one silently;
-// the reference loader refuses them). `kind` names the document in errors. When
-// `top_keys` is given it receives the top-level object's keys in document order (the parsed
-// object is std::map-backed: ordered_json would make large objects quadratic).
+// Parses JSON, refusing nesting deeper than kMaxJsonDepth and duplicate keys in any object
+// (nlohmann keeps the last one silently; the reference loader refuses them). `kind` names
+// the document in errors. When `top_keys` is given it receives the top-level object's keys
+// in document order (the parsed object is std::map-backed: ordered_json would make large
+// objects quadratic).
 Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view what,
                                          std::string_view kind,
                                          std::vector<std::string>* top_keys = nullptr);
 
-// Dumps JSON, replacing invalid UTF-8 (which error messages may quote from bad input).
-std::string dump_safe(const nlohmann::json& j, int indent = -1);
+// A short description of a parsed value for error messages: "an object with 3 keys", "an
+// array of 2 elements", a number as nlohmann prints it, or a string quoted, truncated to
+// about 40 characters, with control characters and invalid UTF-8 escaped. Never recursive
+// and never longer than ~200 bytes, whatever the value holds: parsed values come from
+// untrusted files, so they must never be serialized whole into a message.
+std::string describe(const nlohmann::json& v);
 
 }  // namespace ckptfs::format::detail

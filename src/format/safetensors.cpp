@@ -27,7 +27,7 @@ Result<std::vector<uint64_t>> u64_array(const json& j, std::string_view what,
     if (!v.is_number_unsigned()) {
       return make_error(EINVAL,
                         "{}: tensor '{}': '{}' holds {} where a non-negative integer is required",
-                        what, tensor, field, detail::dump_safe(v));
+                        what, tensor, field, detail::describe(v));
     }
     out.push_back(v.get<uint64_t>());
   }

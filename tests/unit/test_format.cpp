@@ -8,6 +8,8 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
 #include "fixture.hpp"
+// The internal strict parser, for its value descriptions.
+#include "../../src/format/json_strict.hpp"
 
 using namespace ckptfs;
 using namespace ckptfs::format;
@@ -34,6 +36,19 @@ void expect_error(const Result<Header>& r, std::string_view needle) {
   EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
   EXPECT_NE(r.error().message.find("f.safetensors"), std::string::npos) << r.error().message;
 }
+
+// `depth` nested arrays: "[[...]]".
+std::string nested(size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+// `depth` nested objects: {"x":{"x":...{}}}.
+std::string nested_objects(size_t depth) {
+  std::string s;
+  for (size_t i = 1; i < depth; ++i) s += "{\"x\":";
+  return s + "{" + std::string(depth, '}');
+}
+
+constexpr size_t kDeep = 100'000;
+constexpr std::string_view kTooDeep = "nested deeper than 64 levels";
 
 }  // namespace
 
@@ -91,7 +106,7 @@ TEST(Safetensors, RejectsMalformedHeaders) {
   expect_error(
       parse("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},\"\xff\":1}", 1),
       "is not valid JSON");
-  expect_error(parse("{" + ok_entry + "," + ok_entry + "}", 4), "duplicate key 'a'");
+  expect_error(parse("{" + ok_entry + "," + ok_entry + "}", 4), "duplicate key \"a\"");
   expect_error(parse(R"({"a":{"dtype":"X9","shape":[4],"data_offsets":[0,4]}})", 4),
                "unknown dtype 'X9'");
   expect_error(parse(R"({"a":{"dtype":"U8","shape":[-4],"data_offsets":[0,4]}})", 4),
@@ -236,4 +251,120 @@ TEST(Index, MappingKeepsOrderAndValidates) {
   auto rt = parse_fqn_mapping(serialize_fqn_mapping(*m), "map");
   ASSERT_TRUE(rt.ok());
   EXPECT_EQ(*rt, *m);
+}
+
+// Hostile nesting: 100,000 levels once overflowed the stack when an error message serialized
+// the value. The strict parser now refuses anything deeper than 64 levels before parsing.
+TEST(Nesting, DeepHeaderValuesAreRefusedNamingTheFile) {
+  // As a shape element, where an integer is expected.
+  expect_error(
+      parse(R"({"a":{"dtype":"U8","shape":[)" + nested(kDeep) + R"(],"data_offsets":[0,1]}})", 1),
+      "header is nested deeper than 64 levels");
+  // As a whole tensor entry, as arrays and as objects.
+  expect_error(parse(R"({"a":)" + nested(kDeep) + "}", 0), kTooDeep);
+  expect_error(parse(R"({"a":)" + nested_objects(kDeep) + "}", 0), kTooDeep);
+  // In __metadata__, and unterminated (the scan runs before the parser sees the text).
+  expect_error(parse(R"({"__metadata__":{"k":)" + nested(kDeep) + "}}", 0), kTooDeep);
+  expect_error(parse(R"({"a":)" + std::string(kDeep, '['), 0), kTooDeep);
+}
+
+TEST(Nesting, ExactlyTheLimitIsAccepted) {
+  // Root object (1) + tensor entry (2) + 62 arrays in an unknown key = 64 levels.
+  auto at = [](size_t arrays) {
+    return R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"future":)" + nested(arrays) +
+           "}}";
+  };
+  auto r = parse(at(62), 1);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ(r->tensors.size(), 1u);
+  expect_error(parse(at(63), 1), "header is nested deeper than 64 levels");
+}
+
+TEST(Nesting, BracketsInsideStringsDoNotCount) {
+  // A name full of brackets, an escaped quote and an escaped backslash before the closing
+  // quote: none of it is structure.
+  std::string name = std::string(100, '[') + R"(\"{{{\\)";
+  auto r = parse(R"({")" + name + R"(":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ(r->tensors[0].name, std::string(100, '[') + "\"{{{\\");
+  // DCP_SHARDING_INFO is a string in the header: its nesting is the DCP parser's business.
+  std::string md = R"({"__metadata__":{"DCP_SHARDING_INFO":")" + nested(kDeep) + R"("}})";
+  EXPECT_TRUE(parse(md, 0).ok());
+}
+
+TEST(Nesting, DeepShardingInfoIsRefusedNamingTheFile) {
+  auto r = parse_sharding_info(R"({"a":{"saved_offsets":)" + nested(kDeep) + "}}", "shard-1");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("shard-1: DCP_SHARDING_INFO is nested deeper than 64 levels"),
+            std::string::npos)
+      << r.error().message;
+  // Exactly the limit: root (1) + entry (2) + 62 arrays under a key newer writers might add.
+  auto ok =
+      parse_sharding_info(R"({"a":{"saved_offsets":[0],"future":)" + nested(62) + "}}", "shard-1");
+  ASSERT_TRUE(ok.ok()) << ok.error().message;
+  EXPECT_FALSE(
+      parse_sharding_info(R"({"a":{"saved_offsets":[0],"future":)" + nested(63) + "}}", "shard-1")
+          .ok());
+}
+
+TEST(Nesting, DeepMappingAndIndexAreRefusedNamingTheFile) {
+  auto m = parse_fqn_mapping(R"({"a":)" + nested(kDeep) + "}", "fqn_to_file_index_mapping.json");
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(
+      m.error().message.find("fqn_to_file_index_mapping.json: mapping is nested deeper than 64"),
+      std::string::npos)
+      << m.error().message;
+  auto i = parse_index(R"({"metadata":{},"weight_map":)" + nested_objects(kDeep) + "}",
+                       "model.safetensors.index.json");
+  ASSERT_FALSE(i.ok());
+  EXPECT_NE(i.error().message.find("model.safetensors.index.json: index is nested deeper than 64"),
+            std::string::npos)
+      << i.error().message;
+  // An index nested exactly 64 deep (in a key transformers does not read) is accepted.
+  auto ok = parse_index(R"({"metadata":{"x":)" + nested(62) + R"(},"weight_map":{"w":"f"}})", "i");
+  ASSERT_TRUE(ok.ok()) << ok.error().message;
+}
+
+TEST(Nesting, ErrorMessagesDescribeValuesWithoutSerializingThem) {
+  // Values within the limit, where an integer is expected: described, not dumped.
+  expect_error(parse(R"({"a":{"dtype":"U8","shape":[[[[1,2]]]],"data_offsets":[0,4]}})", 4),
+               "'shape' holds an array of 1 element where a non-negative integer is required");
+  expect_error(parse(R"({"a":{"dtype":"U8","shape":[{"k":1,"j":2}],"data_offsets":[0,4]}})", 4),
+               "holds an object with 2 keys");
+  expect_error(parse(R"({"a":{"dtype":"U8","shape":[-3],"data_offsets":[0,4]}})", 4),
+               "'shape' holds -3 where");
+  auto m = parse_fqn_mapping(R"({"w":[[]]})", "map");
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.error().message.find("file index is an array of 1 element"), std::string::npos)
+      << m.error().message;
+  auto d = parse_sharding_info(R"({"w":{"saved_offsets":[null]}})", "s");
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.error().message.find("holds null where"), std::string::npos) << d.error().message;
+
+  // A value far deeper than any parse would let through is still described in O(1) stack.
+  using nlohmann::json;
+  json deep = json::array();
+  for (size_t i = 0; i < kDeep; ++i) {
+    json outer = json::array();
+    outer.push_back(std::move(deep));
+    deep = std::move(outer);
+  }
+  EXPECT_EQ(detail::describe(deep), "an array of 1 element");
+  EXPECT_EQ(detail::describe(json::object()), "an empty object");
+  EXPECT_EQ(detail::describe(json(1.5)), "1.5");
+  EXPECT_EQ(detail::describe(json(false)), "false");
+
+  // Strings: quoted, cut to 40 characters, control characters and bad UTF-8 escaped.
+  EXPECT_EQ(detail::describe(json("a\"b")), R"(the string "a\"b")");
+  EXPECT_EQ(detail::describe(json(std::string("x\n\x1b[2J\x7f\xc2\x85y", 10))),
+            R"(the string "x\n\u001b[2J\u007f\u0085y")");
+  std::string long_s = "\xc3\xa9" + std::string(1000, 'z');
+  EXPECT_EQ(detail::describe(json(long_s)),
+            "the string \"\xc3\xa9" + std::string(39, 'z') + "\"... (1002 bytes)");
+  std::string bad_utf8 = "\xff\xe2\x82";
+  EXPECT_EQ(detail::describe(json(bad_utf8)), R"(the string "\xff\xe2\x82")");
+  expect_error(parse(R"({"a":{"dtype":"U8","shape":[")" + std::string(5000, 'q') +
+                         R"("],"data_offsets":[0,4]}})",
+                     4),
+               "holds the string \"qqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqq\"... (5000 bytes)");
 }

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "fixture.hpp"
@@ -247,6 +248,55 @@ TEST(Build, ZeroDimAndEmptyTensors) {
 TEST(Build, NoTensorsIsAProblem) {
   auto b = build({{shard(1), {}}});
   EXPECT_TRUE(has_problem(*b.ck, "no tensors")) << problems(*b.ck);
+}
+
+namespace {
+
+// A shard whose header lists `entries` (U8 [1] each, in order) and whose
+// __metadata__["DCP_SHARDING_INFO"] is `info` verbatim.
+ShardInput shard_with_info(const std::string& name, const std::vector<std::string>& entries,
+                           const std::string& info) {
+  std::vector<format::TensorEntry> te;
+  for (const auto& e : entries) {
+    te.push_back({e, DType::U8, {1}, te.size(), te.size() + 1});
+  }
+  auto bytes = format::serialize_header(te, {{"DCP_SHARDING_INFO", info}, {"format", "pt"}}) +
+               std::string(te.size(), '\0');
+  return test::shard_input(name, bytes);
+}
+
+}  // namespace
+
+TEST(Build, DeeplyNestedShardingInfoIsAProblemNamingTheFile) {
+  // 100,000 levels where saved_offsets should be: once a stack overflow in the error message.
+  const std::string deep = std::string(100'000, '[') + std::string(100'000, ']');
+  BuildInput in;
+  in.dir = "d";
+  in.shards.push_back(shard_with_info(shard(1), {"w"}, R"({"w":{"saved_offsets":)" + deep + "}}"));
+  in.shards.push_back(shard_with_info(shard(2), {"w"}, R"({"w":{"saved_offsets":[1]}})"));
+  auto ck = build_checkpoint(std::move(in));
+  ASSERT_FALSE(ck->valid());
+  EXPECT_TRUE(std::any_of(ck->problems.begin(), ck->problems.end(), [&](const Problem& p) {
+    return p.file == shard(1) &&
+           p.message.find("DCP_SHARDING_INFO is nested deeper than 64 levels") != std::string::npos;
+  })) << problems(*ck);
+  EXPECT_TRUE(ck->outputs.empty());
+}
+
+TEST(Build, DeeplyNestedHeaderIsAProblemNamingTheFile) {
+  const std::string deep = std::string(100'000, '{') + std::string(100'000, '}');
+  std::string json = R"({"w":)" + deep + "}";
+  std::string bytes(8, '\0');
+  for (size_t i = 0; i < 8; ++i) bytes[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
+  BuildInput in;
+  in.dir = "d";
+  in.shards.push_back(test::shard_input(shard(1), bytes + json));
+  auto ck = build_checkpoint(std::move(in));
+  ASSERT_EQ(ck->problems.size(), 1u) << problems(*ck);
+  EXPECT_EQ(ck->problems[0].file, shard(1));
+  EXPECT_NE(ck->problems[0].message.find("header is nested deeper than 64 levels"),
+            std::string::npos)
+      << problems(*ck);
 }
 
 // ---------------------------------------------------------------------------------------
