@@ -1,7 +1,5 @@
 #include "json_strict.hpp"
 
-#include <unordered_set>
-
 #include <fmt/format.h>
 
 namespace ckptfs::format::detail {
@@ -50,6 +48,93 @@ size_t too_deep_at(std::string_view text) {
   }
   return std::string_view::npos;
 }
+
+// Builds the DOM from nlohmann's SAX events, refusing duplicate keys as they arrive.
+//
+// This replaces json::parse with a parser callback, which is quadratic: after every nested
+// object closes, nlohmann's callback DOM builder scans the whole parent object for a
+// discarded member, so a header of n tensors (or a DCP_SHARDING_INFO of n entries) cost
+// O(n^2) (20,000 tensors: ~10 s per shard). Here every event is O(log n) at worst: a key is
+// inserted straight into its std::map, and a duplicate is seen by that insertion failing.
+class StrictDomBuilder {
+ public:
+  explicit StrictDomBuilder(std::vector<std::string>* top_keys) : top_keys_(top_keys) {}
+
+  bool null() { return place(json(nullptr)) != nullptr; }
+  bool boolean(bool v) { return place(json(v)) != nullptr; }
+  bool number_integer(json::number_integer_t v) { return place(json(v)) != nullptr; }
+  bool number_unsigned(json::number_unsigned_t v) { return place(json(v)) != nullptr; }
+  bool number_float(json::number_float_t v, const json::string_t& /*text*/) {
+    return place(json(v)) != nullptr;
+  }
+  bool string(json::string_t& v) { return place(json(std::move(v))) != nullptr; }
+  // The JSON lexer never produces binary values; kept for the SAX interface.
+  bool binary(json::binary_t& v) { return place(json::binary(std::move(v))) != nullptr; }
+
+  bool start_object(size_t /*elements*/) {
+    open_.push_back(place(json(json::value_t::object)));
+    return true;
+  }
+  bool key(json::string_t& k) {
+    auto& obj = open_.back()->get_ref<json::object_t&>();
+    // try_emplace leaves `k` untouched when the key exists, so it can still be reported.
+    auto [it, inserted] = obj.try_emplace(std::move(k));
+    if (!inserted) {
+      duplicate_ = k;
+      return false;
+    }
+    if (top_keys_ && open_.size() == 1) top_keys_->push_back(it->first);
+    slot_ = &it->second;
+    return true;
+  }
+  bool end_object() {
+    open_.pop_back();
+    return true;
+  }
+  bool start_array(size_t /*elements*/) {
+    open_.push_back(place(json(json::value_t::array)));
+    return true;
+  }
+  bool end_array() {
+    open_.pop_back();
+    return true;
+  }
+  bool parse_error(size_t /*position*/, const std::string& /*last_token*/,
+                   const nlohmann::detail::exception& e) {
+    error_ = e.what();
+    return false;
+  }
+
+  json& root() { return root_; }
+  [[nodiscard]] const std::string& duplicate() const { return duplicate_; }
+  [[nodiscard]] const std::string& error() const { return error_; }
+
+ private:
+  // Stores a value where the document puts it next: the root, the end of the innermost open
+  // array, or the member of the innermost open object whose key was just read. Pointers into
+  // an open array stay valid: it only grows while its own innermost child is closed.
+  json* place(json v) {
+    if (open_.empty()) {
+      root_ = std::move(v);
+      return &root_;
+    }
+    json& parent = *open_.back();
+    if (parent.is_array()) {
+      auto& arr = parent.get_ref<json::array_t&>();
+      arr.push_back(std::move(v));
+      return &arr.back();
+    }
+    *slot_ = std::move(v);
+    return slot_;
+  }
+
+  std::vector<std::string>* top_keys_;
+  json root_;
+  std::vector<json*> open_;  // open arrays and objects, innermost last
+  json* slot_ = nullptr;     // the member whose key was read last
+  std::string duplicate_;
+  std::string error_;
+};
 
 // Cuts a message to about `max` bytes without splitting a UTF-8 sequence. nlohmann's parse
 // errors quote the offending token, which may be a megabyte-long string of a hostile file.
@@ -137,40 +222,17 @@ Result<json> parse_json_strict(std::string_view text, std::string_view what, std
     return make_error(EINVAL, "{}{} is nested deeper than {} levels (at byte {})", prefix(what),
                       kind, kMaxJsonDepth, at);
   }
-  std::vector<std::unordered_set<std::string>> keys;
-  std::string dup;
-  bool have_dup = false;
-  json::parser_callback_t cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) {
-    switch (ev) {
-      case json::parse_event_t::object_start:
-        keys.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && !have_dup) {
-          dup = parsed.get<std::string>();
-          have_dup = true;
-        }
-        if (top_keys && keys.size() == 1) top_keys->push_back(parsed.get<std::string>());
-        break;
-      default:
-        break;
+  StrictDomBuilder builder(top_keys);
+  if (!json::sax_parse(text.begin(), text.end(), &builder, json::input_format_t::json,
+                       /*strict=*/true)) {
+    if (!builder.duplicate().empty() || builder.error().empty()) {
+      return make_error(EINVAL, "{}{} has duplicate key {}", prefix(what), kind,
+                        quote_bounded(builder.duplicate(), kMaxKeyChars));
     }
-    return true;
-  };
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
-  } catch (const json::exception& e) {
-    return make_error(EINVAL, "{}{} is not valid JSON: {}", prefix(what), kind, bounded(e.what()));
+    return make_error(EINVAL, "{}{} is not valid JSON: {}", prefix(what), kind,
+                      bounded(builder.error()));
   }
-  if (have_dup) {
-    return make_error(EINVAL, "{}{} has duplicate key {}", prefix(what), kind,
-                      quote_bounded(dup, kMaxKeyChars));
-  }
-  return j;
+  return std::move(builder.root());
 }
 
 std::string describe(const json& v) {

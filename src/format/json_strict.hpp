@@ -26,7 +26,7 @@ inline std::string prefix(std::string_view what) {
 // (nlohmann keeps the last one silently; the reference loader refuses them). `kind` names
 // the document in errors. When `top_keys` is given it receives the top-level object's keys
 // in document order (the parsed object is std::map-backed: ordered_json would make large
-// objects quadratic).
+// objects quadratic). Linear in the size of the text.
 Result<nlohmann::json> parse_json_strict(std::string_view text, std::string_view what,
                                          std::string_view kind,
                                          std::vector<std::string>* top_keys = nullptr);

@@ -368,3 +368,27 @@ TEST(Nesting, ErrorMessagesDescribeValuesWithoutSerializingThem) {
                      4),
                "holds the string \"qqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqq\"... (5000 bytes)");
 }
+
+TEST(StrictJson, DuplicateKeysAreRefusedAtAnyDepth) {
+  auto r = parse_sharding_info(R"({"w":{"saved_offsets":[0]},"w":{"saved_offsets":[2]}})", "s");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("duplicate key \"w\""), std::string::npos) << r.error().message;
+  expect_error(parse(R"({"a":{"dtype":"U8","shape":[1],"shape":[1],"data_offsets":[0,1]}})", 1),
+               "duplicate key \"shape\"");
+  auto e = parse_fqn_mapping(R"({"":1,"":1})", "map");
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().message.find("map: mapping has duplicate key \"\""), std::string::npos)
+      << e.error().message;
+  // Keys are unique per object, not per document.
+  auto ok = parse_sharding_info(
+      R"({"v":{"saved_offsets":[0],"shape":[2]},"w":{"saved_offsets":[0],"shape":[2]}})", "s");
+  ASSERT_TRUE(ok.ok()) << ok.error().message;
+  // Top-level keys are collected in document order, not the parsed object's (sorted) order,
+  // and a nested object's keys are not among them.
+  auto m = parse_fqn_mapping(R"({"c":3,"b":1,"a":2})", "map");
+  ASSERT_TRUE(m.ok()) << m.error().message;
+  EXPECT_EQ(*m, (FqnMapping{{"c", 3}, {"b", 1}, {"a", 2}}));
+  auto m2 = parse_fqn_mapping(R"({"c":1,"b":{"z":1},"a":1})", "map");
+  ASSERT_FALSE(m2.ok());
+  EXPECT_NE(m2.error().message.find("tensor 'b'"), std::string::npos) << m2.error().message;
+}

@@ -5,6 +5,8 @@
 #include <random>
 #include <set>
 
+#include <fmt/format.h>
+
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/layout/extent_map.hpp"
@@ -297,6 +299,45 @@ TEST(Build, DeeplyNestedHeaderIsAProblemNamingTheFile) {
   EXPECT_NE(ck->problems[0].message.find("header is nested deeper than 64 levels"),
             std::string::npos)
       << problems(*ck);
+}
+
+TEST(Build, ShardingInfoEntriesWithoutHeaderEntriesAreNamed) {
+  BuildInput in;
+  in.dir = "d";
+  in.shards.push_back(shard_with_info(
+      shard(1), {"a", "b"},
+      R"({"a":{"saved_offsets":[0]},"ghost":{"saved_offsets":[0]},"b":{"saved_offsets":[0]}})"));
+  auto ck = build_checkpoint(std::move(in));
+  ASSERT_EQ(ck->problems.size(), 1u) << problems(*ck);
+  EXPECT_EQ(ck->problems[0].tensor, "ghost");
+  EXPECT_TRUE(has_problem(*ck, "listed in DCP_SHARDING_INFO but has no header entry", "ghost"));
+}
+
+TEST(Build, ManyTensorsInTwoRanks) {
+  // The shape of an MoE checkpoint: few files, huge headers. (Speed is measured by
+  // tools/bench_engine, not asserted here; this checks the result.)
+  constexpr size_t kTensors = 5000;
+  std::vector<std::string> names;
+  std::string info[2] = {"{", "{"};
+  for (size_t t = 0; t < kTensors; ++t) {
+    names.push_back(fmt::format("model.layers.{}.mlp.experts.{}.weight", t / 64, t % 64));
+    for (int r = 0; r < 2; ++r) {
+      info[r] += fmt::format(R"({}"{}":{{"saved_offsets":[{}]}})", t ? "," : "", names.back(), r);
+    }
+  }
+  BuildInput in;
+  in.dir = "d";
+  for (int r = 0; r < 2; ++r)
+    in.shards.push_back(shard_with_info(shard(r + 1), names, info[r] + "}"));
+  auto ck = build_checkpoint(std::move(in));
+  ASSERT_TRUE(ck->valid()) << problems(*ck);
+  ASSERT_EQ(ck->tensors.size(), kTensors);
+  for (const auto& t : ck->tensors) {
+    ASSERT_EQ(t.shape, (std::vector<uint64_t>{2})) << t.name;
+    ASSERT_EQ(t.chunks.size(), 2u) << t.name;
+  }
+  ASSERT_EQ(ck->outputs.size(), 1u);
+  EXPECT_EQ(ck->outputs[0].tensors.size(), kTensors);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ struct Header {
 
   [[nodiscard]] uint64_t data_start() const { return kHeaderLenBytes + json_len; }
   [[nodiscard]] uint64_t file_size() const { return data_start() + data_size; }
+  // A linear scan, for one-off lookups: to look up many names, index `tensors` by name.
   [[nodiscard]] const TensorEntry* find(std::string_view name) const;
   [[nodiscard]] const std::string* find_metadata(std::string_view key) const;
 };
