@@ -1,8 +1,13 @@
 // Engine micro-benchmarks (figures in docs/benchmarks.md):
 //   1. extent map: a 1 MiB range of a column-sharded tensor (8 ranks, BF16, 1 KiB runs);
 //   2. model build for 10,000 tensors in 1,000 shard files (mount-time cost), both from
-//      parsed headers in memory and from files on disk (header reads + parsing included).
-// Usage: bench_engine [--dir SCRATCH]   (default: a temporary directory under /tmp)
+//      parsed headers in memory and from files on disk (header reads + parsing included);
+//   3. header parse and model build for 20,000 and 100,000 tensors in 2 rank shards (MoE
+//      checkpoints): few files with huge headers, where any per-tensor scan of all the
+//      tensors shows up as quadratic time.
+// Usage: bench_engine [--dir SCRATCH] [--many-only]
+//   --dir        scratch directory for (2) (default: a temporary directory under /tmp)
+//   --many-only  run only (3)
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -157,18 +162,79 @@ void bench_model_build(const std::string& scratch) {
              secs(t2, t3) * 1e3);
 }
 
+// `n_tensors` tensors, each row-sharded over 2 ranks, so each of the 2 headers lists every
+// tensor once and its DCP_SHARDING_INFO holds an entry per tensor.
+void bench_many_tensors(int n_tensors) {
+  constexpr int kRanks = 2;
+  std::vector<std::string> headers(kRanks);
+  std::vector<uint64_t> sizes(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    std::vector<format::TensorEntry> chunks;
+    chunks.reserve(n_tensors);
+    format::ShardingInfo info;
+    uint64_t pos = 0;
+    for (int t = 0; t < n_tensors; ++t) {
+      std::string name =
+          fmt::format("model.layers.{}.mlp.experts.{}.down_proj.weight", t / 128, t % 128);
+      chunks.push_back({name, format::DType::BF16, {4, 8}, pos, pos + 4 * 8 * 2});
+      pos += 4 * 8 * 2;
+      info[name] = {{uint64_t(r) * 4, 0}, std::nullopt};
+    }
+    headers[r] = shard_bytes(chunks, info);  // zero data: only the size matters here
+    sizes[r] = headers[r].size();
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(headers[r][i]);
+    headers[r].resize(8 + n);
+  }
+  layout::BuildInput in;
+  in.dir = "bench";
+  auto t0 = Clock::now();
+  for (int r = 0; r < kRanks; ++r) {
+    layout::ShardInput si;
+    si.name = format::shard_file_name(r + 1, 1, 1);
+    auto h = format::parse_header_json(std::string_view(headers[r]).substr(8), sizes[r], si.name);
+    if (!h) {
+      fmt::print(stderr, "{}\n", h.error().message);
+      std::exit(1);
+    }
+    si.header = std::make_shared<const format::Header>(std::move(h).value());
+    in.shards.push_back(std::move(si));
+  }
+  auto t1 = Clock::now();
+  auto ck = layout::build_checkpoint(std::move(in));
+  auto t2 = Clock::now();
+  if (!ck->valid() || ck->tensors.size() != size_t(n_tensors)) {
+    fmt::print(stderr, "model build failed: {}\n",
+               ck->problems.empty() ? "" : ck->problems[0].to_string());
+    std::exit(1);
+  }
+  fmt::print(
+      "| {} tensors x {} ranks: header parse / model build (incl. DCP_SHARDING_INFO) | {:.1f} ms "
+      "/ {:.1f} ms |\n",
+      n_tensors, kRanks, secs(t0, t1) * 1e3, secs(t1, t2) * 1e3);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string scratch;
+  bool many_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--dir" && i + 1 < argc) {
       scratch = argv[++i];
+    } else if (a == "--many-only") {
+      many_only = true;
     } else {
-      fmt::print(stderr, "usage: bench_engine [--dir SCRATCH]\n");
+      fmt::print(stderr, "usage: bench_engine [--dir SCRATCH] [--many-only]\n");
       return 2;
     }
+  }
+  if (many_only) {
+    fmt::print("| benchmark | result |\n|---|---|\n");
+    bench_many_tensors(20'000);
+    bench_many_tensors(100'000);
+    return 0;
   }
   bool cleanup = scratch.empty();
   if (scratch.empty()) {
@@ -178,6 +244,8 @@ int main(int argc, char** argv) {
   fmt::print("| benchmark | result |\n|---|---|\n");
   bench_extent_map();
   bench_model_build(scratch + "/ckpt");
+  bench_many_tensors(20'000);
+  bench_many_tensors(100'000);
   if (cleanup) std::filesystem::remove_all(scratch);
   return 0;
 }
