@@ -181,6 +181,7 @@ struct View {
   uint64_t generation = 0;
   int64_t mtime_ns = 0;
   bool complete = false;  // valid and settled: consolidated files are shown
+  bool pending = false;   // a placeholder until the headers are read: shows nothing consolidated
   std::string rel;        // checkpoint directory, relative to the source root
   uint64_t dir_dev = 0, dir_ino = 0;
   std::vector<Perm> inputs;  // owner and mode of every shard: who may read the synthesized files
@@ -254,21 +255,30 @@ struct Node {
 
 // What a caller of view_of needs.
 enum class Need : uint8_t {
-  Any,      // whether the directory is a checkpoint (a view being rebuilt may be returned)
-  Current,  // the current model: waits for a rebuild in progress (consolidated names, listings)
+  Any,      // whether the directory is a checkpoint, and its mtime: never reads a header (a
+            // view being rebuilt, or a placeholder, may be returned)
+  Current,  // the current model: builds it if the inputs changed, or waits for the thread that
+            // is building it (consolidated names, listings)
 };
 
 struct DirState {
   std::mutex mu;                  // guards every field below; taken before Impl::mu_, never after
   std::condition_variable built;  // signalled (with mu) when `building` ends
   bool checked = false;
-  bool building = false;  // a thread is reading the shards' headers, without holding mu
+  bool building = false;     // a thread is reading the shards' headers, without holding mu
+  bool needs_build = false;  // the inputs listed last differ from those `view` was built from
   Clock::time_point next_check;
+  // The inputs as listed last: what a build reads, and what settle is timed against.
+  std::vector<source::DirEntry> entries;
   source::Signature sig;
+  struct stat dst {};
+  bool settled = false;
+  int64_t mtime_ns = INT64_MIN;    // shown mtime of the directory: its own or its newest input's
   int64_t changed_ns = INT64_MIN;  // newest stamped change of the inputs or the directory
   Clock::time_point seen_since;    // when the daemon first saw this signature and stamp
   bool skew_logged = false;
-  std::shared_ptr<const View> view;
+  std::shared_ptr<const View> view;  // null: no checkpoint
+  source::Signature view_sig;        // what `view` was built from (empty for a placeholder)
 };
 
 struct DirHandle {
@@ -429,11 +439,10 @@ struct Filesystem::Impl {
     return s;
   }
 
-  std::shared_ptr<const View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
-                                        const std::string& rel, const struct stat& dst,
-                                        const source::Signature& sig,
-                                        const std::vector<source::DirEntry>& entries,
-                                        bool complete) {
+  std::shared_ptr<View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
+                                  const std::string& rel, const struct stat& dst,
+                                  const source::Signature& sig,
+                                  const std::vector<source::DirEntry>& entries, bool complete) {
     auto v = std::make_shared<View>();
     v->ckpt = std::move(ck);
     v->generation = ++generations;
@@ -450,36 +459,77 @@ struct Filesystem::Impl {
   }
 
   // Returns the view of directory `rel` (null when it is no checkpoint), revalidating it when
-  // its TTL has passed. `dir_ino` is its FUSE inode, for invalidation.
+  // its TTL has passed. `dir_ino` is its FUSE inode, for invalidation. `mtime_out`, when
+  // given, receives the directory's shown mtime.
   //
-  // Reading the shards' headers can be slow (a hostile header is up to 100 MB), so it runs
-  // without holding the directory's lock: meanwhile, callers that only need to know whether
-  // this is a checkpoint (Need::Any: unrelated names, attributes) get the previous view, or a
-  // placeholder that shows nothing consolidated yet; only callers of the consolidated names
-  // and of the listing wait for the new one.
+  // Two phases. The check (list the directory, stat the inputs, time settle) is cheap and
+  // runs under the directory's lock. Reading the shards' headers can be slow (a hostile header
+  // is up to 100 MB), so only a Need::Current caller does it, with the lock released and
+  // `building` set: callers of other names and of attributes (Need::Any) never read a header
+  // and never wait; they get the previous view, or a placeholder that shows nothing
+  // consolidated yet. (The kernel serializes lookups of one name, so a header read during the
+  // lookup of the checkpoint directory itself would stall every path through it.)
   std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst, Ino dir_ino,
-                                      Need need) {
+                                      Need need, int64_t* mtime_out = nullptr) {
     auto st = dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
     std::unique_lock lock(st->mu);
-    while (st->building) {
-      if (need == Need::Any) return st->view;
-      st->built.wait(lock);
+    if (need == Need::Current) st->built.wait(lock, [&] { return !st->building; });
+    if (!st->building) check_locked(*st, rel, dst, dir_ino);
+    if (mtime_out) *mtime_out = st->view ? st->mtime_ns : mtime_ns(dst);
+    if (need == Need::Any || !st->needs_build) return st->view;
+
+    st->building = true;
+    const auto entries = st->entries;
+    const auto sig = st->sig;
+    const auto ddst = st->dst;
+    const bool settled = st->settled;
+    std::shared_ptr<const View> old = st->view;
+    lock.unlock();
+    std::shared_ptr<const View> v;
+    if (auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY); dirfd) {
+      auto ck =
+          source::load_checkpoint(dirfd->get(), entries, source_path(rel), headers, opts.build);
+      if (!ck->valid()) {
+        for (const auto& p : ck->problems) {
+          spdlog::error("{}: checkpoint not shown: {}", source_path(rel), p.to_string());
+        }
+      }
+      v = make_view(std::move(ck), rel, ddst, sig, entries, settled);
     }
+    lock.lock();
+    st->building = false;
+    st->built.notify_all();
+    if (!v) return st->view;  // the directory went away: try again on the next access
+    // The check is skipped while building, so the inputs are still those just read.
+    st->view = v;
+    st->view_sig = sig;
+    st->needs_build = false;
+    announce(old, v, rel, dir_ino);
+    return v;
+  }
+
+  // The cheap phase of view_of, under the directory's lock: lists the directory when its TTL
+  // has passed, records its inputs and settle state, and updates the view where no header
+  // needs reading (no checkpoint any more, only the settle state changed, first sight).
+  void check_locked(DirState& st, const std::string& rel, const struct stat& dst, Ino dir_ino) {
     auto now = Clock::now();
-    if (st->checked && now < st->next_check) return st->view;
-    st->checked = true;
-    st->next_check = now + opts.revalidate;
+    if (st.checked && now < st.next_check) return;
+    st.checked = true;
+    st.next_check = now + opts.revalidate;
 
     auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
-    if (!dirfd) return st->view;  // vanished: open files keep their own views
+    if (!dirfd) return;  // vanished: open files keep their own views
     auto entries = source::list_dir(dirfd->get(), hidden_child(rel));
-    if (!entries) return st->view;
-    std::shared_ptr<const View> old = st->view;
+    if (!entries) return;
+    std::shared_ptr<const View> old = st.view;
     if (!source::has_shards(*entries)) {
-      st->sig = {};
-      st->view = nullptr;
+      st.entries.clear();
+      st.sig = {};
+      st.view_sig = {};
+      st.needs_build = false;
+      st.view = nullptr;
       if (old) changed(old, nullptr, dir_ino);
-      return nullptr;
+      return;
     }
     auto sig = source::signature_of(dirfd->get(), *entries);
     // Settle: quiet since the newest change of any shard (written: mtime; moved in: ctime)
@@ -487,62 +537,55 @@ struct Filesystem::Impl {
     // future mtime): the daemon's own observation counts too, so a checkpoint whose stamps
     // say "in the future" shows once nothing changed for `settle` while the daemon watched.
     const int64_t changed_ns = std::max({sig.newest_change_ns, mtime_ns(dst), ctime_ns(dst)});
-    const bool same_inputs = old && sig == st->sig;
-    if (!same_inputs || changed_ns != st->changed_ns) st->seen_since = now;
-    st->changed_ns = changed_ns;
+    if (!(sig == st.sig) || changed_ns != st.changed_ns || !old) st.seen_since = now;
+    st.changed_ns = changed_ns;
     const int64_t stamp_age = saturating_sub(now_realtime_ns(), changed_ns);
-    if (stamp_age < -kNsPerSec && !st->skew_logged) {
-      st->skew_logged = true;
+    if (stamp_age < -kNsPerSec && !st.skew_logged) {
+      st.skew_logged = true;
       spdlog::warn(
-          "{}: shard or directory times lie {} s in the future (clock skew?); settle is "
-          "timed from when the daemon saw them",
+          "{}: shard or directory times lie {} s in the future (clock skew?); settle is timed "
+          "from when the daemon saw them",
           source_path(rel), -stamp_age / kNsPerSec);
     }
     const int64_t seen_age =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(now - st->seen_since).count();
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - st.seen_since).count();
     const int64_t quiet_ns = std::max(stamp_age, seen_age);
     const int64_t settle_ns =
         std::chrono::duration_cast<std::chrono::nanoseconds>(opts.settle).count();
-    const bool settled = quiet_ns >= settle_ns;
-    if (!settled) {
-      st->next_check =
-          std::min(st->next_check, now + std::chrono::nanoseconds(settle_ns - quiet_ns));
+    st.settled = quiet_ns >= settle_ns;
+    if (!st.settled) {
+      st.next_check = std::min(st.next_check, now + std::chrono::nanoseconds(settle_ns - quiet_ns));
     }
-    if (same_inputs && old->complete == (settled && old->ckpt->valid())) return old;
+    st.mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(dst));
+    st.entries = std::move(*entries);
+    st.sig = std::move(sig);
+    st.dst = dst;
+    const bool built_from_these = old && !old->pending && st.view_sig == st.sig;
+    st.needs_build = !built_from_these;
+    if (built_from_these && old->complete != (st.settled && old->ckpt->valid())) {
+      // Only the settle state changed: the same model, shown or hidden.
+      auto v = make_view(old->ckpt, rel, dst, st.sig, st.entries, st.settled);
+      st.view = v;
+      announce(old, v, rel, dir_ino);
+    } else if (!old) {
+      // Until a reader needs the model: a checkpoint with nothing consolidated to show, so its
+      // shard names stay hidden meanwhile.
+      auto pending = std::make_shared<layout::Checkpoint>();
+      pending->dir = source_path(rel);
+      pending->problems.push_back({"", "", "shard headers not read yet"});
+      auto v = make_view(std::move(pending), rel, dst, st.sig, st.entries, false);
+      v->pending = true;
+      st.view = std::move(v);
+    }
+  }
 
-    std::shared_ptr<const View> v;
-    if (same_inputs) {
-      v = make_view(old->ckpt, rel, dst, sig, *entries, settled);  // only settle changed
-    } else {
-      st->sig = sig;
-      st->building = true;
-      if (!old) {
-        // Until the headers are read: a checkpoint with nothing consolidated to show.
-        auto pending = std::make_shared<layout::Checkpoint>();
-        pending->dir = source_path(rel);
-        pending->problems.push_back({"", "", "shard headers are being read"});
-        st->view = make_view(std::move(pending), rel, dst, sig, *entries, false);
-      }
-      lock.unlock();
-      auto ck =
-          source::load_checkpoint(dirfd->get(), *entries, source_path(rel), headers, opts.build);
-      if (!ck->valid()) {
-        for (const auto& p : ck->problems) {
-          spdlog::error("{}: checkpoint not shown: {}", source_path(rel), p.to_string());
-        }
-      }
-      v = make_view(std::move(ck), rel, dst, sig, *entries, settled);
-      lock.lock();
-      st->building = false;
-      st->built.notify_all();
-    }
-    st->view = v;
-    if (v->complete) {
+  void announce(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
+                const std::string& rel, Ino dir_ino) {
+    if (now->complete) {
       spdlog::info("{}: serving {} consolidated file(s), {} tensors", source_path(rel),
-                   v->ckpt->outputs.size(), v->ckpt->tensors.size());
+                   now->ckpt->outputs.size(), now->ckpt->tensors.size());
     }
-    changed(old, v, dir_ino);
-    return v;
+    changed(old, now, dir_ino);
   }
 
   // Tells the kernel which names of directory `dir_ino` may have changed.
@@ -579,9 +622,9 @@ struct Filesystem::Impl {
   // Attributes of a real entry as shown: a checkpoint directory's mtime follows its shards.
   void decorate_real(Ino ino, const std::string& rel, struct stat& st) {
     if (S_ISDIR(st.st_mode)) {
-      if (auto v = view_of(rel, st, ino, Need::Any); v && v->mtime_ns > mtime_ns(st)) {
-        st.st_mtim = to_timespec(v->mtime_ns);
-      }
+      int64_t shown = INT64_MIN;
+      view_of(rel, st, ino, Need::Any, &shown);
+      if (shown > mtime_ns(st)) st.st_mtim = to_timespec(shown);
     }
     st.st_ino = shown_ino(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
   }
