@@ -5,8 +5,10 @@
 #   3. unit tests under AddressSanitizer + UBSan      build-asan/
 #   4. formatting (clang-format --dry-run -Werror)
 #   5. bounded libFuzzer runs of the parsers (clang)  build-fuzz/
-#   6. real-mount, CLI and ecosystem tests (pytest)
-# Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_PYTEST_ARGS.
+#   6. real-mount, hostile-source, CLI and ecosystem tests (pytest)
+#   7. the real-mount, hostile-source and CLI tests again, against the ASan+UBSan binary
+# Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_MOUNT_FUZZ_SECONDS (default
+# 60, the randomized mount test), CKPTFS_PYTEST_ARGS.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -36,15 +38,29 @@ step "fuzzing (${CKPTFS_FUZZ_SECONDS:-60}s per target)"
 [[ -f build-fuzz/build.ninja ]] ||
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
-flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint
-for target in fuzz_header fuzz_checkpoint; do
-  work=build-fuzz/corpus-$target
+flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint \
+  tests/fuzz_side_files
+fuzz() {  # target, seed directories...
+  local target=$1 work=build-fuzz/corpus-$1
+  shift
   mkdir -p "$work"
   build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-60}" -max_len=65536 \
-    -print_final_stats=1 "$work" tests/fuzz/seeds tests/data/bad/headers 2>&1 | tail -n 4
-done
+    -print_final_stats=1 "$work" "$@" 2>&1 | tail -n 4
+}
+fuzz fuzz_header tests/fuzz/seeds tests/data/bad/headers
+fuzz fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers
+fuzz fuzz_side_files tests/fuzz/seeds-json
 
-step "real-mount, CLI and ecosystem tests"
+step "real-mount, hostile-source, CLI and ecosystem tests"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider ${CKPTFS_PYTEST_ARGS:-}
+
+step "real-mount, hostile-source and CLI tests against the ASan+UBSan daemon"
+# The daemon must exit 0 after every clean unmount: a leak or an error report fails the test
+# that mounted it. The randomized mount test gets a shorter budget here.
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  CKPTFS_BIN="$ROOT/build-asan/src/ckptfs" CKPTFS_ASAN=1 \
+  CKPTFS_MOUNT_FUZZ_SECONDS="${CKPTFS_ASAN_MOUNT_FUZZ_SECONDS:-30}" \
+  "$VENV/bin/python" -m pytest tests/python/test_mount.py tests/python/test_hostile.py \
+  tests/python/test_mount_fuzz.py tests/python/test_cli.py -q -p no:cacheprovider

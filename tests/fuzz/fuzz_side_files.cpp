@@ -1,0 +1,31 @@
+// libFuzzer target: the other parsers of untrusted JSON, on the same bytes: NeMo's
+// fqn_to_file_index_mapping.json, model.safetensors.index.json, and the DCP_SHARDING_INFO
+// string a shard's __metadata__ carries. None may crash, hang or recurse without bound
+// (100,000-deep nesting once overflowed the stack); what parses must hold its invariants.
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "ckptfs/format/dcp.hpp"
+#include "ckptfs/format/index.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  std::string_view text(reinterpret_cast<const char*>(data), size);
+  if (auto m = ckptfs::format::parse_fqn_mapping(text, "fuzz-mapping.json"); m.ok()) {
+    for (const auto& [name, file] : *m) {
+      if (file < 1 || file > 99999) __builtin_trap();
+    }
+  }
+  if (auto idx = ckptfs::format::parse_index(text, "fuzz-index.json"); idx.ok()) {
+    // What parses serializes again without throwing.
+    (void)ckptfs::format::serialize_index(*idx);
+  }
+  if (auto info = ckptfs::format::parse_sharding_info(text, "fuzz.safetensors"); info.ok()) {
+    // Rank mismatches between offsets and shapes are the layout's to refuse (fuzz_checkpoint);
+    // here what parses must round-trip.
+    auto again = ckptfs::format::parse_sharding_info(ckptfs::format::serialize_sharding_info(*info),
+                                                     "fuzz.safetensors");
+    if (!again.ok() || again->size() != info->size()) __builtin_trap();
+  }
+  return 0;
+}
