@@ -364,6 +364,31 @@ struct Filesystem::Impl {
   Ino next_ino_ = kRootIno + 1;  // never reused: a retired number never names another file
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<DirState>> dirs_;
 
+  // Open handles, owned here: the kernel releases them asynchronously, and one a signal or
+  // an unmount overtakes is freed when the Filesystem goes rather than leaked.
+  std::mutex handles_mu_;  // guards files_ and dirs_open_; a leaf
+  std::unordered_map<uint64_t, std::unique_ptr<FileHandle>> files_;
+  std::unordered_map<uint64_t, std::unique_ptr<DirHandle>> dirs_open_;
+
+  template <typename H>
+  static uint64_t adopt(std::mutex& mu, std::unordered_map<uint64_t, std::unique_ptr<H>>& m,
+                        std::unique_ptr<H> h) {
+    const auto id = reinterpret_cast<uint64_t>(h.get());
+    std::lock_guard lock(mu);
+    m.emplace(id, std::move(h));
+    return id;
+  }
+  template <typename H>
+  static void drop(std::mutex& mu, std::unordered_map<uint64_t, std::unique_ptr<H>>& m,
+                   uint64_t id) {
+    std::unique_ptr<H> gone;  // destroyed after the lock is released
+    std::lock_guard lock(mu);
+    if (auto it = m.find(id); it != m.end()) {
+      gone = std::move(it->second);
+      m.erase(it);
+    }
+  }
+
   // --- inode numbers and nodes ---------------------------------------------------------
 
   // st_ino of a real file: its backing number on the source's own device, so it is stable
@@ -956,7 +981,7 @@ Result<uint64_t> Filesystem::opendir(Ino ino) {
   CKPTFS_TRY(auto entries, impl_->list(*n));
   auto h = std::make_unique<DirHandle>();
   h->entries = std::move(entries);
-  return reinterpret_cast<uint64_t>(h.release());
+  return Impl::adopt(impl_->handles_mu_, impl_->dirs_open_, std::move(h));
 }
 
 Status Filesystem::readdir(uint64_t dh, uint64_t offset,
@@ -968,7 +993,7 @@ Status Filesystem::readdir(uint64_t dh, uint64_t offset,
   return {};
 }
 
-void Filesystem::releasedir(uint64_t dh) { delete reinterpret_cast<DirHandle*>(dh); }
+void Filesystem::releasedir(uint64_t dh) { Impl::drop(impl_->handles_mu_, impl_->dirs_open_, dh); }
 
 Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
   auto n = impl_->get(ino);
@@ -1018,7 +1043,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
     default:
       return make_error(EACCES, "special files cannot be opened through the view");
   }
-  out.fh = reinterpret_cast<uint64_t>(h.release());
+  out.fh = Impl::adopt(impl_->handles_mu_, impl_->files_, std::move(h));
   return out;
 }
 
@@ -1032,7 +1057,7 @@ std::shared_ptr<const FileReader> Filesystem::reader(uint64_t fh) const {
   return reinterpret_cast<FileHandle*>(fh)->reader;
 }
 
-void Filesystem::release(uint64_t fh) { delete reinterpret_cast<FileHandle*>(fh); }
+void Filesystem::release(uint64_t fh) { Impl::drop(impl_->handles_mu_, impl_->files_, fh); }
 
 Result<struct statvfs> Filesystem::statfs() {
   struct statvfs sv {};
