@@ -251,6 +251,8 @@ struct Node {
   uint32_t output = 0;
   uint64_t nlookup = 0;
   layout::FileStamp cached;  // stamp when last opened: decides keep_cache
+  // (parent, name) pairs it was looked up under: the entries the kernel may cache for it.
+  std::vector<std::pair<Ino, std::string>> links;
 };
 
 // What a caller of view_of needs.
@@ -363,6 +365,9 @@ struct Filesystem::Impl {
   std::map<Key, Ino> keys_;      // the inode number of every node the kernel holds
   Ino next_ino_ = kRootIno + 1;  // never reused: a retired number never names another file
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<DirState>> dirs_;
+  // (parent, name) -> the node the kernel may hold under that name: a listing that no
+  // longer shows it tells the kernel to drop the entry (see drop_vanished).
+  std::map<std::pair<Ino, std::string>, Ino> kids_;
 
   // Open handles, owned here: the kernel releases them asynchronously, and one a signal or
   // an unmount overtakes is freed when the Filesystem goes rather than leaked.
@@ -412,8 +417,9 @@ struct Filesystem::Impl {
     return *it->second;
   }
 
-  // Registers (or finds) the node for `key`, counts one lookup, and returns a copy.
-  Node remember(const Key& key, Node proto) {
+  // Registers (or finds) the node for `key`, looked up as `name` in directory `parent`, counts
+  // one lookup, and returns a copy.
+  Node remember(const Key& key, Node proto, Ino parent, std::string_view name) {
     std::lock_guard lock(mu_);
     auto [it, inserted] = keys_.emplace(key, 0);
     if (inserted) it->second = next_ino_++;
@@ -426,7 +432,41 @@ struct Filesystem::Impl {
       slot->rel = proto.rel;  // the inode (or its directory) may have moved within the source
     }
     slot->nlookup++;
+    std::pair<Ino, std::string> link{parent, std::string(name)};
+    if (std::find(slot->links.begin(), slot->links.end(), link) == slot->links.end()) {
+      slot->links.push_back(link);
+    }
+    kids_[std::move(link)] = slot->ino;
     return *slot;
+  }
+
+  // Tells the kernel to drop the entries of `dir` whose real file is gone from SRC, or was
+  // replaced by another (a step deleted and its name reused): nothing else would, since SRC
+  // changes behind the kernel's back, and each such entry keeps a node, its view and the
+  // directory's state alive in the daemon until the kernel forgets it. `entries` is the new
+  // listing of `dir`, sorted by name.
+  void drop_vanished(const Node& dir, const std::vector<source::DirEntry>& entries) {
+    if (!notifier) return;
+    std::vector<std::string> gone;
+    {
+      std::lock_guard lock(mu_);
+      for (auto it = kids_.lower_bound({dir.ino, std::string()});
+           it != kids_.end() && it->first.first == dir.ino; ++it) {
+        auto n = nodes_.find(it->second);
+        // Synthesized names are announced by their views; lifted .hf_metadata files live
+        // elsewhere than the listing shows.
+        if (n == nodes_.end() || n->second->key.type != 0) continue;
+        const std::string& name = it->first.second;
+        if (n->second->rel != join_rel(dir.rel, name)) continue;
+        auto e = std::lower_bound(
+            entries.begin(), entries.end(), name,
+            [](const source::DirEntry& a, const std::string& b) { return a.name < b; });
+        if (e == entries.end() || e->name != name || !(real_key(e->st) == n->second->key)) {
+          gone.push_back(name);
+        }
+      }
+    }
+    for (const auto& name : gone) notifier->inval_entry(dir.ino, name);
   }
 
   // Records the stamp a plain file was opened with; returns whether it matches the last one.
@@ -672,26 +712,28 @@ struct Filesystem::Impl {
 
   // --- lookups ---------------------------------------------------------------------------
 
-  Result<EntryOut> lookup_real(const std::string& rel) {
+  Result<EntryOut> lookup_real(const std::string& rel, Ino parent, std::string_view name) {
     CKPTFS_TRY(struct stat st, stat_beneath(root.get(), rel));
     Node proto;
     proto.kind = kind_of(st.st_mode);
     proto.rel = rel;
     proto.dev = static_cast<uint64_t>(st.st_dev);
     proto.bino = static_cast<uint64_t>(st.st_ino);
-    Node n = remember(real_key(st), std::move(proto));
+    Node n = remember(real_key(st), std::move(proto), parent, name);
     decorate_real(n.ino, rel, st);
     return EntryOut{n.ino, st};
   }
 
   Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, const std::string& dir_rel,
-                                  Kind kind, uint32_t output, const std::string& name) {
+                                  Ino dir_ino, Kind kind, uint32_t output,
+                                  const std::string& name) {
     Node proto;
     proto.kind = kind;
     proto.rel = dir_rel;  // where the checkpoint directory is now (it may have been renamed)
     proto.view = v;
     proto.output = output;
-    Node n = remember(Key{1, 0, v->dir_dev, v->dir_ino, v->generation, name}, std::move(proto));
+    Node n = remember(Key{1, 0, v->dir_dev, v->dir_ino, v->generation, name}, std::move(proto),
+                      dir_ino, name);
     return EntryOut{n.ino, virtual_attr(n)};
   }
 
@@ -715,13 +757,17 @@ struct Filesystem::Impl {
     const bool consolidated_name = is_model_output_name(name);
     auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
     const std::string rel = join_rel(dir.rel, name);
-    if (!v) return lookup_real(rel);
+    if (!v) return lookup_real(rel, dir.ino, name);
     if (v->complete) {
       const auto& ck = *v->ckpt;
       for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
-        if (ck.outputs[i].name == name) return lookup_virtual(v, dir.rel, Kind::Output, i, name);
+        if (ck.outputs[i].name == name) {
+          return lookup_virtual(v, dir.rel, dir.ino, Kind::Output, i, name);
+        }
       }
-      if (name == format::kIndexFileName) return lookup_virtual(v, dir.rel, Kind::Index, 0, name);
+      if (name == format::kIndexFileName) {
+        return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, 0, name);
+      }
     }
     if (name == kShardsDirName && opts.show_shards) {
       Node proto;
@@ -729,7 +775,7 @@ struct Filesystem::Impl {
       proto.rel = dir.rel;
       proto.dev = static_cast<uint64_t>(dst.st_dev);
       proto.bino = static_cast<uint64_t>(dst.st_ino);
-      Node n = remember(Key{2, 0, proto.dev, proto.bino, 0, {}}, std::move(proto));
+      Node n = remember(Key{2, 0, proto.dev, proto.bino, 0, {}}, std::move(proto), dir.ino, name);
       struct stat st = dst;
       st.st_ino = virtual_ino(n.dev, n.bino, 0, kShardsDirName);
       st.st_mode = S_IFDIR | 0555;
@@ -739,14 +785,14 @@ struct Filesystem::Impl {
         format::looks_like_shard_name(name)) {
       return make_error(ENOENT, "{}: hidden in a checkpoint directory", rel);
     }
-    auto real = lookup_real(rel);
+    auto real = lookup_real(rel, dir.ino, name);
     if (real.ok() || real.error().code != ENOENT) return real;
     // Lifted from .hf_metadata/ (never the mapping file). No symlink is followed on the way.
     if (name == format::kFqnMappingFileName) return real;
     const std::string lifted = join_rel(join_rel(dir.rel, format::kHfMetadataDir), name);
     auto st = stat_beneath(root.get(), lifted);
     if (!st || !S_ISREG(st->st_mode)) return real;
-    return lookup_real(lifted);
+    return lookup_real(lifted, dir.ino, name);
   }
 
   Result<EntryOut> lookup_in_shards(const Node& dir, std::string_view name) {
@@ -756,7 +802,7 @@ struct Filesystem::Impl {
     if (!hidden_in_checkpoint(e, opts.show_shards) || e.name == format::kHfMetadataDir) {
       return make_error(ENOENT, "{}: not a hidden file", rel);
     }
-    return lookup_real(rel);
+    return lookup_real(rel, dir.ino, name);
   }
 
   // --- listings --------------------------------------------------------------------------
@@ -765,6 +811,7 @@ struct Filesystem::Impl {
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     CKPTFS_TRY(UniqueFd fd, open_beneath(root.get(), dir.rel, O_RDONLY | O_DIRECTORY));
     CKPTFS_TRY(auto entries, source::list_dir(fd.get(), hidden_child(dir.rel)));
+    drop_vanished(dir, entries);
     std::vector<DirEntryOut> out;
     auto real = [&](const source::DirEntry& e) {
       out.push_back(DirEntryOut{
@@ -870,6 +917,9 @@ struct Filesystem::Impl {
     return std::shared_ptr<const ShardFds>(fds);
   }
 
+  // forget() under mu_: returns the state of a directory that was dropped, if any.
+  std::shared_ptr<DirState> forget_locked(Ino ino, uint64_t n);
+
   void force_revalidate(const View& v) {
     auto st = dir_state(v.dir_dev, v.dir_ino);
     std::lock_guard lock(st->mu);
@@ -922,21 +972,43 @@ Result<EntryOut> Filesystem::lookup(Ino parent, std::string_view name) {
 }
 
 void Filesystem::forget(Ino ino, uint64_t n) {
-  std::lock_guard lock(impl_->mu_);
-  auto it = impl_->nodes_.find(ino);
-  if (it == impl_->nodes_.end() || ino == kRootIno) return;
+  std::shared_ptr<DirState> dropped;  // released after mu_: DirState::mu comes first
+  {
+    std::lock_guard lock(impl_->mu_);
+    dropped = impl_->forget_locked(ino, n);
+  }
+  if (!dropped) return;
+  // Its shards' headers go from the cache too: a forgotten directory is most often one deleted
+  // from SRC (see drop_vanished), whose headers would otherwise sit there until evicted.
+  std::lock_guard lock(dropped->mu);
+  for (const auto& [name, stamp] : dropped->sig.files) impl_->headers.evict(stamp);
+}
+
+std::shared_ptr<DirState> Filesystem::Impl::forget_locked(Ino ino, uint64_t n) {
+  auto it = nodes_.find(ino);
+  if (it == nodes_.end() || ino == kRootIno) return nullptr;
   auto& node = *it->second;
   if (n > node.nlookup) {
     spdlog::critical("forget({}, {}) with only {} lookups", ino, n, node.nlookup);
     std::abort();
   }
   node.nlookup -= n;
-  if (node.nlookup > 0) return;
-  // The kernel holds nothing of it any more: retire its number and, for a directory, its
-  // cached view (rebuilt from the header cache if it is looked up again).
-  impl_->keys_.erase(node.key);
-  if (node.kind == Kind::Dir) impl_->dirs_.erase({node.dev, node.bino});
-  impl_->nodes_.erase(it);
+  if (node.nlookup > 0) return nullptr;
+  // The kernel holds nothing of it any more: retire its number, its names and, for a
+  // directory, its cached view (rebuilt from the header cache if it is looked up again).
+  keys_.erase(node.key);
+  for (const auto& link : node.links) {
+    if (auto k = kids_.find(link); k != kids_.end() && k->second == ino) kids_.erase(k);
+  }
+  std::shared_ptr<DirState> dropped;
+  if (node.kind == Kind::Dir) {
+    if (auto d = dirs_.find({node.dev, node.bino}); d != dirs_.end()) {
+      dropped = std::move(d->second);
+      dirs_.erase(d);
+    }
+  }
+  nodes_.erase(it);
+  return dropped;
 }
 
 Result<struct stat> Filesystem::getattr(Ino ino) {

@@ -118,6 +118,13 @@ void HeaderCache::put(const layout::FileStamp& s, Entry e) {
   bytes_ += n;
 }
 
+void HeaderCache::evict(const layout::FileStamp& s) {
+  std::lock_guard lock(mu_);
+  if (auto it = map_.find({s.dev, s.ino}); it != map_.end() && it->second.stamp == s) {
+    erase_locked(it);
+  }
+}
+
 void HeaderCache::erase_locked(std::map<Key, Item>::iterator it) {
   bytes_ -= it->second.bytes;
   lru_.erase(it->second.lru);

@@ -203,6 +203,8 @@ TEST(Fs, ForgottenDirectoriesDropTheirViews) {
   const auto after = t.f->counts();
   EXPECT_LT(after.dirs, before.dirs);
   EXPECT_EQ(after.keys, before.keys - 2);
+  EXPECT_GT(before.header_bytes, 0u);
+  EXPECT_EQ(after.header_bytes, 0u);  // its shards' headers went with it
   // Looked up again, the view is rebuilt (from the header cache) and still complete.
   EXPECT_EQ(names(*t.f, t.walk({"run", "step_1", "model"})).size(), 3u);
 }
@@ -552,4 +554,25 @@ TEST(Fs, HandlesTheKernelNeverReleasedAreFreedWithTheFilesystem) {
   auto dh = t.f->opendir(t.walk({"run"}));
   ASSERT_TRUE(dh.ok());
   EXPECT_GT(t.f->reader(o->fh)->size(), 0u);
+}
+
+TEST(Fs, AListingTellsTheKernelToDropNamesGoneFromTheSource) {
+  // Steps deleted in SRC behind the kernel's back stay in its cache, and with them their nodes
+  // and views in the daemon, until something tells it: the parent's next listing does.
+  Fs t;
+  fs::Ino run = t.walk({"run"});
+  t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  t.walk({"run", "notes.txt"});
+  stdfs::create_directories(t.dir.path() + "/run/step_2");
+  t.walk({"run", "step_2"});
+  t.rec.entries.clear();
+  names(*t.f, run);
+  EXPECT_TRUE(t.rec.entries.empty());  // nothing changed: nothing dropped
+  stdfs::remove_all(t.dir.path() + "/run/step_1");
+  stdfs::remove(t.dir.path() + "/run/notes.txt");
+  test::write_file(t.dir.path() + "/run/notes.txt.new", "new");
+  stdfs::rename(t.dir.path() + "/run/notes.txt.new", t.dir.path() + "/run/notes.txt");
+  names(*t.f, run);
+  EXPECT_EQ(t.rec.entries,
+            (std::set<std::pair<fs::Ino, std::string>>{{run, "notes.txt"}, {run, "step_1"}}));
 }

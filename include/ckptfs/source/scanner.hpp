@@ -66,6 +66,9 @@ class HeaderCache {
   };
   std::optional<Entry> find(const layout::FileStamp& s);
   void put(const layout::FileStamp& s, Entry e);
+  // Drops the entry of that file, if it holds this stamp (a directory the kernel forgot: its
+  // shards are likely gone, and re-reading one header later is cheap).
+  void evict(const layout::FileStamp& s);
 
   [[nodiscard]] uint64_t bytes() const;
   [[nodiscard]] size_t size() const;
