@@ -16,8 +16,12 @@ Measures, side by side in one run (the machine is noisy: compare ratios, not abs
 "Cold" drops the page cache (echo 3 > /proc/sys/vm/drop_caches) before each read, so with
 --dir on tmpfs only the FUSE side is cold; on a disk-backed --dir both are.
 
+  --warm-compare OTHER  only the warm re-read of view-row, alternating --bin and OTHER for
+             --repeat rounds (fresh mount, one read to fill the page cache, 5 timed re-reads)
+
 Usage: sudo tools/bench_read.py [--dir /dev/shm/ckptfs-bench] [--size-mb 1024] [--repeat 3]
                                [--bin build/src/ckptfs] [--splice] [--mount-opt OPT ...]
+                               [--warm-compare OTHER_BIN]
 """
 
 from __future__ import annotations
@@ -204,6 +208,24 @@ def median_rate(fn, path: str, repeat: int, cold: bool = True) -> float:
     return statistics.median(rates)
 
 
+def warm_compare(bins: list[str], src: str, mnt: str, opts: list[str], rounds: int) -> None:
+    """Warm re-reads of the row-sharded view, binaries alternating, each on a fresh mount."""
+    for rnd in range(rounds):
+        for b in bins:
+            d = Daemon(b, src, mnt, opts + ["prefetch=off"])
+            try:
+                view_row = os.path.join(mnt, "row", "model-00001-of-00001.safetensors")
+                read_seq(view_row)
+                rates = []
+                for _ in range(5):
+                    dt, n = read_seq(view_row)
+                    rates.append(n / dt / 1e9)
+                print(f"round {rnd + 1}  {b}: warm re-reads GB/s " +
+                      " ".join(f"{r:.2f}" for r in rates), flush=True)
+            finally:
+                d.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/dev/shm/ckptfs-bench")
@@ -213,7 +235,18 @@ def main() -> int:
     ap.add_argument("--splice", action="store_true", help="mount with -o splice=on")
     ap.add_argument("--mount-opt", action="append", default=[], help="extra -o option (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
+    ap.add_argument("--warm-compare", metavar="OTHER_BIN",
+                    help="only compare warm re-reads of --bin and OTHER_BIN, alternating")
     args = ap.parse_args()
+
+    if args.warm_compare:
+        src = ensure_data(args.dir, args.size_mb)
+        base = ["settle=0", f"splice={'on' if args.splice else 'off'}", *args.mount_opt]
+        warm_compare([args.warm_compare, args.bin], src, os.path.join(args.dir, "mnt"), base,
+                     args.repeat)
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        return 0
 
     src = ensure_data(args.dir, args.size_mb)
     make_many(src)

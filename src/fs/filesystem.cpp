@@ -641,6 +641,7 @@ struct Filesystem::Impl {
       auto v = make_view(std::move(pending), rel, dst, st.sig, st.entries, false);
       v->pending = true;
       st.view = std::move(v);
+      drop_hidden_kids(dir_ino);
     }
   }
 
@@ -653,18 +654,39 @@ struct Filesystem::Impl {
     changed(old, now, dir_ino);
   }
 
-  // Tells the kernel which names of directory `dir_ino` may have changed.
+  // Tells the kernel to drop what it may cache of the previous version of directory `dir_ino`:
+  // the consolidated names `old` showed (their inodes belong to that version) and the
+  // directory's attributes. Names only `now` shows need nothing: before, they answered ENOENT,
+  // which is not cached. Dropping them would even hurt: the build often runs in the lookup of
+  // one of them, and an entry dropped right after that lookup takes the new inode and its page
+  // cache with it once the file is closed.
   void changed(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
                Ino dir_ino) {
-    if (!notifier) return;
-    std::set<std::string> names;
-    for (const auto* v : {old.get(), now.get()}) {
-      if (!v || !v->complete) continue;
-      for (const auto& o : v->ckpt->outputs) names.insert(o.name);
-      names.insert(std::string(format::kIndexFileName));
+    if (!notifier || old == now) return;
+    if (old && old->complete) {
+      for (const auto& o : old->ckpt->outputs) notifier->inval_entry(dir_ino, o.name);
+      notifier->inval_entry(dir_ino, std::string(format::kIndexFileName));
     }
-    for (const auto& n : names) notifier->inval_entry(dir_ino, n);
     notifier->inval_inode(dir_ino);
+  }
+
+  // A directory just became a checkpoint: real names the kernel may cache under it that the
+  // view now hides (a real model.safetensors, a shard) must go, or they would stay reachable.
+  void drop_hidden_kids(Ino dir_ino) {
+    if (!notifier) return;
+    std::vector<std::string> gone;
+    {
+      std::lock_guard lock(mu_);
+      for (auto it = kids_.lower_bound({dir_ino, std::string()});
+           it != kids_.end() && it->first.first == dir_ino; ++it) {
+        const std::string& name = it->first.second;
+        if (is_model_output_name(name) || format::looks_like_shard_name(name) ||
+            name == format::kHfMetadataDir) {
+          gone.push_back(name);
+        }
+      }
+    }
+    for (const auto& name : gone) notifier->inval_entry(dir_ino, name);
   }
 
   std::string source_path(const std::string& rel) const {

@@ -29,6 +29,26 @@ def fuse_available() -> bool:
 requires_fuse = pytest.mark.skipif(not fuse_available(), reason="needs root, /dev/fuse and fusermount3")
 
 
+def wait_for(pred, what: str, timeout: float = 10.0, interval: float = 0.05, fatal=()):
+    """Polls pred() until it returns something truthy; OSErrors count as 'not yet', while an
+    exception of a type in `fatal` fails at once."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            r = pred()
+            if r:
+                return r
+            last = r
+        except fatal:
+            raise
+        except OSError as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
 def run(*args, check=True, **kw) -> subprocess.CompletedProcess:
     """Runs the ckptfs binary."""
     return subprocess.run([BIN, *map(str, args)], capture_output=True, text=True, check=check, **kw)

@@ -27,6 +27,7 @@ import time
 import pytest
 
 from conftest import BIN, Mount
+from conftest import wait_for as _wait_for
 
 MODEL_FILE_PREFIX = "model-"
 INDEX = "model.safetensors.index.json"
@@ -454,19 +455,5 @@ def no_openat2_helper() -> pathlib.Path | None:
 
 
 def wait_for(pred, what: str, timeout: float = 10.0, interval: float = 0.05):
-    """Polls pred() until truthy; OSErrors count as 'not yet', a Hang fails at once."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            r = pred()
-            if r:
-                return r
-            last = r
-        except Hang:
-            raise
-        except OSError as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
+    """conftest.wait_for, where a Hang fails at once."""
+    return _wait_for(pred, what, timeout, interval, fatal=(Hang,))

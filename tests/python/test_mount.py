@@ -32,7 +32,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, Mount, requires_fuse, run
+from conftest import BIN, Mount, requires_fuse, run, wait_for
 from shardgen import (DTYPES, TensorSpec, llama_like, read_safetensors, tensor_bytes,
                       write_checkpoint, write_safetensors)
 
@@ -41,7 +41,7 @@ pytestmark = requires_fuse
 MODEL_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 SHARD_RE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 INDEX = "model.safetensors.index.json"
-DEADLINE = 10.0  # seconds a live change may take to show (revalidate is 1 s)
+DEADLINE = 10.0  # seconds a live change may take to show (revalidate is 1 s); wait_for's default
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -63,23 +63,6 @@ def drop_cache(path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.05):
-    """Polls pred() until it returns something truthy; OSErrors count as 'not yet'."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            r = pred()
-            if r:
-                return r
-            last = r
-        except OSError as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
 
 
 def model_names(d) -> list[str]:

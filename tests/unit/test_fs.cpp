@@ -272,17 +272,31 @@ TEST(Fs, TruncatedShardHidesTheCheckpointUntilComplete) {
   EXPECT_TRUE(t.f->lookup(dir, "model-00001-of-00001.safetensors").ok());
 }
 
-TEST(Fs, SettleDelaysAFreshCheckpoint) {
+namespace {
+
+// A filesystem over `root`, which holds the checkpoint directory "ck", revalidating on every
+// access and showing a checkpoint once quiet for `settle`; with the inode of "ck".
+std::pair<std::unique_ptr<fs::Filesystem>, fs::Ino> settle_fs(const std::string& root,
+                                                              std::chrono::milliseconds settle) {
   fs::Options o;
+  o.settle = settle;
+  o.revalidate = std::chrono::milliseconds(0);
+  auto f = fs::Filesystem::create(root, o);
+  EXPECT_TRUE(f.ok());
+  if (!f) return {};
+  auto ck = (*f)->lookup(fs::kRootIno, "ck");
+  EXPECT_TRUE(ck.ok());
+  return {std::move(f).value(), ck ? ck->ino : 0};
+}
+
+}  // namespace
+
+TEST(Fs, SettleDelaysAFreshCheckpoint) {
   test::TempDir d;
   write_ckpt(d.path() + "/ck", 'a');
-  o.settle = std::chrono::hours(1);
-  o.revalidate = std::chrono::milliseconds(0);
-  auto f = fs::Filesystem::create(d.path(), o);
-  ASSERT_TRUE(f.ok());
-  auto ck = (*f)->lookup(fs::kRootIno, "ck");
-  ASSERT_TRUE(ck.ok());
-  EXPECT_EQ((*f)->lookup(ck->ino, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  auto [f, ck] = settle_fs(d.path(), std::chrono::hours(1));
+  ASSERT_TRUE(f && ck);
+  EXPECT_EQ(f->lookup(ck, "model-00001-of-00001.safetensors").error().code, ENOENT);
 }
 
 TEST(Fs, ShardsFolderShowsHiddenFiles) {
@@ -472,26 +486,21 @@ TEST(Fs, TimesBefore1970AreShownAsTheyAre) {
 }
 
 TEST(Fs, AShardStampedInTheFutureSettlesByObservation) {
-  fs::Options o;
   test::TempDir d;
   write_ckpt(d.path() + "/ck", 'a');
   struct timespec future[2] = {{::time(nullptr) + 7200, 0}, {::time(nullptr) + 7200, 0}};
   ASSERT_EQ(::utimensat(AT_FDCWD, (d.path() + "/ck/" + format::shard_file_name(1, 1, 1)).c_str(),
                         future, 0),
             0);
-  o.settle = std::chrono::milliseconds(200);
-  o.revalidate = std::chrono::milliseconds(0);
-  auto f = fs::Filesystem::create(d.path(), o);
-  ASSERT_TRUE(f.ok());
-  auto ck = (*f)->lookup(fs::kRootIno, "ck");
-  ASSERT_TRUE(ck.ok());
+  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(200));
+  ASSERT_TRUE(f && ck);
   // Not shown at once (it may still be being written)...
-  EXPECT_EQ((*f)->lookup(ck->ino, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  EXPECT_EQ(f->lookup(ck, "model-00001-of-00001.safetensors").error().code, ENOENT);
   // ...but once nothing changed for `settle` while watched, not two hours later.
   bool shown = false;
   for (int i = 0; i < 100 && !shown; ++i) {
     ::usleep(20000);
-    shown = (*f)->lookup(ck->ino, "model-00001-of-00001.safetensors").ok();
+    shown = f->lookup(ck, "model-00001-of-00001.safetensors").ok();
   }
   EXPECT_TRUE(shown);
 }
@@ -575,4 +584,27 @@ TEST(Fs, AListingTellsTheKernelToDropNamesGoneFromTheSource) {
   names(*t.f, run);
   EXPECT_EQ(t.rec.entries,
             (std::set<std::pair<fs::Ino, std::string>>{{run, "notes.txt"}, {run, "step_1"}}));
+}
+
+TEST(Fs, AFirstBuildDropsNoNameTheKernelJustLookedUp) {
+  // The model is built inside the lookup of its first consolidated name; invalidating that
+  // name afterwards would evict the new inode (and its page cache) once the file is closed.
+  Fs t;
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  t.rec.entries.clear();
+  t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  EXPECT_EQ(t.rec.entries.count({model, "model-00001-of-00001.safetensors"}), 0u);
+  EXPECT_EQ(t.rec.entries.count({model, "model.safetensors.index.json"}), 0u);
+}
+
+TEST(Fs, ADirectoryBecomingACheckpointDropsTheNamesItNowHides) {
+  Fs t;
+  test::write_file(t.dir.path() + "/hf/model.safetensors", "a plain file for now");
+  fs::Ino hf = t.walk({"hf"});
+  t.walk({"hf", "model.safetensors"});
+  t.rec.entries.clear();
+  write_ckpt(t.dir.path() + "/hf", 'a');
+  names(*t.f, hf);
+  EXPECT_EQ(t.rec.entries.count({hf, "model.safetensors"}), 1u);
+  EXPECT_EQ(t.f->lookup(hf, "model.safetensors").error().code, ENOENT);
 }
