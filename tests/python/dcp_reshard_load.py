@@ -79,6 +79,10 @@ def _worker(rank, world, init_method, jobs, result_path):
             local_shapes = {k: list(state[k].to_local().shape) for k in list(ref)[:3]}
             results.append(dict(rank=rank, shard_dir=shard_dir, placement=kind, tensors=len(ref),
                                 bad_local=bad_local, bad_full=bad_full, local_shapes=local_shapes))
+        # Both ranks done before either tears gloo down: once, in a fresh-clone CI run on a
+        # busy machine, rank 0 aborted in teardown ("terminate called without an active
+        # exception") while rank 1's last collective was still closing its connection.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     with open(f"{result_path}.{rank}", "w") as f:
