@@ -6,11 +6,46 @@
 #include "ckptfs/util/checked.hpp"
 
 namespace ckptfs::write {
+namespace {
+
+// A safetensors header is 3 levels deep; anything past this is refused before nlohmann's DOM
+// parser, whose recursion (and the recursive destructor) a hostile header could otherwise
+// drive off the stack. The strict parser guards itself the same way.
+constexpr size_t kMaxDepth = 64;
+
+bool too_deep(std::string_view json) {
+  size_t depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : json) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxDepth) return true;
+    } else if ((c == '}' || c == ']') && depth > 0) {
+      --depth;
+    }
+  }
+  return false;
+}
+
+}  // namespace
 
 Result<format::Header> parse_header_unsized(std::string_view json, std::string_view what) {
   // A lenient first pass finds the end of the data the header claims; the strict parser then
   // checks everything (duplicates, tiling, sizes) against exactly that size. Parsing twice
   // avoids copying the strict parser into this layer.
+  if (too_deep(json)) {
+    return make_error(EINVAL, "{}: header is nested deeper than {} levels", what, kMaxDepth);
+  }
   auto root = nlohmann::json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) {
     return make_error(EINVAL, "{}: header is not a JSON object", what);

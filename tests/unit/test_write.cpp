@@ -248,6 +248,11 @@ TEST(Sniff, GarbageIsOther) {
   std::string one = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})";
   EXPECT_EQ(sniff(le(one.size()) + one, 8 + one.size() + 1, "f").kind, Kind::Consolidated);
   EXPECT_EQ(sniff(le(one.size()) + one, 8 + one.size() + 2, "f").kind, Kind::Other);
+  // Deep nesting is refused without recursing through it (size unknown: the lenient pass).
+  std::string deep = R"({"a":)" + std::string(200000, '[') + std::string(200000, ']') + "}";
+  auto d = sniff(le(deep.size()) + deep, 0, "f");
+  EXPECT_EQ(d.kind, Kind::Other);
+  EXPECT_NE(d.why.find("nested"), std::string::npos) << d.why;
   // The smallest header: no tensors at all.
   auto empty = sniff(le(2) + "{}", 10, "f");
   EXPECT_EQ(empty.kind, Kind::Consolidated) << empty.why;
@@ -430,6 +435,7 @@ TEST(Router, RejectsOutOfOrderWrites) {
     MemSink sink;
     auto r = make(sink);
     ASSERT_TRUE(r.write(0, b.substr(0, hs + 10)).ok());
+    ASSERT_TRUE(r.write(hs + 10, {}).ok());  // an empty write is a no-op
     auto st = r.write(hs, b.substr(hs, 4));  // backwards / rewrite
     ASSERT_FALSE(st.ok());
     EXPECT_TRUE(needs_staging(st.error()));
@@ -489,6 +495,8 @@ TEST(Router, ZeroLengthWriteAndNoTensors) {
 TEST(RouterProperty, RandomHeadersRoundTrip) {
   std::mt19937_64 rng(20260);
   const DType dtypes[] = {DType::BF16, DType::F32, DType::I8, DType::BOOL, DType::F4, DType::F64};
+  // What the random cases covered, so a generator change cannot quietly stop testing a path.
+  size_t whole = 0, dim0 = 0, dim1 = 0, sub_byte_split = 0, empty_ranks = 0;
   for (int iter = 0; iter < 300; ++iter) {
     SCOPED_TRACE(fmt::format("iteration {}", iter));
     const size_t n = 1 + rng() % 7;
@@ -519,7 +527,23 @@ TEST(RouterProperty, RandomHeadersRoundTrip) {
     }
     auto r = route(c, o, pieces);
     ASSERT_NO_FATAL_FAILURE(check_shards(c, *r));
+    for (size_t i = 0; i < r->plan.tensors.size(); ++i) {
+      const auto& tp = r->plan.tensors[i];
+      whole += tp.split_dim == TensorPlan::kWhole;
+      dim0 += tp.split_dim == 0;
+      dim1 += tp.split_dim == 1;
+      sub_byte_split +=
+          tp.split_dim != TensorPlan::kWhole && c.header.tensors[i].dtype == DType::F4;
+    }
+    for (const auto& sh : r->shards.shards) empty_ranks += sh.data_size == 0;
   }
+  EXPECT_GT(whole, 100u);
+  EXPECT_GT(dim0, 100u);
+  EXPECT_GT(dim1, 30u);
+  EXPECT_GT(sub_byte_split, 10u);
+  EXPECT_GT(empty_ranks, 10u);
+  fmt::print("whole {} dim0 {} dim1 {} sub-byte splits {} empty ranks {}\n", whole, dim0, dim1,
+             sub_byte_split, empty_ranks);
 }
 
 }  // namespace
