@@ -29,6 +29,8 @@ class ShardSink {
 inline constexpr int kNeedsStaging = EAGAIN;
 [[nodiscard]] inline bool needs_staging(const Error& e) { return e.code == kNeedsStaging; }
 
+// Not thread-safe, and holds no lock: write order is the whole contract, so the caller (one
+// open file's state) serializes writes under the lock that guards that file.
 class StreamRouter {
  public:
   // `header_bytes` is the file's first 8 + N bytes and `h` their parse; `p` and `s` the plan
