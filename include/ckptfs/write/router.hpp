@@ -1,0 +1,88 @@
+// The stream router: routes the bytes of a consolidated safetensors file, as they are written,
+// straight into the rank shard files of a Plan. It holds no data, only the original header
+// (to check it) and one small descriptor per tensor and chunk.
+#pragma once
+
+#include <cerrno>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/util/result.hpp"
+#include "ckptfs/write/plan.hpp"
+
+namespace ckptfs::write {
+
+// Where routed bytes go. The real one (staging files, a Flusher) comes later; tests use memory.
+class ShardSink {
+ public:
+  virtual ~ShardSink() = default;
+  virtual Status pwrite(uint32_t rank, uint64_t offset, std::string_view bytes) = 0;
+};
+
+// The error code of a write the router cannot take in stream order: backwards, a hole, a
+// rewrite, header bytes that differ from the original, or bytes past the described end. The
+// caller falls back to staging the whole file and splitting it at close. Once returned, the
+// router refuses every later write with it too (some bytes may already be in the sink).
+inline constexpr int kNeedsStaging = EAGAIN;
+[[nodiscard]] inline bool needs_staging(const Error& e) { return e.code == kNeedsStaging; }
+
+// Not thread-safe, and holds no lock: write order is the whole contract, so the caller (one
+// open file's state) serializes writes under the lock that guards that file.
+class StreamRouter {
+ public:
+  // `header_bytes` is the file's first 8 + N bytes and `h` their parse; `p` and `s` the plan
+  // and shard headers made from it. `sink` must outlive the router. `what` names the file.
+  static Result<StreamRouter> create(std::string header_bytes, const format::Header& h,
+                                     const Plan& p, const ShardSet& s, ShardSink& sink,
+                                     std::string what);
+
+  // Accepts the next bytes of the file; they must start exactly where the last write ended.
+  // The shard headers go to the sink once the original header has fully arrived and matched.
+  // Errors: kNeedsStaging (see above), or the sink's own error (an EAGAIN from the sink is
+  // reported as EIO so that kNeedsStaging keeps its one meaning).
+  Status write(uint64_t file_offset, std::string_view bytes);
+
+  [[nodiscard]] bool complete() const { return pos_ == file_size_; }
+  [[nodiscard]] uint64_t received() const { return pos_; }
+  [[nodiscard]] uint64_t file_size() const { return file_size_; }
+
+ private:
+  // One chunk's share of a row. A tensor is seen as `rows` rows of `row_bytes` (rows = the
+  // product of the dims before the split dim); each chunk owns the same byte range of every
+  // row, stored row after row in its shard. Dim-0 and whole tensors are one row.
+  struct Piece {
+    uint64_t col = 0;  // first byte of the row this chunk owns
+    uint64_t len = 0;  // bytes of each row it owns
+    uint64_t shard_offset = 0;
+    uint32_t rank = 0;
+  };
+  struct Route {
+    uint64_t begin = 0;  // absolute offsets of the tensor's bytes in the consolidated file
+    uint64_t end = 0;
+    uint64_t row_bytes = 0;
+    uint32_t first_piece = 0;
+    uint32_t pieces = 0;
+    uint32_t tensor = 0;  // index in the original header, for messages
+  };
+
+  StreamRouter() = default;
+  Status fail(Error e);
+  Status route_data(std::string_view bytes);
+
+  std::string what_;
+  std::string header_;  // the original 8 + N bytes, to check the writer sends them unchanged
+  std::vector<std::string> shard_headers_;
+  std::vector<std::string> names_;  // tensor names, for messages
+  std::vector<Route> routes_;       // non-empty tensors, in file order
+  std::vector<Piece> pieces_;
+  ShardSink* sink_ = nullptr;
+  uint64_t file_size_ = 0;
+  uint64_t pos_ = 0;   // next byte expected
+  size_t cursor_ = 0;  // route holding pos_ (writes only move forward)
+  bool failed_ = false;
+};
+
+}  // namespace ckptfs::write
