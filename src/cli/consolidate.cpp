@@ -129,9 +129,9 @@ class Consolidator {
     fds_.reserve(ck_.shards.size());
     for (const auto& s : ck_.shards) {
       const std::string path = src_ + "/" + s.name;
-      CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path));
       struct stat st {};
-      if (::fstat(fd.get(), &st) != 0 || source::stamp_of(st) != s.stamp) {
+      CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path, &st));
+      if (source::stamp_of(st) != s.stamp) {
         return make_error(ESTALE, "{}/{}: changed while consolidating", src_, s.name);
       }
       raw_.push_back(fd.get());

@@ -181,7 +181,6 @@ struct View {
   uint64_t generation = 0;
   int64_t mtime_ns = 0;
   bool complete = false;  // valid and settled: consolidated files are shown
-  bool pending = false;   // a placeholder until the headers are read: shows nothing consolidated
   std::string rel;        // checkpoint directory, relative to the source root
   uint64_t dir_dev = 0, dir_ino = 0;
   std::vector<Perm> inputs;  // owner and mode of every shard: who may read the synthesized files
@@ -280,7 +279,9 @@ struct DirState {
   Clock::time_point seen_since;    // when the daemon first saw this signature and stamp
   bool skew_logged = false;
   std::shared_ptr<const View> view;  // null: no checkpoint
-  source::Signature view_sig;        // what `view` was built from (empty for a placeholder)
+  // What `view` was built from; empty for the placeholder shown until a reader needs the
+  // model (a checkpoint always has at least one shard, so a real view's is never empty).
+  source::Signature view_sig;
 };
 
 struct DirHandle {
@@ -504,10 +505,11 @@ struct Filesystem::Impl {
     return s;
   }
 
-  std::shared_ptr<View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
-                                  const std::string& rel, const struct stat& dst,
-                                  const source::Signature& sig,
-                                  const std::vector<source::DirEntry>& entries, bool complete) {
+  std::shared_ptr<const View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
+                                        const std::string& rel, const struct stat& dst,
+                                        const source::Signature& sig,
+                                        const std::vector<source::DirEntry>& entries,
+                                        bool complete) {
     auto v = std::make_shared<View>();
     v->ckpt = std::move(ck);
     v->generation = ++generations;
@@ -625,7 +627,7 @@ struct Filesystem::Impl {
     st.entries = std::move(*entries);
     st.sig = std::move(sig);
     st.dst = dst;
-    const bool built_from_these = old && !old->pending && st.view_sig == st.sig;
+    const bool built_from_these = old && st.view_sig == st.sig;
     st.needs_build = !built_from_these;
     if (built_from_these && old->complete != (st.settled && old->ckpt->valid())) {
       // Only the settle state changed: the same model, shown or hidden.
@@ -638,9 +640,7 @@ struct Filesystem::Impl {
       auto pending = std::make_shared<layout::Checkpoint>();
       pending->dir = source_path(rel);
       pending->problems.push_back({"", "", "shard headers not read yet"});
-      auto v = make_view(std::move(pending), rel, dst, st.sig, st.entries, false);
-      v->pending = true;
-      st.view = std::move(v);
+      st.view = make_view(std::move(pending), rel, dst, st.sig, st.entries, false);
       drop_hidden_kids(dir_ino);
     }
   }
@@ -925,9 +925,9 @@ struct Filesystem::Impl {
     }
     for (uint32_t s = 0; s < ck.shards.size(); ++s) {
       // Never blocks (a FIFO swapped in is refused, not opened) and is a regular file.
-      auto fd = open_regular_at(dir->get(), ck.shards[s].name, ck.shards[s].name);
       struct stat st {};
-      if (!fd || ::fstat(fd->get(), &st) != 0 || source::stamp_of(st) != ck.shards[s].stamp) {
+      auto fd = open_regular_at(dir->get(), ck.shards[s].name, ck.shards[s].name, &st);
+      if (!fd || source::stamp_of(st) != ck.shards[s].stamp) {
         spdlog::warn("{}/{}: changed since the view was built ({}); revalidating", source_path(rel),
                      ck.shards[s].name, fd ? std::string("new stamp") : fd.error().message);
         return make_error(ESTALE, "{}: shard changed", ck.shards[s].name);
@@ -1121,9 +1121,8 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
       out.is_virtual = true;
       break;
     case Kind::File: {
-      CKPTFS_TRY(UniqueFd fd, open_regular_beneath(impl_->root.get(), n->rel));
       struct stat st {};
-      if (::fstat(fd.get(), &st) != 0) return make_error(errno, "{}: stat failed", n->rel);
+      CKPTFS_TRY(UniqueFd fd, open_regular_beneath(impl_->root.get(), n->rel, Resolve::Auto, &st));
       if (!(Impl::real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
       auto stamp = source::stamp_of(st);
       out.keep_cache = impl_->swap_cached_stamp(n->ino, stamp);
@@ -1163,11 +1162,6 @@ Result<struct statvfs> Filesystem::statfs() {
 
 Status Filesystem::modify(Ino, std::string_view what) {
   return make_error(EROFS, "{}: the view is read-only", what);
-}
-
-size_t Filesystem::live_nodes() const {
-  std::lock_guard lock(impl_->mu_);
-  return impl_->nodes_.size();
 }
 
 Filesystem::Counts Filesystem::counts() const {

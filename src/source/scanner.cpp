@@ -136,11 +136,6 @@ uint64_t HeaderCache::bytes() const {
   return bytes_;
 }
 
-size_t HeaderCache::size() const {
-  std::lock_guard lock(mu_);
-  return map_.size();
-}
-
 std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
                                                           const std::vector<DirEntry>& entries,
                                                           const std::string& display,
@@ -161,15 +156,14 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
       in.shards.push_back(std::move(si));
       continue;
     }
-    auto fd = open_regular_at(dirfd, e.name, e.name);
+    struct stat st {};
+    auto fd = open_regular_at(dirfd, e.name, e.name, &st);
     if (!fd) {
       si.stamp = stamp_of(e.st);
       si.error = fd.error().message;
       in.shards.push_back(std::move(si));
       continue;
     }
-    struct stat st {};
-    if (::fstat(fd->get(), &st) != 0) st = e.st;
     si.stamp = stamp_of(st);
     if (auto hit = cache.find(si.stamp)) {
       si.header = hit->header;
@@ -201,14 +195,15 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
   const bool has_meta_dir = std::any_of(entries.begin(), entries.end(), [](const DirEntry& e) {
     return e.name == format::kHfMetadataDir && S_ISDIR(e.st.st_mode);
   });
-  auto mfd = has_meta_dir ? open_regular_beneath(dirfd, kMappingRel)
+  struct stat st {};
+  auto mfd = has_meta_dir ? open_regular_beneath(dirfd, kMappingRel, Resolve::Auto, &st)
                           : Result<UniqueFd>(make_error(ENOENT, "no .hf_metadata directory"));
   if (mfd.ok()) {
-    struct stat st {};
     std::string text;
-    if (::fstat(mfd->get(), &st) != 0 ||
-        static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
-      in.problems.push_back({kMappingRel, "", "unreadable or larger than the side-file limit"});
+    if (static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
+      in.problems.push_back({kMappingRel, "",
+                             fmt::format("{} bytes, larger than the {} byte side-file limit",
+                                         st.st_size, format::kMaxSideFileSize)});
     } else {
       text.resize(static_cast<size_t>(st.st_size));
       auto rd = pread_exact(mfd->get(), text.data(), text.size(), 0, kMappingRel);

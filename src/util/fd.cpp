@@ -54,8 +54,9 @@ const char* kind_of(mode_t mode) {
 
 }  // namespace
 
-Result<UniqueFd> require_regular(UniqueFd fd, std::string_view what) {
-  struct stat st {};
+Result<UniqueFd> require_regular(UniqueFd fd, std::string_view what, struct stat* st_out) {
+  struct stat local {};
+  struct stat& st = st_out ? *st_out : local;
   if (::fstat(fd.get(), &st) != 0) {
     int e = errno;
     return make_error(e, "{}: stat failed: {}", what, std::strerror(e));
@@ -79,7 +80,8 @@ Error open_regular_error(int e, std::string_view what) {
   return make_error(e, "{}: cannot open: {}", what, std::strerror(e));
 }
 
-Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what) {
+Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what,
+                                 struct stat* st) {
   int fd = ::openat(dirfd, name.c_str(), kOpenRegularFlags | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
@@ -88,7 +90,7 @@ Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string
     }
     return open_regular_error(e, what);
   }
-  return require_regular(UniqueFd(fd), what);
+  return require_regular(UniqueFd(fd), what, st);
 }
 
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what) {
@@ -130,12 +132,8 @@ Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string
 Result<std::string> read_small_file(const std::string& path, uint64_t limit) {
   int raw = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
   if (raw < 0) return open_regular_error(errno, path);
-  CKPTFS_TRY(UniqueFd fd, require_regular(UniqueFd(raw), path));
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) {
-    int e = errno;
-    return make_error(e, "{}: stat failed: {}", path, std::strerror(e));
-  }
+  CKPTFS_TRY(UniqueFd fd, require_regular(UniqueFd(raw), path, &st));
   if (static_cast<uint64_t>(st.st_size) > limit) {
     return make_error(EFBIG, "{}: file is {} bytes, larger than the {} byte limit", path,
                       st.st_size, limit);

@@ -160,14 +160,15 @@ Result<struct stat> stat_beneath(int rootfd, std::string_view rel, Resolve how) 
   return st;
 }
 
-Result<UniqueFd> open_regular_beneath(int rootfd, std::string_view rel, Resolve how) {
+Result<UniqueFd> open_regular_beneath(int rootfd, std::string_view rel, Resolve how,
+                                      struct stat* st) {
   auto fd = open_beneath(rootfd, rel, kOpenRegularFlags, 0, how);
   if (!fd.ok()) {
     int e = fd.error().code;
     if (e == ENXIO) return open_regular_error(e, rel);
     return std::move(fd).error();
   }
-  return require_regular(std::move(fd).value(), rel);
+  return require_regular(std::move(fd).value(), rel, st);
 }
 
 namespace {

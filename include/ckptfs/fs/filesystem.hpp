@@ -142,9 +142,6 @@ class Filesystem {
   // path plugs in here.
   Status modify(Ino ino, std::string_view what);
 
-  // Number of inodes the kernel currently holds (for tests and stats).
-  [[nodiscard]] size_t live_nodes() const;
-
   // What the daemon keeps, for tests of its memory bounds.
   struct Counts {
     size_t nodes = 0;           // inodes the kernel holds

@@ -71,7 +71,6 @@ class HeaderCache {
   void evict(const layout::FileStamp& s);
 
   [[nodiscard]] uint64_t bytes() const;
-  [[nodiscard]] size_t size() const;
 
  private:
   using Key = std::pair<uint64_t, uint64_t>;  // (dev, ino)

@@ -51,7 +51,8 @@ inline constexpr int kOpenRegularFlags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_
 // Checks with fstat that `fd` is a regular file and clears O_NONBLOCK. Anything else is refused
 // with an error naming `what`: EISDIR for a directory, ELOOP for a symlink, EINVAL for a FIFO,
 // socket or device.
-Result<UniqueFd> require_regular(UniqueFd fd, std::string_view what);
+// When `st` is given it receives the fstat taken here, so callers need not take another.
+Result<UniqueFd> require_regular(UniqueFd fd, std::string_view what, struct stat* st = nullptr);
 
 // The error for an open with kOpenRegularFlags that failed with errno `e`. ENXIO (a socket, or a
 // device without a driver: never a regular file) becomes EINVAL, like the other non-regular files.
@@ -61,7 +62,8 @@ Error open_regular_error(int e, std::string_view what);
 // file, not a symlink (ELOOP), directory (EISDIR), FIFO, socket or device (EINVAL). Returns a
 // blocking, close-on-exec descriptor. `name` is meant to be one component: openat follows
 // symlinks in any earlier ones (use open_regular_beneath in util/path.hpp for relative paths).
-Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what);
+Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what,
+                                 struct stat* st = nullptr);
 
 // Reads exactly `len` bytes at `off`, retrying on EINTR and short reads.
 // A premature end of file is an error (EIO) naming `what`.

@@ -48,8 +48,8 @@ Result<struct stat> stat_beneath(int rootfd, std::string_view rel, Resolve how =
 
 // Opens `rel` beneath `rootfd` read-only as with open_regular_at (util/fd.hpp): a FIFO cannot
 // block the open, and anything but a regular file is refused.
-Result<UniqueFd> open_regular_beneath(int rootfd, std::string_view rel,
-                                      Resolve how = Resolve::Auto);
+Result<UniqueFd> open_regular_beneath(int rootfd, std::string_view rel, Resolve how = Resolve::Auto,
+                                      struct stat* st = nullptr);
 
 int64_t mtime_ns(const struct stat& st);
 int64_t ctime_ns(const struct stat& st);
