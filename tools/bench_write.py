@@ -235,12 +235,24 @@ def wait_readable(expect: dict[str, int], timeout: float = 120.0) -> None:
 
 
 def hash_dir(d: str) -> dict[str, str]:
+    """sha256 of every file in d; a read error is recorded in place of the digest (with the
+    offset it struck at), not raised: the run goes on and reports it."""
     out = {}
+    buf = bytearray(1 << 20)
     for name in sorted(os.listdir(d)):
         p = os.path.join(d, name)
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                out[name] = hashlib.file_digest(f, "sha256").hexdigest()
+        if not os.path.isfile(p):
+            continue
+        h, off = hashlib.sha256(), 0
+        try:
+            with open(p, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    h.update(memoryview(buf)[:n])
+                    off += n
+            out[name] = h.hexdigest()
+        except OSError as e:
+            out[name] = f"read error at offset {off}: {e}"
+            log(f"{p}: read error at offset {off} of {os.path.getsize(p)}: {e}")
     return out
 
 
@@ -347,6 +359,15 @@ def main() -> int:
     shutil.rmtree(src, ignore_errors=True)
     os.makedirs(src)
     opts = [f"ranks={args.ranks}", *args.mount_opt]
+    binary, bin_sha = args.bin, None
+    if "m" in variants or "b" in variants:
+        # One build for the whole run: a copy, so a rebuild of --bin meanwhile cannot mix builds.
+        binary = os.path.join(args.dir, "ckptfs")
+        shutil.copy2(args.bin, binary)
+        with open(binary, "rb") as f:
+            bin_sha = hashlib.file_digest(f, "sha256").hexdigest()
+        log(f"daemon: copy of {args.bin} (sha256 {bin_sha[:12]}, mtime "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(os.stat(args.bin).st_mtime))})")
     save_kw = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
 
     t0 = time.perf_counter()
@@ -376,7 +397,7 @@ def main() -> int:
         d_name = f"{v}-r{rnd}"
         daemon = None
         if v in "mb":
-            daemon = Daemon(args.bin, src, mnt, opts, os.path.join(args.dir, f"daemon-{d_name}.log"))
+            daemon = Daemon(binary, src, mnt, opts, os.path.join(args.dir, f"daemon-{d_name}.log"))
         base = mnt if daemon else src
         out = os.path.join(base, d_name)
         try:
@@ -447,8 +468,8 @@ def main() -> int:
         if not verified:
             for n in sorted(set(hashes["m"]) | set(hashes["a"])):
                 if hashes["m"].get(n) != hashes["a"].get(n):
-                    problems.append(f"{n}: through the mount {hashes['m'].get(n, 'missing')[:16]} != "
-                                    f"native {hashes['a'].get(n, 'missing')[:16]}")
+                    problems.append(f"{n}: through the mount [{hashes['m'].get(n, 'missing')}] != "
+                                    f"native [{hashes['a'].get(n, 'missing')}]")
     for r in runs.get("m", []) + runs.get("b", []):
         if r.get("remove_error"):
             problems.append(f"round {r['round']}: removal through the mount failed: {r['remove_error']}")
@@ -500,7 +521,8 @@ def main() -> int:
         print(f"PROBLEM: {p}")
     machine = {"kernel": os.uname().release, "cpus": os.cpu_count(),
                "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-               "python": platform.python_version(), "dir_fs": fs_type(args.dir)}
+               "python": platform.python_version(), "dir_fs": fs_type(args.dir),
+               "bin_sha256": bin_sha}
     try:
         import safetensors
         import torch
