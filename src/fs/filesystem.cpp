@@ -1474,6 +1474,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
     }
   }
   auto h = std::make_unique<FileHandle>();
+  h->ino = ino;
   OpenOut out;
   switch (n->kind) {
     case Kind::Output: {

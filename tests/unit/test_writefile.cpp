@@ -143,6 +143,14 @@ TEST(WriteFile, SavedFileIsStoredAsRankShardsAndReadsBackExactly) {
   fs::Ino file = s.lookup(s.ckpt(), "model.safetensors");
   EXPECT_TRUE(same(s.read(file), bytes));
   EXPECT_EQ(s.f->getattr(file)->st_size, static_cast<off_t>(bytes.size()));
+  {
+    auto o = s.f->open(file, O_RDONLY);  // fstat goes through the handle
+    ASSERT_TRUE(o.ok());
+    auto st = s.f->getattr_handle(o->fh);
+    ASSERT_TRUE(st.ok()) << st.error().message;
+    EXPECT_EQ(st->st_size, static_cast<off_t>(bytes.size()));
+    s.f->release(o->fh);
+  }
   EXPECT_EQ(s.f->lookup(s.ckpt(), ".ckptfs").error().code, ENOENT);
   EXPECT_EQ(s.f->lookup(s.ckpt(), format::kIndexFileName).error().code, ENOENT);
   // The shards are a checkpoint by themselves: the CLI's loader sees the same file.
