@@ -249,6 +249,7 @@ TEST(WriteFile, WriterKilledMidFileLeavesTheOldVersionAndItsStagingIsCleanedUp) 
   // The view still shows the old version, exactly, and the next check drops the staging.
   EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
   EXPECT_FALSE(has_prefix(s.src_names("ckpt/.ckptfs"), "tx-"));
+  EXPECT_FALSE(stdfs::exists(s.path("ckpt/.tmpdead"))) << "its empty placeholder stays";
 }
 
 TEST(WriteFile, CommitInterruptedBeforeRollForwardIsCompletedOnNextLook) {
