@@ -204,6 +204,12 @@ class Daemon:
                     return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the daemon (all its threads) has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             unmount(self.mnt)
@@ -370,6 +376,7 @@ def main() -> int:
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(os.stat(args.bin).st_mtime))})")
     save_kw = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
 
+    load_start = os.getloadavg()
     t0 = time.perf_counter()
     model, layers = build_model(args.size_gb)
     log(f"model: {layers} layers, {size / 1e9:.2f} GB of bf16 tensors, built in {time.perf_counter() - t0:.1f} s "
@@ -399,6 +406,7 @@ def main() -> int:
         if v in "mb":
             daemon = Daemon(binary, src, mnt, opts, os.path.join(args.dir, f"daemon-{d_name}.log"))
         base = mnt if daemon else src
+        cpu0 = daemon.cpu_s() if daemon else 0.0
         out = os.path.join(base, d_name)
         try:
             if v in "ma":
@@ -420,6 +428,7 @@ def main() -> int:
             r["return_s"], r["readable_s"] = t1 - t0, t2 - t0
             if daemon:
                 r["rss_write_mb"] = daemon.hwm_mb()
+                r["daemon_cpu_s"] = daemon.cpu_s() - cpu0
             if v in "ma" and rnd == 1:
                 t3 = time.perf_counter()
                 hashes[v] = hash_dir(out)
@@ -453,7 +462,8 @@ def main() -> int:
             for v in variants[k:] + variants[:k]:
                 r = run_variant(v, rnd)
                 runs[v].append(r)
-                extra = f"  RSS {r['rss_write_mb']:.0f} MB" if "rss_write_mb" in r else ""
+                extra = (f"  daemon: RSS {r['rss_write_mb']:.0f} MB, CPU {r['daemon_cpu_s']:.2f} s"
+                         if "rss_write_mb" in r else "")
                 log(f"round {rnd} ({v}) {VARIANTS[v]}: return {r['return_s']:.2f} s, readable "
                     f"{r['readable_s']:.2f} s, +sync {r['sync_s']:.2f} s, "
                     f"{wbytes / r['return_s'] / 1e9:.2f} GB/s{extra}")
@@ -510,10 +520,13 @@ def main() -> int:
             note = f"a/n {ratios['a/n']:.2f}"
         print(f"({v}) {VARIANTS[v]:42s} {m['return_s']:7.2f} {gbps[v]:7.2f} {m['readable_s']:10.2f} "
               f"{m['sync_s']:8.2f}  {note}")
+    cpu = {v: statistics.median(r["daemon_cpu_s"] for r in runs[v]) for v in "mb" if v in runs}
     for v, x in rss.items():
         tgt = " (target <= 256 MB)" if v == "m" else ""
         print(f"daemon peak RSS (VmHWM), ({v}): {x['write_mb']:.0f} MB after the write, "
               f"{x['unmount_mb']:.0f} MB at unmount{tgt}")
+    for v, c in cpu.items():
+        print(f"daemon CPU (user + system) during the write, ({v}): {c:.2f} s, {c / (wbytes / 1e9):.2f} s/GB")
     if verified is not None:
         print(f"correctness: (m) read back through the mount == (a), {len(hashes['a'])} files sha256: "
               f"{'OK' if verified else 'MISMATCH'}")
@@ -522,7 +535,7 @@ def main() -> int:
     machine = {"kernel": os.uname().release, "cpus": os.cpu_count(),
                "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                "python": platform.python_version(), "dir_fs": fs_type(args.dir),
-               "bin_sha256": bin_sha}
+               "bin_sha256": bin_sha, "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     try:
         import safetensors
         import torch
@@ -533,14 +546,15 @@ def main() -> int:
         pass
     print(f"\nmachine: {machine['kernel']}, {machine['cpus']} cpus, {machine['mem_gb']} GiB; dir: {args.dir} "
           f"({machine['dir_fs']}); {wbytes / 1e9:.3f} GB in {', '.join(weights)}; ranks={args.ranks}; "
-          f"bin: {args.bin}")
+          f"bin: {args.bin}; load average {load_start[0]:.1f} at the start, "
+          f"{machine['loadavg_end'][0]:.1f} at the end")
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine, "layers": layers, "files": files,
                        "weights_bytes": wbytes, "mount_opts": opts, "runs": runs, "median": med,
                        "gbps": gbps, "gbps_readable": gbps_readable, "gbps_with_sync": gbps_synced,
-                       "ratios": ratios, "rss": rss, "verified": verified, "hashes": hashes,
+                       "ratios": ratios, "rss": rss, "daemon_cpu_s": cpu, "verified": verified, "hashes": hashes,
                        "problems": problems}, f, indent=2)
     if not args.keep:
         shutil.rmtree(args.dir, ignore_errors=True)
