@@ -122,6 +122,11 @@ def expect_errno(fn, *codes):
     raise AssertionError(f"succeeded, expected {[errno.errorcode[c] for c in codes]}")
 
 
+def in_proc_mounts(mnt) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == str(mnt) for line in f)
+
+
 def log_tail(m: Mount, n: int = 30) -> str:
     return "\n".join(m.read_log().splitlines()[-n:])
 
@@ -737,8 +742,6 @@ def test_dcp_save_distributed_into_mount(base):
                             "--world", "2", "--files", "2", "--dtype", "f32", "--seed", "5"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-4000:] + "\n" + log_tail(m)
-        summary = json.loads(r.stdout.strip().splitlines()[-1])
-        assert summary["shard_files"] == 4
         srcdir = root / "src" / "dcp"
         shards = src_shards(srcdir)
         assert shards == sorted(f"shard-{r:05d}-model-{k:05d}-of-00002.safetensors" for r in (1, 2) for k in (1, 2))
@@ -1141,7 +1144,13 @@ def test_daemon_killed_mid_file(tmp_path):
         rc = m.stop(check=False)
         unmount(m.mnt)
     assert rc == -signal.SIGKILL
-    wait_for(lambda: not os.path.ismount(m.mnt), "the killed daemon's mount to go")
+    # auto_unmount takes the dead mount away; /proc is asked (a stat of a dead FUSE mount fails
+    # with ENOTCONN, which os.path.ismount reads as "not a mount").
+    try:
+        wait_for(lambda: not in_proc_mounts(m.mnt), "the killed daemon's mount to go", timeout=10)
+    finally:
+        if in_proc_mounts(m.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", m.mnt], capture_output=True)
 
     with Mount(src, tmp_path / "mnt", opts=["ranks=2"], log=str(tmp_path / "mnt.2.log")) as m2:
         mnt = pathlib.Path(m2.mnt)
