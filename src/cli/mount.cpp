@@ -22,7 +22,9 @@ constexpr std::string_view kUsage =
        ckptfs SRC MNT [-o opt,...]        (as mount.fuse3 / fstab call it)
 
 Presents every directory of rank shards under SRC as a consolidated HuggingFace checkpoint
-at MNT, synthesized on read; nothing is copied. Returns once the mount is ready (the daemon
+at MNT, synthesized on read; nothing is copied. The mount is writable: a consolidated
+safetensors file written into it (save_pretrained, a Trainer's output_dir) is stored in SRC as
+DCP rank shards and reads back byte for byte; everything else is written through. Returns once the mount is ready (the daemon
 keeps serving in the background) unless -f is given. Unmount with 'fusermount3 -u MNT'.
 
 options:
@@ -34,6 +36,11 @@ options:
   -h, --help             this text
 
 ckptfs -o options:
+  ro                     read-only view: every change is refused (EROFS)
+  ranks=N                rank shards per consolidated file written (default 1: one target,
+                         nothing gained from more files; set it to the ranks that will load it)
+  split=even|tp          how tensors are cut: evenly on dim 0 (default), or by the model's
+                         base_model_tp_plan in config.json (colwise: dim 0, rowwise: dim 1)
   show_shards            list the hidden shard files under <checkpoint>/.shards/
   prefetch=on|off        push consolidated files into the page cache on open (default on)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
@@ -99,7 +106,24 @@ Status apply_option(fuse::MountOptions& o, const std::string& opt) {
   } else if (key == "auto_unmount") {
     o.auto_unmount = true;
   } else if (key == "rw") {
-    // mount(8) adds it by default; the view is read-only either way (writes get EROFS).
+    o.fs.read_only = false;  // the default; mount(8) adds it
+  } else if (key == "ro") {
+    o.fs.read_only = true;  // refused here (EROFS) and by the kernel; /proc/mounts says ro
+    o.fuse_opts.push_back("ro");
+  } else if (key == "ranks") {
+    CKPTFS_TRY(unsigned r, parse_unsigned(val, "ranks"));
+    if (r < 1 || r > write::kMaxRanks) {
+      return make_error(EINVAL, "ranks: must be 1..{}, got {}", write::kMaxRanks, r);
+    }
+    o.fs.ranks = r;
+  } else if (key == "split") {
+    if (val == "even") {
+      o.fs.split = write::PlanOptions::EvenDim0;
+    } else if (val == "tp") {
+      o.fs.split = write::PlanOptions::TpPlan;
+    } else {
+      return make_error(EINVAL, "split: expected even or tp, got '{}'", val);
+    }
   } else if (key == "_netdev" || key == "nofail" || key == "noauto" || key == "user" ||
              key == "users" || key == "defaults" || key.starts_with("x-")) {
     // fstab-only options that mount.fuse3 may pass along.

@@ -62,4 +62,23 @@ std::string serialize_fqn_mapping(const FqnMapping& mapping) {
   return j.dump(2) + "\n";
 }
 
+Result<std::map<std::string, std::string>> parse_tp_plan(std::string_view text,
+                                                         std::string_view what) {
+  CKPTFS_TRY(nlohmann::json j, detail::parse_json_strict(text, what, "config"));
+  std::map<std::string, std::string> out;
+  if (!j.is_object()) return make_error(EINVAL, "{}: config is not a JSON object", what);
+  auto it = j.find("base_model_tp_plan");
+  if (it == j.end() || it->is_null()) return out;
+  if (!it->is_object()) {
+    return make_error(EINVAL, "{}: base_model_tp_plan is not an object", what);
+  }
+  for (auto e = it->begin(); e != it->end(); ++e) {
+    if (!e.value().is_string()) {
+      return make_error(EINVAL, "{}: base_model_tp_plan entry '{}' is not a string", what, e.key());
+    }
+    out.emplace(e.key(), e.value().get<std::string>());
+  }
+  return out;
+}
+
 }  // namespace ckptfs::format

@@ -17,10 +17,12 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
+#include "ckptfs/write/file.hpp"
 
 namespace ckptfs::fs {
 namespace {
@@ -63,6 +65,9 @@ bool is_model_output_name(std::string_view n) {
 // Names a checkpoint directory hides: its shards, .hf_metadata, real files that the
 // synthesized ones replace, and, with show_shards, a real entry named like the .shards folder
 // (it is listed inside that folder instead, so no name is shown twice).
+// The write path's state directory: hidden everywhere, and a reserved name.
+bool is_state_name(std::string_view n) { return n == format::kStateDirName; }
+
 bool hidden_in_checkpoint(const source::DirEntry& e, bool show_shards) {
   return source::is_shard_entry(e) || e.name == format::kHfMetadataDir ||
          is_model_output_name(e.name) || (show_shards && e.name == kShardsDirName);
@@ -140,6 +145,7 @@ class MemoryReader final : public FileReader {
   uint64_t size() const override { return bytes_.size(); }
   void plan(uint64_t off, uint64_t len, ReadPlan& out) const override {
     out.segs.clear();
+    out.direct = nullptr;
     out.src = GatherSource{nullptr, {}, bytes_, "index"};
     out.size = 0;
     if (off >= bytes_.size()) return;
@@ -160,6 +166,7 @@ class PassthroughReader final : public FileReader {
   uint64_t size() const override { return size_; }
   void plan(uint64_t off, uint64_t len, ReadPlan& out) const override {
     out.segs.clear();
+    out.direct = nullptr;
     out.src = GatherSource{nullptr, std::span<const int>(&raw_, 1), {}, name_};
     // The file may have grown or shrunk since open: read what is there, like a plain file.
     out.size = len;
@@ -216,6 +223,7 @@ class OutputReader final : public FileReader {
   void plan(uint64_t off, uint64_t len, ReadPlan& out) const override {
     const auto& ck = *view_->ckpt;
     layout::map_range(ck, output_, off, len, out.segs);
+    out.direct = nullptr;
     out.src = GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}};
     out.size = 0;
     for (const auto& s : out.segs) out.size += s.len;
@@ -290,11 +298,38 @@ struct DirHandle {
 
 struct FileHandle {
   std::shared_ptr<const FileReader> reader;
+  std::shared_ptr<write::WriteFile> wf;  // open for writing (or a file being written)
+  Ino ino = 0;
+  bool writable = false;
+};
+
+// Reads of a file that is being written: whatever the WriteFile holds now.
+class WriteFileReader final : public FileReader {
+ public:
+  explicit WriteFileReader(std::shared_ptr<write::WriteFile> wf) : wf_(std::move(wf)) {}
+  uint64_t size() const override {
+    auto st = wf_->stat();
+    return st ? static_cast<uint64_t>(st->st_size) : 0;
+  }
+  void plan(uint64_t off, uint64_t len, ReadPlan& out) const override {
+    out.segs.clear();
+    out.src = GatherSource{};
+    out.direct = this;
+    out.direct_off = off;
+    out.size = len;
+  }
+  Result<size_t> read_direct(uint64_t off, size_t len, char* dst) const override {
+    return wf_->read(off, len, dst);
+  }
+
+ private:
+  std::shared_ptr<write::WriteFile> wf_;
 };
 
 }  // namespace
 
 Result<size_t> execute(const ReadPlan& p, char* dst) {
+  if (p.direct) return p.direct->read_direct(p.direct_off, static_cast<size_t>(p.size), dst);
   if (p.passthrough()) {
     const auto& seg = p.segs[0];
     size_t done = 0;
@@ -341,6 +376,10 @@ Status check_extents(const ReadPlan& p) {
   return {};
 }
 
+Result<size_t> FileReader::read_direct(uint64_t, size_t, char*) const {
+  return make_error(EIO, "this file has no direct reads");
+}
+
 Result<size_t> FileReader::read(uint64_t off, size_t len, char* dst) const {
   ReadPlan p;
   plan(off, len, p);
@@ -359,6 +398,58 @@ struct Filesystem::Impl {
   int64_t fd_budget = 0;
   std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
   Notifier* notifier = nullptr;
+  std::shared_ptr<flush::Flusher> flusher;
+
+  // Files open for writing, by backing identity (the state of a file is keyed by its inode:
+  // its final name only arrives with a rename), and when this daemon last changed each
+  // directory: a checkpoint written through the view shows at once, with no settle wait.
+  struct Writing {
+    std::weak_ptr<write::WriteFile> wf;
+    std::pair<uint64_t, uint64_t> dir;  // the directory it was opened in
+    bool shard_named = false;           // named like a rank shard (a DCP save into the view)
+  };
+  using DevIno = std::pair<uint64_t, uint64_t>;
+  std::mutex writes_mu_;  // guards writes_ and touched_ns_; a leaf
+  std::map<DevIno, Writing> writes_;
+  std::map<DevIno, int64_t> touched_ns_;
+
+  std::shared_ptr<write::WriteFile> writing(uint64_t dev, uint64_t ino) {
+    std::lock_guard lock(writes_mu_);
+    auto it = writes_.find({dev, ino});
+    if (it == writes_.end()) return nullptr;
+    auto wf = it->second.wf.lock();
+    if (!wf) writes_.erase(it);
+    return wf;
+  }
+
+  // Records that this daemon just changed directory (dev, ino).
+  void touched(uint64_t dev, uint64_t ino) {
+    std::lock_guard lock(writes_mu_);
+    if (touched_ns_.size() > 4096) touched_ns_.clear();  // only recent changes matter
+    touched_ns_[{dev, ino}] = now_realtime_ns();
+  }
+
+  // Whether every change of directory (dev, ino) up to `changed_ns` was this daemon's, and no
+  // file being written there could still change the checkpoint (a consolidated file not
+  // committed yet, or a rank shard still open).
+  bool quiet_by_us(uint64_t dev, uint64_t ino, int64_t changed_ns) {
+    std::lock_guard lock(writes_mu_);
+    auto t = touched_ns_.find({dev, ino});
+    if (t == touched_ns_.end() || changed_ns > t->second) return false;
+    for (auto it = writes_.begin(); it != writes_.end();) {
+      auto wf = it->second.wf.lock();
+      if (!wf) {
+        it = writes_.erase(it);
+        continue;
+      }
+      if (it->second.dir == DevIno{dev, ino} && (wf->state() == write::WriteFile::State::Routed ||
+                                                 (it->second.shard_named && wf->dirty()))) {
+        return false;
+      }
+      ++it;
+    }
+    return true;
+  }
 
   // Lock order: DirState::mu -> mu_. The header cache has its own leaf lock.
   mutable std::mutex mu_;  // guards nodes_, keys_, next_ino_, dirs_
@@ -588,6 +679,16 @@ struct Filesystem::Impl {
     if (!dirfd) return;  // vanished: open files keep their own views
     auto entries = source::list_dir(dirfd->get(), hidden_child(rel));
     if (!entries) return;
+    if (!opts.read_only &&
+        std::any_of(entries->begin(), entries->end(), [](const source::DirEntry& e) {
+          return is_state_name(e.name) && S_ISDIR(e.st.st_mode);
+        })) {
+      // What a crashed writer or daemon left: finish its commit, or drop its staging.
+      flusher->recover(flush::Target{dirfd->get(), source_path(rel)});
+      auto again = source::list_dir(dirfd->get(), hidden_child(rel));
+      if (!again) return;
+      entries = std::move(again);
+    }
     std::shared_ptr<const View> old = st.view;
     if (!source::has_shards(*entries)) {
       st.entries.clear();
@@ -619,7 +720,9 @@ struct Filesystem::Impl {
     const int64_t quiet_ns = std::max(stamp_age, seen_age);
     const int64_t settle_ns =
         std::chrono::duration_cast<std::chrono::nanoseconds>(opts.settle).count();
-    st.settled = quiet_ns >= settle_ns;
+    st.settled =
+        quiet_ns >= settle_ns || quiet_by_us(static_cast<uint64_t>(dst.st_dev),
+                                             static_cast<uint64_t>(dst.st_ino), changed_ns);
     if (!st.settled) {
       st.next_check = std::min(st.next_check, now + std::chrono::nanoseconds(settle_ns - quiet_ns));
     }
@@ -703,6 +806,14 @@ struct Filesystem::Impl {
       return make_error(ESTALE, "{}: replaced", n.rel);
     }
     decorate_real(n.ino, n.rel, st);
+    if (S_ISREG(st.st_mode)) {
+      if (auto wf = writing(n.dev, n.bino)) {
+        if (auto ws = wf->stat(); ws) {
+          st.st_size = ws->st_size;
+          st.st_blocks = ws->st_blocks;
+        }
+      }
+    }
     return st;
   }
 
@@ -775,6 +886,7 @@ struct Filesystem::Impl {
   Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv) {
     std::string name(name_sv);
     if (name == hidden_child(dir.rel)) return make_error(ENOENT, "the mount point itself");
+    if (is_state_name(name)) return make_error(ENOENT, "{}: the write path's own state", name);
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     const bool consolidated_name = is_model_output_name(name);
     auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
@@ -788,6 +900,7 @@ struct Filesystem::Impl {
         }
       }
       if (name == format::kIndexFileName) {
+        if (ck.written) return lookup_real(rel, dir.ino, name);
         return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, 0, name);
       }
     }
@@ -848,12 +961,20 @@ struct Filesystem::Impl {
     }
     auto v = view_of(dir.rel, dst, dir.ino, Need::Current);
     if (!v) {
-      for (const auto& e : entries) real(e);
+      for (const auto& e : entries) {
+        if (!is_state_name(e.name)) real(e);
+      }
       return out;
     }
+    // A directory written through the view shows its own index file, and none synthesized.
+    const bool written = v->complete && v->ckpt->written;
     std::set<std::string> names;
     for (const auto& e : entries) {
-      if (hidden_in_checkpoint(e, opts.show_shards)) continue;
+      if (is_state_name(e.name)) continue;
+      if (hidden_in_checkpoint(e, opts.show_shards) &&
+          !(written && e.name == format::kIndexFileName && S_ISREG(e.st.st_mode))) {
+        continue;
+      }
       real(e);
       names.insert(e.name);
     }
@@ -878,9 +999,11 @@ struct Filesystem::Impl {
         out.push_back(DirEntryOut{
             o.name, virtual_ino(v->dir_dev, v->dir_ino, v->generation, o.name), S_IFREG});
       }
-      out.push_back(DirEntryOut{
-          std::string(format::kIndexFileName),
-          virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
+      if (!written) {
+        out.push_back(DirEntryOut{
+            std::string(format::kIndexFileName),
+            virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
+      }
     }
     if (opts.show_shards) {
       out.push_back(DirEntryOut{std::string(kShardsDirName),
@@ -939,6 +1062,251 @@ struct Filesystem::Impl {
     return std::shared_ptr<const ShardFds>(fds);
   }
 
+  // --- writes ------------------------------------------------------------------------------
+
+  // A directory being changed: its node, an open descriptor and its identity.
+  struct DirRef {
+    Impl* impl = nullptr;
+    Node node;
+    UniqueFd fd;
+    uint64_t dev = 0, ino = 0;
+    struct stat st {};
+    std::shared_ptr<DirState> state() const { return impl->dir_state(dev, ino); }
+    flush::Target target(std::string display) const {
+      return flush::Target{fd.get(), std::move(display), st.st_uid, st.st_gid, 0644};
+    }
+  };
+
+  // The directory `parent`, about to get or lose `name`. The write path's own name is refused
+  // (`reserved`: EPERM to make it, ENOENT to use it), as is the mount point itself.
+  Result<DirRef> dir_for_change(Ino parent, std::string_view name, int reserved = EPERM) {
+    if (!is_valid_component(name)) return make_error(EINVAL, "invalid name");
+    auto n = get(parent);
+    if (!n) return make_error(ESTALE, "unknown inode {}", parent);
+    if (n->kind != Kind::Dir) {
+      return make_error(n->kind == Kind::ShardsDir ? EPERM : ENOTDIR, "not a writable directory");
+    }
+    if (is_state_name(name)) {
+      return make_error(reserved, "{}: the name {} is reserved for ckptfs", source_path(n->rel),
+                        format::kStateDirName);
+    }
+    if (name == hidden_child(n->rel)) return make_error(EPERM, "the mount point itself");
+    DirRef d;
+    d.impl = this;
+    d.node = std::move(*n);
+    CKPTFS_TRY(d.fd, open_beneath(root.get(), d.node.rel, O_RDONLY | O_DIRECTORY));
+    if (::fstat(d.fd.get(), &d.st) != 0) {
+      return make_error(errno, "{}: stat failed: {}", source_path(d.node.rel),
+                        std::strerror(errno));
+    }
+    d.dev = static_cast<uint64_t>(d.st.st_dev);
+    d.ino = static_cast<uint64_t>(d.st.st_ino);
+    return d;
+  }
+
+  struct Shown {
+    std::shared_ptr<const View> v;  // set when the view shows `name` as a consolidated file
+    const layout::OutputFile* output = nullptr;  // null: the synthesized index
+  };
+  Shown shown_output(const DirRef& d, std::string_view name) {
+    if (!is_model_output_name(name)) return {};
+    auto v = view_of(d.node.rel, d.st, d.node.ino, Need::Current);
+    if (!v || !v->complete) return {};
+    if (const auto* o = v->ckpt->find_output(name)) return {v, o};
+    if (name == format::kIndexFileName && !v->ckpt->written) return {v, nullptr};
+    return {};
+  }
+  bool shown_virtual(const DirRef& d, std::string_view name) {
+    return shown_output(d, name).v != nullptr;
+  }
+
+  // A new entry made for a caller other than root belongs to the caller (the daemon makes it
+  // as root); its group is the directory's when that has the set-group-ID bit.
+  void give_to(int fd, const DirRef& d, const std::string& name, const Caller& who, bool by_name) {
+    if (::geteuid() != 0 || who.uid == 0) return;
+    const gid_t gid = (d.st.st_mode & S_ISGID) ? d.st.st_gid : who.gid;
+    int rc = by_name ? ::fchownat(d.fd.get(), name.c_str(), who.uid, gid, AT_SYMLINK_NOFOLLOW)
+                     : ::fchown(fd, who.uid, gid);
+    if (rc != 0) {
+      spdlog::warn("{}: cannot give it to uid {}: {}", source_path(join_rel(d.node.rel, name)),
+                   who.uid, std::strerror(errno));
+    }
+  }
+
+  write::PlanOptions plan_options(int dirfd) {
+    write::PlanOptions p;
+    p.ranks = opts.ranks ? opts.ranks : flusher->default_ranks();
+    p.split = opts.split;
+    if (p.split == write::PlanOptions::TpPlan) {
+      struct stat st {};
+      auto fd = open_regular_at(dirfd, "config.json", "config.json", &st);
+      if (fd && static_cast<uint64_t>(st.st_size) <= (16u << 20)) {
+        std::string text(static_cast<size_t>(st.st_size), '\0');
+        if (pread_exact(fd->get(), text.data(), text.size(), 0, "config.json")) {
+          if (auto plan = format::parse_tp_plan(text, "config.json"); plan) {
+            p.tp_plan = std::move(plan).value();
+          } else {
+            spdlog::warn("{}; splitting on dim 0", plan.error().message);
+          }
+        }
+      }
+    }
+    return p;
+  }
+
+  // The state of a regular file opened for writing, shared by every handle on it.
+  Result<std::shared_ptr<write::WriteFile>> start_writing(UniqueFd fd, const DirRef& d,
+                                                          const std::string& name, bool fresh) {
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) return make_error(errno, "stat failed");
+    const DevIno key{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+    if (auto wf = writing(key.first, key.second)) return wf;
+    CKPTFS_TRY(auto wf, write::WriteFile::open(std::move(fd), d.fd.get(), source_path(d.node.rel),
+                                               fresh, *flusher, plan_options(d.fd.get()),
+                                               source_path(join_rel(d.node.rel, name))));
+    std::lock_guard lock(writes_mu_);
+    auto& w = writes_[key];
+    if (auto other = w.wf.lock()) return other;  // opened meanwhile by another thread
+    w = Writing{wf, {d.dev, d.ino}, format::looks_like_shard_name(name)};
+    return wf;
+  }
+
+  Result<OpenOut> open_for_write(const Node& n, int flags) {
+    std::string dir_rel, name;
+    UniqueFd fd;
+    bool fresh = (flags & O_TRUNC) != 0;
+    if (n.kind == Kind::File) {
+      dir_rel = parent_of(n.rel);
+      name = n.rel.substr(dir_rel.empty() ? 0 : dir_rel.size() + 1);
+    } else if (n.kind == Kind::Output && (flags & O_TRUNC)) {
+      // Replacing a consolidated file: a new file under its name, committed at close.
+      dir_rel = n.rel;
+      name = n.key.name;
+    } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir) {
+      return make_error(EISDIR, "is a directory");
+    } else if (n.kind == Kind::Output || n.kind == Kind::Index) {
+      return make_error(EPERM,
+                        "{}: a consolidated file is not changed in place; write it anew (O_TRUNC) "
+                        "or write a new file and rename it over",
+                        source_path(join_rel(n.rel, n.key.name)));
+    } else {
+      return make_error(EACCES, "special files cannot be opened through the view");
+    }
+    DirRef d;
+    d.impl = this;
+    CKPTFS_TRY(d.fd, open_beneath(root.get(), dir_rel, O_RDONLY | O_DIRECTORY));
+    if (::fstat(d.fd.get(), &d.st) != 0) return make_error(errno, "stat failed");
+    d.dev = static_cast<uint64_t>(d.st.st_dev);
+    d.ino = static_cast<uint64_t>(d.st.st_ino);
+    d.node.rel = dir_rel;
+    const int oflags = O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+    if (n.kind == Kind::File) {
+      int raw = ::openat(d.fd.get(), name.c_str(), oflags);
+      if (raw < 0) return make_error(errno, "{}: {}", source_path(n.rel), std::strerror(errno));
+      struct stat st {};
+      CKPTFS_TRY(fd, require_regular(UniqueFd(raw), source_path(n.rel), &st));
+      if (!(real_key(st) == n.key)) return make_error(ESTALE, "{}: replaced", n.rel);
+      fresh = fresh || st.st_size == 0;
+    } else {
+      int raw = ::openat(d.fd.get(), name.c_str(), oflags | O_CREAT | O_TRUNC, 0644);
+      if (raw < 0) return make_error(errno, "{}: {}", source_path(n.rel), std::strerror(errno));
+      fd.reset(raw);
+      fresh = true;
+    }
+    CKPTFS_TRY(auto wf, start_writing(std::move(fd), d, name, fresh));
+    if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));
+    touched(d.dev, d.ino);
+    auto h = std::make_unique<FileHandle>();
+    h->reader = std::make_shared<WriteFileReader>(wf);
+    h->wf = std::move(wf);
+    h->ino = n.ino;
+    h->writable = true;
+    OpenOut out;
+    out.fh = adopt(handles_mu_, files_, std::move(h));
+    return out;
+  }
+
+  // Runs `fn` (finalize or fsync) on the file of handle `h` where it is now, under its
+  // directory's lock (the view never lists a commit half done), and makes the view show the
+  // result at once.
+  template <typename Fn>
+  Status settle_file(FileHandle& h, Fn fn) {
+    auto n = get(h.ino);
+    if (!n) return make_error(ESTALE, "unknown inode {}", h.ino);
+    std::string dir_rel = n->kind == Kind::File ? parent_of(n->rel) : n->rel;
+    std::string name = n->kind == Kind::File
+                           ? n->rel.substr(dir_rel.empty() ? 0 : dir_rel.size() + 1)
+                           : n->key.name;
+    auto dfd = open_beneath(root.get(), dir_rel, O_RDONLY | O_DIRECTORY);
+    struct stat dst {};
+    if (!dfd || ::fstat(dfd->get(), &dst) != 0) {
+      // The directory is gone from where the file was: keep the bytes in the file itself.
+      return fn(*h.wf, write::Place{-1, "", source_path(dir_rel)});
+    }
+    auto st = dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+    Status result;
+    {
+      std::unique_lock lock(st->mu);
+      st->built.wait(lock, [&] { return !st->building; });
+      result = fn(*h.wf, write::Place{dfd->get(), name, source_path(dir_rel)});
+      st->next_check = Clock::now();
+    }
+    touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+    if (h.wf->state() == write::WriteFile::State::Committed && notifier) {
+      // The name now shows the consolidated file: the kernel's entry still holds the file as
+      // it was being written.
+      for (const auto& [parent, link] : n->links) notifier->inval_entry(parent, link);
+    }
+    return result;
+  }
+
+  void recheck(const DirRef& d) {
+    auto st = d.state();
+    std::lock_guard lock(st->mu);
+    st->next_check = Clock::now();
+  }
+
+  // Renames the nodes under `old_rel` to `new_rel` (and the reverse for an exchange).
+  void renamed(Ino op, const std::string& oname, const std::string& old_rel, Ino np,
+               const std::string& nname, const std::string& new_rel, bool exchange) {
+    std::lock_guard lock(mu_);
+    auto move = [](std::string& rel, const std::string& from, const std::string& to) {
+      if (rel == from) {
+        rel = to;
+        return true;
+      }
+      if (rel.size() > from.size() && rel.starts_with(from) && rel[from.size()] == '/') {
+        rel = to + rel.substr(from.size());
+        return true;
+      }
+      return false;
+    };
+    for (auto& [ino, node] : nodes_) {
+      if (node->key.type == 1) continue;  // virtual: follows its directory through the view
+      if (move(node->rel, old_rel, new_rel)) continue;
+      if (exchange) move(node->rel, new_rel, old_rel);
+    }
+    std::optional<Ino> a, b;
+    if (auto it = kids_.find({op, oname}); it != kids_.end()) {
+      a = it->second;
+      kids_.erase(it);
+    }
+    if (auto it = kids_.find({np, nname}); it != kids_.end()) {
+      b = it->second;
+      kids_.erase(it);
+    }
+    auto relink = [&](Ino ino, std::pair<Ino, std::string> from, std::pair<Ino, std::string> to) {
+      kids_[to] = ino;
+      if (auto it = nodes_.find(ino); it != nodes_.end()) {
+        auto& links = it->second->links;
+        links.erase(std::remove(links.begin(), links.end(), from), links.end());
+        links.push_back(to);
+      }
+    };
+    if (a) relink(*a, {op, oname}, {np, nname});
+    if (b && exchange) relink(*b, {np, nname}, {op, oname});
+  }
+
   // forget() under mu_: returns the state of a directory that was dropped, if any.
   std::shared_ptr<DirState> forget_locked(Ino ino, uint64_t n);
 
@@ -968,6 +1336,8 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   // A quarter of the limit (16..256) stays free for FUSE channels, logs, plain files and the
   // one shard at a time a header scan opens; the rest may be held by open consolidated files.
   impl->fd_budget = limit - std::clamp<int64_t>(limit / 4, 16, 256);
+  impl->flusher = impl->opts.flusher ? impl->opts.flusher
+                                     : std::shared_ptr<flush::Flusher>(flush::make_local_flusher());
   impl->root_dev = static_cast<uint64_t>(st.st_dev);
   impl->root_ino = static_cast<uint64_t>(st.st_ino);
   Node root;
@@ -1093,7 +1463,8 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
-    return make_error(EROFS, "read-only view");
+    if (impl_->opts.read_only) return make_error(EROFS, "read-only view");
+    return impl_->open_for_write(*n, flags);
   }
   if (n->kind == Kind::Output || n->kind == Kind::Index) {
     const auto& in = n->view->inputs;
@@ -1121,6 +1492,12 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
       out.is_virtual = true;
       break;
     case Kind::File: {
+      if (auto wf = impl_->writing(n->dev, n->bino)) {  // being written: what it holds now
+        h->reader = std::make_shared<WriteFileReader>(wf);
+        h->wf = std::move(wf);
+        h->ino = ino;
+        break;
+      }
       struct stat st {};
       CKPTFS_TRY(UniqueFd fd, open_regular_beneath(impl_->root.get(), n->rel, Resolve::Auto, &st));
       if (!(Impl::real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
@@ -1160,8 +1537,323 @@ Result<struct statvfs> Filesystem::statfs() {
   return sv;
 }
 
-Status Filesystem::modify(Ino, std::string_view what) {
-  return make_error(EROFS, "{}: the view is read-only", what);
+// --- writes --------------------------------------------------------------------------
+
+namespace {
+
+Error errno_error(std::string_view what) {
+  int e = errno;
+  return make_error(e, "{}: {}", what, std::strerror(e));
+}
+
+}  // namespace
+
+#define CKPTFS_WRITABLE()                                                  \
+  do {                                                                     \
+    if (impl_->opts.read_only) return make_error(EROFS, "read-only view"); \
+  } while (0)
+
+Result<CreateOut> Filesystem::create(Ino parent, std::string_view name, mode_t mode, int flags,
+                                     const Caller& who) {
+  CKPTFS_WRITABLE();
+  CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name));
+  if ((flags & O_EXCL) && impl_->shown_virtual(d, name)) {
+    return make_error(EEXIST, "{}: exists", join_rel(d.node.rel, name));
+  }
+  const std::string n(name);
+  int fd = ::openat(d.fd.get(), n.c_str(),
+                    O_CREAT | O_RDWR | O_NOFOLLOW | O_CLOEXEC | (flags & (O_EXCL | O_TRUNC)),
+                    mode & 07777);
+  if (fd < 0) return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
+  UniqueFd file(fd);
+  impl_->give_to(file.get(), d, n, who, false);
+  impl_->touched(d.dev, d.ino);
+  CKPTFS_TRY(EntryOut e, impl_->lookup_real(join_rel(d.node.rel, name), parent, name));
+  CKPTFS_TRY(auto wf, impl_->start_writing(std::move(file), d, n, true));
+  auto h = std::make_unique<FileHandle>();
+  h->reader = std::make_shared<WriteFileReader>(wf);
+  h->wf = std::move(wf);
+  h->ino = e.ino;
+  h->writable = true;
+  CreateOut out;
+  out.entry = e;
+  out.open.fh = Impl::adopt(impl_->handles_mu_, impl_->files_, std::move(h));
+  return out;
+}
+
+Result<EntryOut> Filesystem::mkdir(Ino parent, std::string_view name, mode_t mode,
+                                   const Caller& who) {
+  CKPTFS_WRITABLE();
+  CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name));
+  const std::string n(name);
+  if (::mkdirat(d.fd.get(), n.c_str(), mode & 07777) != 0) {
+    return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
+  }
+  impl_->give_to(-1, d, n, who, true);
+  impl_->touched(d.dev, d.ino);
+  return impl_->lookup_real(join_rel(d.node.rel, name), parent, name);
+}
+
+Result<EntryOut> Filesystem::mknod(Ino parent, std::string_view name, mode_t mode,
+                                   const Caller& who) {
+  CKPTFS_WRITABLE();
+  if (!S_ISREG(mode) && !S_ISFIFO(mode)) {
+    return make_error(EPERM, "only regular files and FIFOs can be made here");
+  }
+  CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name));
+  const std::string n(name);
+  if (::mknodat(d.fd.get(), n.c_str(), mode & (S_IFMT | 07777), 0) != 0) {
+    return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
+  }
+  impl_->give_to(-1, d, n, who, true);
+  impl_->touched(d.dev, d.ino);
+  return impl_->lookup_real(join_rel(d.node.rel, name), parent, name);
+}
+
+Result<EntryOut> Filesystem::symlink(std::string_view target, Ino parent, std::string_view name,
+                                     const Caller& who) {
+  CKPTFS_WRITABLE();
+  CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name));
+  const std::string n(name);
+  if (::symlinkat(std::string(target).c_str(), d.fd.get(), n.c_str()) != 0) {
+    return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
+  }
+  impl_->give_to(-1, d, n, who, true);
+  impl_->touched(d.dev, d.ino);
+  return impl_->lookup_real(join_rel(d.node.rel, name), parent, name);
+}
+
+Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_name) {
+  CKPTFS_WRITABLE();
+  auto n = impl_->get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->kind != Kind::File || impl_->writing(n->dev, n->bino)) {
+    return make_error(EPERM, "only plain files that are not being written can be linked");
+  }
+  CKPTFS_TRY(auto d, impl_->dir_for_change(new_parent, new_name));
+  CKPTFS_TRY(UniqueFd from,
+             open_beneath(impl_->root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
+  const std::string last =
+      n->rel.substr(n->rel.rfind('/') == std::string::npos ? 0 : n->rel.rfind('/') + 1);
+  if (::linkat(from.get(), last.c_str(), d.fd.get(), std::string(new_name).c_str(), 0) != 0) {
+    return errno_error(impl_->source_path(join_rel(d.node.rel, new_name)));
+  }
+  impl_->touched(d.dev, d.ino);
+  return impl_->lookup_real(join_rel(d.node.rel, new_name), new_parent, new_name);
+}
+
+Status Filesystem::unlink(Ino parent, std::string_view name) {
+  CKPTFS_WRITABLE();
+  CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name, ENOENT));
+  const std::string n(name);
+  if (auto out = impl_->shown_output(d, name); out.v) {
+    if (!out.output) return {};  // a synthesized index: nothing is stored, it goes with them
+    auto st = d.state();
+    std::unique_lock lock(st->mu);
+    st->built.wait(lock, [&] { return !st->building; });
+    const auto& ck = *out.v->ckpt;
+    CKPTFS_CHECK(impl_->flusher->remove(d.target(impl_->source_path(d.node.rel)), out.output->k,
+                                        ck.shards.empty() ? 1 : ck.shards[0].parsed.m));
+    ::unlinkat(d.fd.get(), n.c_str(), 0);  // a placeholder of a newer version, if any
+    st->next_check = Clock::now();
+    impl_->touched(d.dev, d.ino);
+    return {};
+  }
+  if (::unlinkat(d.fd.get(), n.c_str(), 0) != 0) {
+    return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
+  }
+  impl_->touched(d.dev, d.ino);
+  impl_->recheck(d);
+  return {};
+}
+
+Status Filesystem::rmdir(Ino parent, std::string_view name) {
+  CKPTFS_WRITABLE();
+  CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name, ENOENT));
+  const std::string n(name);
+  const std::string rel = join_rel(d.node.rel, name);
+  if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) == 0) {
+    impl_->touched(d.dev, d.ino);
+    return {};
+  }
+  if (errno != ENOTEMPTY && errno != EEXIST) return errno_error(impl_->source_path(rel));
+  // Not empty in SRC. If the view shows nothing in it, what remains is hidden (the write
+  // path's state, a broken checkpoint's shards, an empty .hf_metadata): it goes too, as the
+  // caller cannot see or remove it.
+  std::optional<Node> child;
+  {
+    std::lock_guard lock(impl_->mu_);
+    if (auto k = impl_->kids_.find({parent, n}); k != impl_->kids_.end()) {
+      if (auto it = impl_->nodes_.find(k->second); it != impl_->nodes_.end()) child = *it->second;
+    }
+  }
+  if (!child || child->kind != Kind::Dir || child->rel != rel) {
+    return make_error(ENOTEMPTY, "{}: not empty", impl_->source_path(rel));
+  }
+  CKPTFS_TRY(auto shown, impl_->list(*child));
+  if (!shown.empty()) return make_error(ENOTEMPTY, "{}: not empty", impl_->source_path(rel));
+  CKPTFS_TRY(UniqueFd cfd, open_at(d.fd.get(), n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+  CKPTFS_TRY(auto left, source::list_dir(cfd.get()));
+  for (const auto& e : left) flush::remove_tree(cfd.get(), e.name);
+  if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) != 0) {
+    return errno_error(impl_->source_path(rel));
+  }
+  impl_->touched(d.dev, d.ino);
+  return {};
+}
+
+Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
+                          std::string_view new_name, unsigned flags) {
+  CKPTFS_WRITABLE();
+  CKPTFS_TRY(auto from, impl_->dir_for_change(parent, name, ENOENT));
+  CKPTFS_TRY(auto to, impl_->dir_for_change(new_parent, new_name));
+  if (impl_->shown_virtual(from, name)) {
+    return make_error(EXDEV, "{}: a consolidated file is not renamed in place (copy it)",
+                      join_rel(from.node.rel, name));
+  }
+  const bool over_virtual = impl_->shown_virtual(to, new_name);
+  if (over_virtual && (flags & RENAME_NOREPLACE)) {
+    return make_error(EEXIST, "{}: exists", join_rel(to.node.rel, new_name));
+  }
+  if (over_virtual && (flags & RENAME_EXCHANGE)) {
+    return make_error(EXDEV, "{}: a consolidated file is not exchanged",
+                      join_rel(to.node.rel, new_name));
+  }
+  const std::string o(name), nn(new_name);
+  if (::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags) != 0) {
+    return errno_error(fmt::format("rename {} to {}",
+                                   impl_->source_path(join_rel(from.node.rel, name)),
+                                   impl_->source_path(join_rel(to.node.rel, new_name))));
+  }
+  impl_->renamed(parent, o, join_rel(from.node.rel, name), new_parent, nn,
+                 join_rel(to.node.rel, new_name), (flags & RENAME_EXCHANGE) != 0);
+  impl_->touched(from.dev, from.ino);
+  impl_->touched(to.dev, to.ino);
+  impl_->recheck(from);
+  impl_->recheck(to);
+  if (!format::parse_model_name(new_name)) return {};
+  // A file renamed onto a model name: one being written is stored when it is closed; a closed
+  // one is stored now. Either way it replaces the version shown under that name.
+  struct stat st {};
+  if (::fstatat(to.fd.get(), nn.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
+    return {};
+  }
+  if (impl_->writing(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino))) return {};
+  CKPTFS_TRY(UniqueFd fd, open_at(to.fd.get(), nn, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
+  CKPTFS_TRY(auto wf,
+             write::WriteFile::open(std::move(fd), to.fd.get(), impl_->source_path(to.node.rel),
+                                    false, *impl_->flusher, impl_->plan_options(to.fd.get()),
+                                    impl_->source_path(join_rel(to.node.rel, nn))));
+  auto dst = to.state();
+  std::unique_lock lock(dst->mu);
+  dst->built.wait(lock, [&] { return !dst->building; });
+  CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, impl_->source_path(to.node.rel)}));
+  if (wf->state() != write::WriteFile::State::Committed && over_virtual) {
+    // Not a consolidated file: it replaces the shown one, whose shards go.
+    auto mn = format::parse_model_name(new_name);
+    CKPTFS_CHECK(impl_->flusher->remove(to.target(impl_->source_path(to.node.rel)), mn->k, mn->m));
+  }
+  dst->next_check = Clock::now();
+  impl_->touched(to.dev, to.ino);
+  return {};
+}
+
+Result<struct stat> Filesystem::setattr(Ino ino, const SetAttr& a, std::optional<uint64_t> fh) {
+  CKPTFS_WRITABLE();
+  auto n = impl_->get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir) {
+    return make_error(EPERM, "{}: a consolidated file's attributes follow its shards", n->rel);
+  }
+  std::shared_ptr<write::WriteFile> wf;
+  if (fh) wf = reinterpret_cast<FileHandle*>(*fh)->wf;
+  if (!wf && n->kind == Kind::File) wf = impl_->writing(n->dev, n->bino);
+  const std::string where = impl_->source_path(n->rel);
+  if (a.size) {
+    if (n->kind == Kind::Dir) return make_error(EISDIR, "{}: is a directory", where);
+    if (wf) {
+      CKPTFS_CHECK(wf->truncate(*a.size));
+    } else {
+      CKPTFS_TRY(UniqueFd fd, open_beneath(impl_->root.get(), n->rel,
+                                           O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY));
+      CKPTFS_TRY(fd, require_regular(std::move(fd), where));
+      if (::ftruncate(fd.get(), static_cast<off_t>(*a.size)) != 0) return errno_error(where);
+    }
+  }
+  // The entry by its parent and name (the root by itself).
+  const bool is_root = n->rel.empty();
+  const std::string last =
+      is_root ? std::string(".")
+              : n->rel.substr(n->rel.rfind('/') == std::string::npos ? 0 : n->rel.rfind('/') + 1);
+  UniqueFd pfd;
+  if (is_root) {
+    CKPTFS_TRY(pfd, open_beneath(impl_->root.get(), "", O_PATH | O_DIRECTORY));
+  } else {
+    CKPTFS_TRY(pfd, open_beneath(impl_->root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
+  }
+  if (a.mode && n->kind != Kind::Symlink) {
+    if (::fchmodat(pfd.get(), last.c_str(), *a.mode & 07777, 0) != 0) return errno_error(where);
+  }
+  if (a.uid || a.gid) {
+    if (::fchownat(pfd.get(), last.c_str(), a.uid ? *a.uid : static_cast<uid_t>(-1),
+                   a.gid ? *a.gid : static_cast<gid_t>(-1), AT_SYMLINK_NOFOLLOW) != 0) {
+      return errno_error(where);
+    }
+  }
+  if (a.atime || a.mtime) {
+    struct timespec ts[2] = {{0, UTIME_OMIT}, {0, UTIME_OMIT}};
+    if (a.atime) ts[0] = *a.atime;
+    if (a.mtime) ts[1] = *a.mtime;
+    if (::utimensat(pfd.get(), last.c_str(), ts, AT_SYMLINK_NOFOLLOW) != 0) {
+      return errno_error(where);
+    }
+  }
+  if (n->kind == Kind::Dir) impl_->touched(n->dev, n->bino);
+  if (fh) return getattr_handle(*fh);
+  return getattr(ino);
+}
+
+Result<size_t> Filesystem::write(uint64_t fh, uint64_t off, std::string_view bytes) {
+  auto* h = reinterpret_cast<FileHandle*>(fh);
+  if (!h->wf || !h->writable) return make_error(EBADF, "not open for writing");
+  CKPTFS_CHECK(h->wf->write(off, bytes));
+  return bytes.size();
+}
+
+Status Filesystem::flush(uint64_t fh) {
+  auto* h = reinterpret_cast<FileHandle*>(fh);
+  if (!h->wf || !h->writable) return {};
+  return impl_->settle_file(
+      *h, [](write::WriteFile& wf, const write::Place& p) { return wf.finalize(p); });
+}
+
+Status Filesystem::fsync(uint64_t fh, bool datasync) {
+  auto* h = reinterpret_cast<FileHandle*>(fh);
+  if (!h->wf) return {};
+  return impl_->settle_file(*h, [datasync](write::WriteFile& wf, const write::Place& p) {
+    return wf.fsync(p, datasync);
+  });
+}
+
+Status Filesystem::fsyncdir(Ino ino) {
+  auto n = impl_->get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->kind != Kind::Dir) return {};
+  CKPTFS_TRY(UniqueFd fd, open_beneath(impl_->root.get(), n->rel, O_RDONLY | O_DIRECTORY));
+  if (::fsync(fd.get()) != 0) return errno_error(impl_->source_path(n->rel));
+  return {};
+}
+
+Result<struct stat> Filesystem::getattr_handle(uint64_t fh) {
+  auto* h = reinterpret_cast<FileHandle*>(fh);
+  if (!h->wf) return getattr(h->ino);
+  auto n = impl_->get(h->ino);
+  if (n && n->kind == Kind::File) {
+    if (auto st = getattr(h->ino); st) return st;  // the name still holds it
+  }
+  CKPTFS_TRY(struct stat st, h->wf->stat());
+  st.st_ino = impl_->shown_ino(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+  return st;
 }
 
 Filesystem::Counts Filesystem::counts() const {

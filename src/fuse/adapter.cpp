@@ -2,8 +2,10 @@
 
 #include <fuse_lowlevel.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -245,7 +247,10 @@ Context& ctx(fuse_req_t req) {
 }
 
 void reply_error(fuse_req_t req, const Error& e, std::string_view op) {
-  if (e.code != ENOENT && e.code != EROFS && e.code != ESTALE && e.code != EACCES) {
+  // Answers that are part of normal operation are not logged as errors.
+  static constexpr int kQuiet[] = {ENOENT, EROFS, ESTALE,  EACCES, EEXIST, ENOTEMPTY,
+                                   EXDEV,  EPERM, ENOTDIR, EISDIR, EINVAL, ENOTSUP};
+  if (std::find(std::begin(kQuiet), std::end(kQuiet), e.code) == std::end(kQuiet)) {
     spdlog::error("{}: {}", op, e.message);
   }
   fuse_reply_err(req, e.code);
@@ -295,9 +300,9 @@ void op_forget_multi(fuse_req_t req, size_t count, fuse_forget_data* f) {
   fuse_reply_none(req);
 }
 
-void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   auto& c = ctx(req);
-  auto r = c.fs->getattr(ino);
+  auto r = fi ? c.fs->getattr_handle(fi->fh) : c.fs->getattr(ino);
   if (!r) return reply_error(req, r.error(), "getattr");
   fuse_reply_attr(req, &*r, c.opts->attr_timeout);
 }
@@ -382,7 +387,7 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
     c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off) + size);
   }
   const bool passthrough = plan.passthrough();
-  if (c.opts->splice && (passthrough || plan.segs.size() <= 16)) {
+  if (c.opts->splice && plan.direct == nullptr && (passthrough || plan.segs.size() <= 16)) {
     // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory. A short
     // splice would reach the reader as an early end of file, so shrunken shards are an error.
     if (auto ok = fs::check_extents(plan); !ok) return reply_error(req, ok.error(), "read");
@@ -424,37 +429,99 @@ void op_statfs(fuse_req_t req, fuse_ino_t) {
   fuse_reply_statfs(req, &*r);
 }
 
-// Every modifying request goes to one place in the fs layer (read-only for now).
-void refuse(fuse_req_t req, fuse_ino_t ino, std::string_view what) {
-  auto st = ctx(req).fs->modify(ino, what);
-  fuse_reply_err(req, st.ok() ? ENOSYS : st.error().code);
+// --- writes: each a call into the fs layer, which refuses them on a read-only view ------
+
+void reply_entry(fuse_req_t req, const Result<fs::EntryOut>& r, std::string_view op) {
+  if (!r) return reply_error(req, r.error(), op);
+  auto e = entry_of(*r, *ctx(req).opts);
+  fuse_reply_entry(req, &e);
 }
-void op_mknod(fuse_req_t req, fuse_ino_t p, const char*, mode_t, dev_t) { refuse(req, p, "mknod"); }
-void op_mkdir(fuse_req_t req, fuse_ino_t p, const char*, mode_t) { refuse(req, p, "mkdir"); }
-void op_unlink(fuse_req_t req, fuse_ino_t p, const char*) { refuse(req, p, "unlink"); }
-void op_rmdir(fuse_req_t req, fuse_ino_t p, const char*) { refuse(req, p, "rmdir"); }
-void op_symlink(fuse_req_t req, const char*, fuse_ino_t p, const char*) {
-  refuse(req, p, "symlink");
+
+void reply_status(fuse_req_t req, const Status& st, std::string_view op) {
+  if (!st) return reply_error(req, st.error(), op);
+  fuse_reply_err(req, 0);
 }
-void op_rename(fuse_req_t req, fuse_ino_t p, const char*, fuse_ino_t, const char*, unsigned) {
-  refuse(req, p, "rename");
+
+void op_mknod(fuse_req_t req, fuse_ino_t p, const char* name, mode_t mode, dev_t) {
+  reply_entry(req, ctx(req).fs->mknod(p, name, mode, caller_of(req)), "mknod");
 }
-void op_link(fuse_req_t req, fuse_ino_t i, fuse_ino_t, const char*) { refuse(req, i, "link"); }
-void op_setattr(fuse_req_t req, fuse_ino_t i, struct stat*, int, fuse_file_info*) {
-  refuse(req, i, "setattr");
+void op_mkdir(fuse_req_t req, fuse_ino_t p, const char* name, mode_t mode) {
+  reply_entry(req, ctx(req).fs->mkdir(p, name, mode, caller_of(req)), "mkdir");
 }
-void op_create(fuse_req_t req, fuse_ino_t p, const char*, mode_t, fuse_file_info*) {
-  refuse(req, p, "create");
+void op_symlink(fuse_req_t req, const char* target, fuse_ino_t p, const char* name) {
+  reply_entry(req, ctx(req).fs->symlink(target, p, name, caller_of(req)), "symlink");
 }
-void op_write(fuse_req_t req, fuse_ino_t i, const char*, size_t, off_t, fuse_file_info*) {
-  refuse(req, i, "write");
+void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t p, const char* name) {
+  reply_entry(req, ctx(req).fs->link(ino, p, name), "link");
 }
-void op_setxattr(fuse_req_t req, fuse_ino_t i, const char*, const char*, size_t, int) {
-  refuse(req, i, "setxattr");
+void op_unlink(fuse_req_t req, fuse_ino_t p, const char* name) {
+  reply_status(req, ctx(req).fs->unlink(p, name), "unlink");
 }
-void op_removexattr(fuse_req_t req, fuse_ino_t i, const char*) { refuse(req, i, "removexattr"); }
-void op_fallocate(fuse_req_t req, fuse_ino_t i, int, off_t, off_t, fuse_file_info*) {
-  refuse(req, i, "fallocate");
+void op_rmdir(fuse_req_t req, fuse_ino_t p, const char* name) {
+  reply_status(req, ctx(req).fs->rmdir(p, name), "rmdir");
+}
+void op_rename(fuse_req_t req, fuse_ino_t p, const char* name, fuse_ino_t np, const char* nname,
+               unsigned flags) {
+  reply_status(req, ctx(req).fs->rename(p, name, np, nname, flags), "rename");
+}
+
+void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fuse_file_info* fi) {
+  auto& c = ctx(req);
+  fs::SetAttr a;
+  if (to_set & FUSE_SET_ATTR_MODE) a.mode = attr->st_mode;
+  if (to_set & FUSE_SET_ATTR_UID) a.uid = attr->st_uid;
+  if (to_set & FUSE_SET_ATTR_GID) a.gid = attr->st_gid;
+  if (to_set & FUSE_SET_ATTR_SIZE) a.size = static_cast<uint64_t>(attr->st_size);
+  if (to_set & FUSE_SET_ATTR_ATIME_NOW) {
+    a.atime = timespec{0, UTIME_NOW};
+  } else if (to_set & FUSE_SET_ATTR_ATIME) {
+    a.atime = attr->st_atim;
+  }
+  if (to_set & FUSE_SET_ATTR_MTIME_NOW) {
+    a.mtime = timespec{0, UTIME_NOW};
+  } else if (to_set & FUSE_SET_ATTR_MTIME) {
+    a.mtime = attr->st_mtim;
+  }
+  auto r = c.fs->setattr(ino, a, fi ? std::optional<uint64_t>(fi->fh) : std::nullopt);
+  if (!r) return reply_error(req, r.error(), "setattr");
+  fuse_reply_attr(req, &*r, c.opts->attr_timeout);
+}
+
+void op_create(fuse_req_t req, fuse_ino_t p, const char* name, mode_t mode, fuse_file_info* fi) {
+  auto& c = ctx(req);
+  auto r = c.fs->create(p, name, mode, fi->flags, caller_of(req));
+  if (!r) return reply_error(req, r.error(), "create");
+  fi->fh = r->open.fh;
+  auto e = entry_of(r->entry, *c.opts);
+  if (fuse_reply_create(req, &e, fi) != 0) c.fs->release(r->open.fh);
+}
+
+void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off,
+              fuse_file_info* fi) {
+  auto r = ctx(req).fs->write(fi->fh, static_cast<uint64_t>(off), std::string_view(buf, size));
+  if (!r) return reply_error(req, r.error(), "write");
+  fuse_reply_write(req, *r);
+}
+
+void op_flush(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  reply_status(req, ctx(req).fs->flush(fi->fh), "flush");
+}
+void op_fsync(fuse_req_t req, fuse_ino_t, int datasync, fuse_file_info* fi) {
+  reply_status(req, ctx(req).fs->fsync(fi->fh, datasync != 0), "fsync");
+}
+void op_fsyncdir(fuse_req_t req, fuse_ino_t ino, int, fuse_file_info*) {
+  reply_status(req, ctx(req).fs->fsyncdir(ino), "fsyncdir");
+}
+
+// Extended attributes and preallocation are not part of the view.
+void op_setxattr(fuse_req_t req, fuse_ino_t, const char*, const char*, size_t, int) {
+  fuse_reply_err(req, ctx(req).opts->fs.read_only ? EROFS : ENOTSUP);
+}
+void op_removexattr(fuse_req_t req, fuse_ino_t, const char*) {
+  fuse_reply_err(req, ctx(req).opts->fs.read_only ? EROFS : ENOTSUP);
+}
+void op_fallocate(fuse_req_t req, fuse_ino_t, int, off_t, off_t, fuse_file_info*) {
+  fuse_reply_err(req, ctx(req).opts->fs.read_only ? EROFS : EOPNOTSUPP);
 }
 
 fuse_lowlevel_ops make_ops() {
@@ -485,6 +552,9 @@ fuse_lowlevel_ops make_ops() {
   ops.setxattr = op_setxattr;
   ops.removexattr = op_removexattr;
   ops.fallocate = op_fallocate;
+  ops.flush = op_flush;
+  ops.fsync = op_fsync;
+  ops.fsyncdir = op_fsyncdir;
   return ops;
 }
 
@@ -585,6 +655,9 @@ void setup_background_logging(const MountOptions& o) {
 
 int run_mount(const MountOptions& o) {
   raise_fd_limit();
+  // The kernel already applied the caller's umask to the modes it sends: the daemon's own
+  // must not mask them again.
+  ::umask(0);
   auto fsr = fs::Filesystem::create(o.source, o.fs);
   if (!fsr) {
     fmt::print(stderr, "ckptfs mount: {}\n", fsr.error().message);

@@ -43,9 +43,8 @@ class Builder {
     check_output_counts();
     for (auto& tb : order_) finish_tensor(*tb);
     if (ck_->problems.empty()) assign_outputs();
-    if (ck_->problems.empty()) {
-      synthesize();
-    } else {
+    if (ck_->problems.empty()) synthesize();
+    if (!ck_->problems.empty()) {
       ck_->outputs.clear();
       ck_->index_json.clear();
     }
@@ -523,6 +522,7 @@ class Builder {
       o = idx++;
       OutputFile f;
       f.name = format::model_file_name(k, m);
+      f.k = k;
       ck_->outputs.push_back(std::move(f));
     }
     for (uint32_t ti : order) {
@@ -532,9 +532,69 @@ class Builder {
     }
   }
 
+  // Output `f` takes the exact header of the file written through ckptfs: same tensors (name,
+  // dtype, shape), data offsets from that header.
+  bool apply_override(OutputFile& f, const OutputOverride& o, format::Index& index) {
+    const auto& h = *o.parsed;
+    if (h.tensors.size() != f.tensors.size()) {
+      problem(o.record, "",
+              fmt::format("describes {} tensors but shards of {} hold {}", h.tensors.size(), f.name,
+                          f.tensors.size()));
+      return false;
+    }
+    std::unordered_map<std::string_view, uint32_t> by_name;
+    for (uint32_t ti : f.tensors) by_name.emplace(ck_->tensors[ti].name, ti);
+    std::vector<uint32_t> order;
+    std::set<uint32_t> shards;
+    for (const auto& e : h.tensors) {  // sorted by data offset
+      auto it = by_name.find(e.name);
+      if (it == by_name.end()) {
+        problem(o.record, e.name, fmt::format("not in the shards of {}", f.name));
+        return false;
+      }
+      auto& t = ck_->tensors[it->second];
+      if (t.dtype != e.dtype || t.shape != e.shape || t.nbytes != e.nbytes()) {
+        problem(o.record, e.name,
+                fmt::format("record says {} {}, shards say {} {}", format::dtype_name(e.dtype),
+                            dims_str(e.shape), format::dtype_name(t.dtype), dims_str(t.shape)));
+        return false;
+      }
+      t.out_offset = h.data_start() + e.begin;
+      order.push_back(it->second);
+      for (const auto& c : t.chunks) shards.insert(c.shard);
+      if (t.nbytes > 0) {
+        f.data_starts.push_back(t.out_offset);
+        f.data_tensors.push_back(it->second);
+      }
+    }
+    f.tensors = std::move(order);
+    f.name = o.name;
+    f.header = o.header;
+    f.size = h.file_size();
+    f.written = true;
+    f.shards.assign(shards.begin(), shards.end());
+    for (uint32_t ti : f.tensors) {
+      const auto& t = ck_->tensors[ti];
+      index.weight_map.emplace_back(t.name, f.name);
+      index.total_size += t.nbytes;
+      index.total_parameters += t.numel;
+    }
+    ck_->written = true;
+    return true;
+  }
+
   void synthesize() {
     format::Index index;
     for (auto& f : ck_->outputs) {
+      if (auto o = std::find_if(in_.overrides.begin(), in_.overrides.end(),
+                                [&](const OutputOverride& x) { return x.k == f.k; });
+          o != in_.overrides.end()) {
+        if (!apply_override(f, *o, index)) {
+          ck_->outputs.clear();
+          return;
+        }
+        continue;
+      }
       std::vector<format::TensorEntry> entries;
       entries.reserve(f.tensors.size());
       uint64_t pos = 0;

@@ -8,8 +8,11 @@
 #include <algorithm>
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 
@@ -66,6 +69,25 @@ bool has_shards(const std::vector<DirEntry>& entries) {
   return std::any_of(entries.begin(), entries.end(), is_rank_shard);
 }
 
+std::vector<std::pair<std::string, struct stat>> record_files(
+    int dirfd, const std::vector<DirEntry>& entries) {
+  std::vector<std::pair<std::string, struct stat>> out;
+  const bool has_state = std::any_of(entries.begin(), entries.end(), [](const DirEntry& e) {
+    return e.name == format::kStateDirName && S_ISDIR(e.st.st_mode);
+  });
+  if (!has_state) return out;
+  auto fd = open_at(dirfd, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  if (!fd) return out;
+  auto list = list_dir(fd->get());
+  if (!list) return out;
+  for (auto& e : *list) {
+    if (S_ISREG(e.st.st_mode) && e.name.ends_with(format::kRecordSuffix)) {
+      out.emplace_back(std::string(format::kStateDirName) + "/" + e.name, e.st);
+    }
+  }
+  return out;
+}
+
 Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
   Signature sig;
   for (const auto& e : entries) {
@@ -73,6 +95,11 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
     sig.files.emplace_back(e.name, stamp_of(e.st));
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(e.st));
     sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(e.st), ctime_ns(e.st)});
+  }
+  for (const auto& [rel, st] : record_files(dirfd, entries)) {
+    sig.files.emplace_back(rel, stamp_of(st));
+    sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(st));
+    sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(st), ctime_ns(st)});
   }
   if (auto st = stat_beneath(dirfd, kMappingRel); st.ok()) {
     sig.files.emplace_back(kMappingRel, stamp_of(*st));
@@ -218,7 +245,76 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
   } else if (mfd.error().code != ENOENT) {
     in.problems.push_back({kMappingRel, "", mfd.error().message});
   }
+  read_records(dirfd, entries, display, in);
   return layout::build_checkpoint(std::move(in), opts);
+}
+
+void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,
+                  layout::BuildInput& in) {
+  for (const auto& [rel, lst] : record_files(dirfd, entries)) {
+    struct stat st {};
+    auto fd = open_regular_beneath(dirfd, rel, Resolve::Auto, &st);
+    if (!fd) continue;  // raced away
+    if (static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
+      in.problems.push_back({rel, "", "commit record larger than the side-file limit"});
+      continue;
+    }
+    std::string text(static_cast<size_t>(st.st_size), '\0');
+    if (auto rd = pread_exact(fd->get(), text.data(), text.size(), 0, rel); !rd) {
+      in.problems.push_back({rel, "", rd.error().message});
+      continue;
+    }
+    auto rec = format::parse_record(text, rel);
+    if (!rec) {
+      in.problems.push_back({"", "", rec.error().message});
+      continue;
+    }
+    if (!rec->tx.empty()) {
+      const std::string tx = std::string(format::kStateDirName) + "/" + rec->tx;
+      if (stat_beneath(dirfd, tx).ok()) {
+        in.problems.push_back(
+            {rel, "",
+             fmt::format("the commit of {} is still being completed ({} exists); a read-write "
+                         "ckptfs mount of this directory finishes it",
+                         rec->name, tx)});
+        continue;
+      }
+    }
+    // The record must describe the shards there now: every shard of its file, same sizes.
+    // One that does not (shards replaced or removed outside ckptfs) is stale and ignored.
+    std::string why;
+    size_t seen = 0;
+    for (const auto& e : entries) {
+      auto p = format::parse_shard_name(e.name);
+      if (!p || p->k != rec->k || p->m != rec->m) continue;
+      ++seen;
+      auto it = std::find_if(rec->shards.begin(), rec->shards.end(),
+                             [&](const format::RecordShard& s) { return s.name == e.name; });
+      if (it == rec->shards.end()) {
+        why = fmt::format("{} is not in it", e.name);
+      } else if (!S_ISREG(e.st.st_mode) || static_cast<uint64_t>(e.st.st_size) != it->size) {
+        why = fmt::format("{} is {} bytes, the record says {}", e.name, e.st.st_size, it->size);
+      }
+    }
+    if (why.empty() && seen != rec->shards.size()) why = "some of its shards are missing";
+    if (!why.empty()) {
+      spdlog::warn("{}/{}: ignoring a stale commit record ({})", display, rel, why);
+      continue;
+    }
+    auto h = format::parse_header_json(
+        std::string_view(rec->header).substr(format::kHeaderLenBytes), rec->size, rel);
+    if (!h) {
+      in.problems.push_back({"", "", h.error().message});
+      continue;
+    }
+    layout::OutputOverride o;
+    o.k = rec->k;
+    o.name = rec->name;
+    o.header = std::move(rec->header);
+    o.parsed = std::make_shared<const format::Header>(std::move(h).value());
+    o.record = rel;
+    in.overrides.push_back(std::move(o));
+  }
 }
 
 Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std::string& dir) {

@@ -157,4 +157,39 @@ Status StreamRouter::route_data(std::string_view bytes) {
   return {};
 }
 
+Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
+                                  const ShardRead& pread) const {
+  if (off >= file_size_) return size_t{0};
+  const uint64_t end = off + std::min<uint64_t>(len, file_size_ - off);
+  uint64_t x = off;
+  while (x < end) {
+    char* out = dst + (x - off);
+    if (x < header_.size()) {
+      const uint64_t n = std::min<uint64_t>(end, header_.size()) - x;
+      std::copy_n(header_.data() + x, n, out);
+      x += n;
+      continue;
+    }
+    // The route holding x: the last one starting at or before it (the data tiles the file).
+    auto it = std::upper_bound(routes_.begin(), routes_.end(), x,
+                               [](uint64_t v, const Route& r) { return v < r.begin; });
+    if (it == routes_.begin() || (it - 1)->end <= x) {
+      return make_error(EIO, "{}: byte {} belongs to no tensor", what_, x);
+    }
+    const Route& rt = *(it - 1);
+    const uint64_t p = x - rt.begin;
+    const uint64_t row = p / rt.row_bytes;
+    const uint64_t col = p % rt.row_bytes;
+    const Piece* first = pieces_.data() + rt.first_piece;
+    const Piece* pc = std::upper_bound(first, first + rt.pieces, col,
+                                       [](uint64_t c, const Piece& y) { return c < y.col; }) -
+                      1;
+    const uint64_t n = std::min<uint64_t>(end - x, pc->col + pc->len - col);
+    CKPTFS_CHECK(pread(pc->rank, pc->shard_offset + row * pc->len + (col - pc->col), out,
+                       static_cast<size_t>(n)));
+    x += n;
+  }
+  return static_cast<size_t>(end - off);
+}
+
 }  // namespace ckptfs::write

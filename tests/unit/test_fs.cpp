@@ -315,13 +315,24 @@ TEST(Fs, ShardsFolderShowsHiddenFiles) {
   EXPECT_EQ(t.f->lookup(shards, "config.json").error().code, ENOENT);
 }
 
-TEST(Fs, WritesAreRefusedWithErofs) {
-  Fs t;
+TEST(Fs, ReadOnlyViewRefusesEveryChangeWithErofs) {
+  fs::Options o;
+  o.read_only = true;
+  Fs t(o);
+  fs::Ino run = t.walk({"run"});
   fs::Ino notes = t.walk({"run", "notes.txt"});
   EXPECT_EQ(t.f->open(notes, O_WRONLY).error().code, EROFS);
   EXPECT_EQ(t.f->open(notes, O_RDWR).error().code, EROFS);
   EXPECT_EQ(t.f->open(notes, O_RDONLY | O_TRUNC).error().code, EROFS);
-  EXPECT_EQ(t.f->modify(notes, "unlink").error().code, EROFS);
+  EXPECT_EQ(t.f->unlink(run, "notes.txt").error().code, EROFS);
+  EXPECT_EQ(t.f->create(run, "new.txt", 0644, O_WRONLY).error().code, EROFS);
+  EXPECT_EQ(t.f->mkdir(run, "d", 0755).error().code, EROFS);
+  EXPECT_EQ(t.f->rename(run, "notes.txt", run, "n2.txt", 0).error().code, EROFS);
+  fs::SetAttr a;
+  a.mode = 0600;
+  EXPECT_EQ(t.f->setattr(notes, a).error().code, EROFS);
+  EXPECT_TRUE(stdfs::exists(t.dir.path() + "/run/notes.txt"));
+  EXPECT_FALSE(stdfs::exists(t.dir.path() + "/run/new.txt"));
 }
 
 TEST(Fs, ReplacedPassthroughFileIsStale) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -28,5 +29,10 @@ Result<Index> parse_index(std::string_view json, std::string_view what);
 using FqnMapping = std::vector<std::pair<std::string, uint32_t>>;
 Result<FqnMapping> parse_fqn_mapping(std::string_view json, std::string_view what);
 std::string serialize_fqn_mapping(const FqnMapping& mapping);
+
+// The `base_model_tp_plan` of a transformers config.json ({pattern: style}); empty when the
+// config has none. Entries whose style is not a string are refused.
+Result<std::map<std::string, std::string>> parse_tp_plan(std::string_view config_json,
+                                                         std::string_view what);
 
 }  // namespace ckptfs::format

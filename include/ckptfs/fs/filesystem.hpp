@@ -21,13 +21,16 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/fs/gather.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/util/result.hpp"
+#include "ckptfs/write/plan.hpp"
 
 namespace ckptfs::fs {
 
@@ -40,6 +43,12 @@ struct Options {
   std::chrono::milliseconds revalidate{1000};  // TTL of a directory's cached view
   std::chrono::milliseconds settle{1000};      // quiet time before a checkpoint shows
   layout::BuildOptions build;
+  // Writes: refused (EROFS) when read_only. A consolidated safetensors file written through
+  // the view is split into `ranks` rank shards (0: the flusher's default) by `split`.
+  bool read_only = false;
+  uint32_t ranks = 0;
+  write::PlanOptions::Split split = write::PlanOptions::EvenDim0;
+  std::shared_ptr<flush::Flusher> flusher;  // null: flush::make_local_flusher()
   // A path relative to the source that is never looked at: the mount point itself when it
   // lies inside the source (stat'ing it would call the daemon from inside the daemon).
   std::string hide_rel;
@@ -67,14 +76,19 @@ struct DirEntryOut {
 
 // A plan for one read: segments plus the sources they refer to. The FUSE adapter turns it
 // into a zero-copy reply (fd-backed buffers) or gathers it into one buffer.
+class FileReader;
+
 struct ReadPlan {
   std::vector<layout::Segment> segs;
   GatherSource src;
   uint64_t size = 0;  // bytes planned (short at end of file)
+  // Set instead of segments for a file open for writing: execute() asks it for the bytes.
+  const FileReader* direct = nullptr;
+  uint64_t direct_off = 0;
 
   // A plain file: one run of one fd, read like the file (short at its current end).
   [[nodiscard]] bool passthrough() const {
-    return src.ckpt == nullptr && segs.size() == 1 && !segs[0].is_memory();
+    return direct == nullptr && src.ckpt == nullptr && segs.size() == 1 && !segs[0].is_memory();
   }
 };
 
@@ -94,6 +108,8 @@ class FileReader {
   virtual void plan(uint64_t off, uint64_t len, ReadPlan& out) const = 0;
   // Reads [off, off+len) (clamped) into dst; returns bytes read.
   Result<size_t> read(uint64_t off, size_t len, char* dst) const;
+  // For readers with no segments to plan (a file open for writing): reads directly.
+  virtual Result<size_t> read_direct(uint64_t off, size_t len, char* dst) const;
 };
 
 // Who is asking: the credentials of the request, for the access check of synthesized files.
@@ -107,6 +123,20 @@ struct OpenOut {
   uint64_t fh = 0;
   bool keep_cache = false;  // page cache still matches this file's bytes
   bool is_virtual = false;  // a synthesized consolidated file or index
+};
+
+// Attribute changes of a setattr; unset fields stay. A time with tv_nsec == UTIME_NOW is now.
+struct SetAttr {
+  std::optional<mode_t> mode;
+  std::optional<uid_t> uid;
+  std::optional<gid_t> gid;
+  std::optional<uint64_t> size;
+  std::optional<struct timespec> atime, mtime;
+};
+
+struct CreateOut {
+  EntryOut entry;
+  OpenOut open;
 };
 
 class Filesystem {
@@ -138,9 +168,34 @@ class Filesystem {
 
   Result<struct statvfs> statfs();
 
-  // The view is read-only for now: every modifying operation answers this (EROFS). The write
-  // path plugs in here.
-  Status modify(Ino ino, std::string_view what);
+  // --- writes (EROFS on a read-only view) ---------------------------------------------
+  // Everything but a consolidated safetensors file is written through to SRC. Entries made
+  // for a caller other than root belong to the caller. The reserved name .ckptfs is refused.
+  Result<CreateOut> create(Ino parent, std::string_view name, mode_t mode, int flags,
+                           const Caller& who = {});
+  Result<EntryOut> mkdir(Ino parent, std::string_view name, mode_t mode, const Caller& who = {});
+  Result<EntryOut> mknod(Ino parent, std::string_view name, mode_t mode, const Caller& who = {});
+  Result<EntryOut> symlink(std::string_view target, Ino parent, std::string_view name,
+                           const Caller& who = {});
+  Result<EntryOut> link(Ino ino, Ino new_parent, std::string_view new_name);
+  // Unlinking a consolidated file removes its rank shards and commit record.
+  Status unlink(Ino parent, std::string_view name);
+  // A directory whose view is empty is removed with what the view hides in it.
+  Status rmdir(Ino parent, std::string_view name);
+  // A consolidated file is not renamed (EXDEV: mv copies it). RENAME_NOREPLACE and
+  // RENAME_EXCHANGE are honoured.
+  Status rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name,
+                unsigned flags);
+  // `fh`: the handle the kernel gave, if any (ftruncate, fchmod).
+  Result<struct stat> setattr(Ino ino, const SetAttr& a, std::optional<uint64_t> fh = {});
+  Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
+  // At each close: a consolidated file under a model name is committed as rank shards here,
+  // so its errors reach close().
+  Status flush(uint64_t fh);
+  Status fsync(uint64_t fh, bool datasync);
+  Status fsyncdir(Ino ino);
+  // Attributes through an open handle (fstat): valid after the name is gone.
+  Result<struct stat> getattr_handle(uint64_t fh);
 
   // What the daemon keeps, for tests of its memory bounds.
   struct Counts {

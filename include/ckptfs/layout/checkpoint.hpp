@@ -81,6 +81,8 @@ struct Tensor {
 
 struct OutputFile {
   std::string name;
+  uint32_t k = 0;                 // its number in model-k-of-m
+  bool written = false;           // header and name from a commit record (written through ckptfs)
   std::vector<uint32_t> tensors;  // in file order
   std::string header;             // serialized: 8-byte length + padded JSON
   uint64_t size = 0;
@@ -106,6 +108,9 @@ struct Checkpoint {
   std::string index_json;
   std::vector<Problem> problems;
   bool from_mapping = false;  // output assignment came from fqn_to_file_index_mapping.json
+  // Some output was written through ckptfs (has a commit record): the directory's own index
+  // file, if it has one, is the real one and none is synthesized.
+  bool written = false;
 
   [[nodiscard]] bool valid() const { return problems.empty(); }
   [[nodiscard]] uint64_t total_bytes() const;
@@ -119,11 +124,22 @@ struct BuildOptions {
   uint64_t max_grid_cells = 1u << 22;
 };
 
+// A consolidated file written through ckptfs: its exact name and header bytes replace the
+// synthesized ones for output k. The header must describe exactly that output's tensors.
+struct OutputOverride {
+  uint32_t k = 0;
+  std::string name;
+  std::string header;  // 8 + N bytes
+  std::shared_ptr<const format::Header> parsed;
+  std::string record;  // the record's file name, for messages
+};
+
 struct BuildInput {
   std::string dir;
   std::vector<ShardInput> shards;
   std::optional<format::FqnMapping> mapping;  // .hf_metadata/fqn_to_file_index_mapping.json
   std::vector<Problem> problems;              // found before building (unreadable mapping...)
+  std::vector<OutputOverride> overrides;
 };
 
 // Builds and validates the model. Never fails: every problem is recorded in `problems`, and

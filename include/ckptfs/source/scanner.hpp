@@ -89,6 +89,17 @@ class HeaderCache {
   uint64_t bytes_ = 0;
 };
 
+// The commit records of the write path in a directory (.ckptfs/*.commit), as (relative path,
+// lstat) pairs; empty when `entries` has no .ckptfs directory.
+std::vector<std::pair<std::string, struct stat>> record_files(int dirfd,
+                                                              const std::vector<DirEntry>& entries);
+
+// Adds to `in` the output overrides of every valid commit record of the directory, and a
+// problem for each one that cannot be used yet (a commit still being completed). Records that
+// no longer match the shards are stale: ignored, with a warning.
+void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,
+                  layout::BuildInput& in);
+
 // Reads and builds the checkpoint held by `dirfd`. `display` names the directory in
 // messages. Never fails: problems are recorded in the result.
 std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,7 +46,16 @@ class StreamRouter {
   // reported as EIO so that kNeedsStaging keeps its one meaning).
   Status write(uint64_t file_offset, std::string_view bytes);
 
+  // Reads bytes [off, off + len) of the file back (clamped to its size): the header from
+  // memory, the data from the shards through `pread(rank, shard_offset, dst, n)`, which must
+  // fill all n bytes. Bytes not received yet read as whatever the shard holds there. The
+  // inverse of write(), for readers of a file still open and for staging it whole.
+  using ShardRead = std::function<Status(uint32_t rank, uint64_t off, char* dst, size_t n)>;
+  Result<size_t> read(uint64_t off, size_t len, char* dst, const ShardRead& pread) const;
+  [[nodiscard]] const std::string& header() const { return header_; }
+
   [[nodiscard]] bool complete() const { return pos_ == file_size_; }
+  [[nodiscard]] bool failed() const { return failed_; }
   [[nodiscard]] uint64_t received() const { return pos_; }
   [[nodiscard]] uint64_t file_size() const { return file_size_; }
 

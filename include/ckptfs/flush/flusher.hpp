@@ -1,0 +1,87 @@
+// The flusher: where the shard bytes of a file written through the mount go, and how they
+// become its stored form. The write router (write/) only produces (rank, offset, bytes); a
+// Flusher decides where each rank's file lives: in the local directory from this process
+// (LocalFlusher), or on the node that owns the rank (the OpenMPI flusher).
+//
+// Stored form of a file `name` in directory D (see format/record.hpp):
+//   D/shard-{r:05d}-model-{k:05d}-of-{m:05d}.safetensors   one per rank
+//   D/.ckptfs/<name>.commit                                the commit record, written last
+// While a file is written its shards are staged in D/.ckptfs/tx-*/ (rank-00001, ...), locked
+// with flock by the daemon writing them. Commit: the record is renamed into place (the commit
+// point), then the staged shards are renamed over the final names (roll forward), then the
+// staging directory is removed. A crash before the record's rename leaves the old version;
+// after it, the new one (recover() finishes the roll forward).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "ckptfs/util/result.hpp"
+#include "ckptfs/write/plan.hpp"
+#include "ckptfs/write/router.hpp"
+
+namespace ckptfs::flush {
+
+// The directory a file lives in, held open by the caller for the duration of the call (and,
+// for begin(), by the transaction, which dups it).
+struct Target {
+  int dirfd = -1;
+  std::string display;  // the directory's path, for messages
+  // Owner and mode the shard files get (the file's own).
+  uid_t uid = 0;
+  gid_t gid = 0;
+  mode_t mode = 0644;
+};
+
+struct CommitInfo {
+  std::string name;  // model.safetensors or model-0000k-of-0000m.safetensors
+  uint32_t k = 1, m = 1;
+  std::string header;  // the file's original 8 + N bytes
+  uint64_t size = 0;   // the file's size
+};
+
+// One file's shards, staged and then committed. Not thread-safe: its WriteFile serializes.
+class Transaction : public write::ShardSink {
+ public:
+  // Makes the staged shard bytes durable (fsync).
+  virtual Status sync() = 0;
+  // Makes the shards the stored form of `info.name` in the target directory (see above);
+  // `durable`: fsync the shards, the record and the directories too. Reads keep working after.
+  virtual Status commit(const CommitInfo& info, bool durable) = 0;
+  // Reads n bytes at `off` of rank `rank`'s shard file (staged or committed).
+  virtual Status pread(uint32_t rank, uint64_t off, char* dst, size_t n) = 0;
+  // Applies the file's owner and mode to the shard files.
+  virtual Status set_owner(uid_t uid, gid_t gid, mode_t mode) = 0;
+  // Removes the staged shards (nothing is committed). Idempotent; the destructor aborts an
+  // uncommitted transaction.
+  virtual void abort() = 0;
+};
+
+class Flusher {
+ public:
+  virtual ~Flusher() = default;
+  // Shards per file when the mount does not say (-o ranks=N).
+  [[nodiscard]] virtual uint32_t default_ranks() const = 0;
+  // Stages a new shard set: one file per rank, sized and holding nothing yet.
+  virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
+                                                     std::string what) = 0;
+  // Finishes what a crashed writer left in the directory: completes commits whose record
+  // exists, removes staging without one. Staging that a live daemon holds is left alone.
+  virtual void recover(const Target& t) = 0;
+  // Removes the stored form of file k of m: its shards and commit records.
+  virtual Status remove(const Target& t, uint32_t k, uint32_t m) = 0;
+};
+
+// Removes `name` under directory `parent`, and everything in it when it is a directory; no
+// symlink is followed and at most a few levels are descended (the write path's state and a
+// checkpoint's hidden files are flat).
+void remove_tree(int parent, const std::string& name);
+
+// Shards written from this process into the file's own directory, by the calling thread.
+std::unique_ptr<Flusher> make_local_flusher();
+
+}  // namespace ckptfs::flush

@@ -1,0 +1,50 @@
+// The commit record of a consolidated file written through the mount and stored as rank
+// shards: what makes the shards that file again, byte for byte.
+//
+// Stored as <dir>/.ckptfs/<name>.commit, renamed into place last (its rename is the commit
+// point). It holds the original header bytes, so a read of the file returns exactly what the
+// writer wrote (key order, __metadata__, padding), and the shard files with their sizes, so a
+// record that no longer describes the directory is recognised and ignored.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::format {
+
+// The hidden directory of the write path, in every directory that holds written files.
+inline constexpr std::string_view kStateDirName = ".ckptfs";
+inline constexpr std::string_view kRecordSuffix = ".commit";
+inline constexpr uint32_t kRecordVersion = 1;
+
+struct RecordShard {
+  std::string name;  // shard-R-model-K-of-M.safetensors, in the record's directory
+  uint64_t size = 0;
+};
+
+struct Record {
+  std::string name;  // the file's name as written (model.safetensors, model-0000k-of-...)
+  uint32_t k = 1, m = 1;
+  uint64_t size = 0;   // the file's size
+  std::string header;  // the original 8 + N header bytes
+  // Staging directory (under .ckptfs/) the shards are moved from after the commit; while it
+  // exists the commit is still being rolled forward and the shards may be a mix.
+  std::string tx;
+  std::vector<RecordShard> shards;  // in rank order
+};
+
+std::string serialize_record(const Record& r);
+// Checks the JSON and that the header bytes parse as a safetensors header of `size` bytes,
+// named model-k-of-m or model.safetensors consistently with k and m, and that the shard names
+// belong to that k and m. `what` names the record in errors.
+Result<Record> parse_record(std::string_view text, std::string_view what);
+
+// The record file name for a file.
+std::string record_file_name(std::string_view file_name);
+
+}  // namespace ckptfs::format

@@ -1,0 +1,115 @@
+// One regular file open for writing through the mount, keyed by its inode: decides from its
+// bytes what it is, and either passes it through to its backing file or routes it into rank
+// shards. No kernel and no FUSE here: the fs layer calls it, tests drive it directly.
+//
+// The backing file (created in SRC under the name the writer used) is the file's identity and
+// carries its name through renames; for a routed file it stays empty (a placeholder) and is
+// removed at commit.
+//
+//   Sniffing  the file was empty when opened: bytes written in order from 0 are held in memory
+//             until the header decides (at most the header plus one write)
+//   Plain     the bytes are the backing file's (any other content, out-of-order writes, a
+//             write into an existing file)
+//   Routed    a consolidated safetensors file: each write goes straight to the rank shards of
+//             a flush::Transaction
+//   Committed the shards are the file's stored form (finalize() at close, under a model name)
+//   Failed    a write to the shards failed (ENOSPC, EIO): every later call reports it
+#pragma once
+
+#include <sys/stat.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/result.hpp"
+#include "ckptfs/write/plan.hpp"
+#include "ckptfs/write/router.hpp"
+
+namespace ckptfs::write {
+
+// Where the file is now: its directory (open) and name, for finalize().
+struct Place {
+  int dirfd = -1;
+  std::string name;
+  std::string dir_display;
+};
+
+class WriteFile {
+ public:
+  enum class State { Sniffing, Plain, Routed, Committed, Failed };
+
+  // `backing` is the file open read-write; `dirfd` its directory, where shards are staged
+  // (dup'd). `fresh`: the file was empty (created, or opened with O_TRUNC), so its content is
+  // sniffed. `what` names it in messages.
+  static Result<std::shared_ptr<WriteFile>> open(UniqueFd backing, int dirfd,
+                                                 std::string dir_display, bool fresh,
+                                                 flush::Flusher& flusher, PlanOptions plan,
+                                                 std::string what);
+  ~WriteFile();
+  WriteFile(const WriteFile&) = delete;
+  WriteFile& operator=(const WriteFile&) = delete;
+
+  Status write(uint64_t off, std::string_view bytes);
+  Status truncate(uint64_t size);
+  // Reads as a plain file would: what was written so far, zeros in holes.
+  Result<size_t> read(uint64_t off, size_t len, char* dst);
+  // The backing file's attributes, with the file's logical size.
+  Result<struct stat> stat();
+  Status fsync(const Place& where, bool datasync);
+
+  // At close: a complete routed file, or a plain file holding a consolidated safetensors file,
+  // under a model name (model.safetensors, model-0000k-of-0000m.safetensors) is committed as
+  // rank shards and its backing file removed. Anything else is stored whole in the backing
+  // file. A consolidated file cut short under a model name keeps only the bytes received (it
+  // must not read as complete). A committed file takes no more writes (EIO): a new version is
+  // a new file.
+  Status finalize(const Place& where);
+  // A closed plain file renamed onto a model name: stored as rank shards now if it holds a
+  // consolidated safetensors file (state() is then Committed).
+  Status store(const Place& where);
+
+  [[nodiscard]] State state() const;
+  [[nodiscard]] bool routed() const;  // Routed or Committed: the shards hold the bytes
+  [[nodiscard]] bool dirty() const;   // written since the last finalize
+  [[nodiscard]] dev_t dev() const { return dev_; }
+  [[nodiscard]] ino_t ino() const { return ino_; }
+
+ private:
+  WriteFile() = default;
+  Status write_locked(uint64_t off, std::string_view bytes);
+  Status decide_locked();
+  Status to_plain_locked(bool keep_all);
+  Status enter_routed_locked(format::Header h);
+  Status split_plain_locked(const Place& where, bool durable);
+  Status commit_locked(const Place& where, bool durable);
+  Status fail_locked(Error e);
+  Result<bool> is_backing(const Place& where) const;
+  flush::Target target() const;
+
+  mutable std::mutex mu_;  // guards every field below (one file's writes, reads and state)
+  State state_ = State::Plain;
+  UniqueFd backing_, dir_;
+  std::string dir_display_, what_;
+  dev_t dev_ = 0;
+  ino_t ino_ = 0;
+  flush::Flusher* flusher_ = nullptr;
+  PlanOptions plan_opts_;
+  std::string prefix_;  // Sniffing: the bytes [0, prefix_.size()) received so far
+  uint64_t size_ = 0;   // the file's logical size (Sniffing, Routed, Committed)
+  std::optional<format::Header> header_;
+  Plan plan_;
+  ShardSet set_;
+  std::unique_ptr<flush::Transaction> tx_;
+  std::optional<StreamRouter> router_;
+  std::optional<Error> error_;  // Failed
+  bool dirty_ = false;
+  bool durable_ = false;  // fsync was asked: the commit is made durable too
+};
+
+}  // namespace ckptfs::write

@@ -1,0 +1,324 @@
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/path.hpp"
+
+namespace ckptfs::flush {
+namespace {
+
+const std::string kState(format::kStateDirName);
+constexpr int kMaxRemoveDepth = 8;  // staging directories are flat; anything deeper is not ours
+
+std::string staged_name(uint32_t shard) { return fmt::format("rank-{:05d}", shard); }
+
+Error sys_error(std::string_view what) {
+  int e = errno;
+  return make_error(e, "{}: {}", what, std::strerror(e));
+}
+
+Status fsync_fd(int fd, std::string_view what) {
+  if (::fsync(fd) != 0) return sys_error(fmt::format("{}: fsync failed", what));
+  return {};
+}
+
+void remove_tree_depth(int parent, const std::string& name, int depth) {
+  if (::unlinkat(parent, name.c_str(), 0) == 0 || errno == ENOENT) return;
+  if (depth > kMaxRemoveDepth) return;
+  auto fd = open_at(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  if (fd) {
+    if (auto list = source::list_dir(fd->get()); list) {
+      for (const auto& e : *list) {
+        if (S_ISDIR(e.st.st_mode)) {
+          remove_tree_depth(fd->get(), e.name, depth + 1);
+        } else {
+          ::unlinkat(fd->get(), e.name.c_str(), 0);
+        }
+      }
+    }
+  }
+  ::unlinkat(parent, name.c_str(), AT_REMOVEDIR);
+}
+
+}  // namespace
+
+void remove_tree(int parent, const std::string& name) { remove_tree_depth(parent, name, 0); }
+
+namespace {
+
+// Whether no live process holds the staging directory's lock (so it is a crash's leftover).
+bool stale(int txfd) {
+  int fd = ::openat(txfd, "lock", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return errno == ENOENT;
+  UniqueFd lock(fd);
+  return ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+}
+
+// The roll forward of a commit: staged shards over their final names, then the directory's
+// other shards and records of the same file number removed. Idempotent.
+Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
+                    const std::string& display) {
+  for (const auto& s : rec.shards) {
+    auto p = format::parse_shard_name(s.name);
+    if (::renameat(txfd, staged_name(p->shard).c_str(), dirfd, s.name.c_str()) != 0 &&
+        errno != ENOENT) {
+      return sys_error(
+          fmt::format("{}/{}: cannot move the committed shard into place", display, s.name));
+    }
+  }
+  auto entries = source::list_dir(dirfd);
+  if (!entries) return std::move(entries).error().context(display);
+  for (const auto& e : *entries) {
+    auto p = format::parse_shard_name(e.name);
+    if (!p || p->k != rec.k || p->m != rec.m) continue;
+    bool ours = std::any_of(rec.shards.begin(), rec.shards.end(),
+                            [&](const format::RecordShard& s) { return s.name == e.name; });
+    if (!ours && ::unlinkat(dirfd, e.name.c_str(), 0) != 0 && errno != ENOENT) {
+      return sys_error(fmt::format("{}/{}: cannot remove an older shard", display, e.name));
+    }
+  }
+  if (auto recs = source::list_dir(statefd); recs) {
+    for (const auto& e : *recs) {
+      if (!e.name.ends_with(format::kRecordSuffix)) continue;
+      std::string file = e.name.substr(0, e.name.size() - format::kRecordSuffix.size());
+      auto mn = format::parse_model_name(file);
+      if (mn && mn->k == rec.k && mn->m == rec.m && file != rec.name) {
+        ::unlinkat(statefd, e.name.c_str(), 0);
+      }
+    }
+  }
+  return {};
+}
+
+class LocalTransaction final : public Transaction {
+ public:
+  ~LocalTransaction() override { abort(); }
+
+  static Result<std::unique_ptr<LocalTransaction>> begin(const Target& t,
+                                                         const write::ShardSet& set,
+                                                         std::string what) {
+    static std::atomic<uint64_t> counter{0};
+    auto tx = std::unique_ptr<LocalTransaction>(new LocalTransaction());
+    tx->what_ = std::move(what);
+    tx->display_ = t.display;
+    int d = ::fcntl(t.dirfd, F_DUPFD_CLOEXEC, 0);
+    if (d < 0) return sys_error(fmt::format("{}: dup failed", t.display));
+    tx->dir_.reset(d);
+    if (::mkdirat(t.dirfd, kState.c_str(), 0700) != 0 && errno != EEXIST) {
+      return sys_error(fmt::format("{}/{}: cannot create", t.display, kState));
+    }
+    CKPTFS_TRY(tx->state_, open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+    std::random_device rd;
+    tx->name_ = fmt::format("tx-{}-{}-{:08x}", ::getpid(), counter.fetch_add(1), rd());
+    const std::string tx_display = fmt::format("{}/{}/{}", t.display, kState, tx->name_);
+    if (::mkdirat(tx->state_.get(), tx->name_.c_str(), 0700) != 0) {
+      return sys_error(fmt::format("{}: cannot create", tx_display));
+    }
+    tx->created_ = true;
+    CKPTFS_TRY(tx->tx_, open_at(tx->state_.get(), tx->name_, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+    CKPTFS_TRY(tx->lock_, open_at(tx->tx_.get(), "lock", O_RDWR | O_CREAT | O_EXCL, 0600));
+    if (::flock(tx->lock_.get(), LOCK_EX) != 0) return sys_error(tx_display + "/lock");
+    for (const auto& sh : set.shards) {
+      const std::string n = staged_name(sh.rank + 1);
+      CKPTFS_TRY(UniqueFd fd, open_at(tx->tx_.get(), n, O_RDWR | O_CREAT | O_EXCL, 0600));
+      if (::ftruncate(fd.get(), static_cast<off_t>(sh.file_size())) != 0) {
+        return sys_error(fmt::format("{}/{}: cannot size the shard", tx_display, n));
+      }
+      tx->sizes_.push_back(sh.file_size());
+      tx->fds_.push_back(std::move(fd));
+    }
+    CKPTFS_CHECK(tx->set_owner(t.uid, t.gid, t.mode));
+    return tx;
+  }
+
+  Status pwrite(uint32_t rank, uint64_t offset, std::string_view bytes) override {
+    return pwrite_all(fds_[rank].get(), bytes.data(), bytes.size(), offset, shard_what(rank));
+  }
+
+  Status pread(uint32_t rank, uint64_t off, char* dst, size_t n) override {
+    return pread_exact(fds_[rank].get(), dst, n, off, shard_what(rank));
+  }
+
+  Status sync() override {
+    for (uint32_t r = 0; r < fds_.size(); ++r) CKPTFS_CHECK(fsync_fd(fds_[r].get(), shard_what(r)));
+    if (committed_) {  // the record and the names too
+      if (!record_.empty()) {
+        auto fd = open_at(state_.get(), record_, O_RDONLY | O_NOFOLLOW);
+        if (fd) CKPTFS_CHECK(fsync_fd(fd->get(), record_));
+      }
+      CKPTFS_CHECK(fsync_fd(state_.get(), display_ + "/" + kState));
+      CKPTFS_CHECK(fsync_fd(dir_.get(), display_));
+    }
+    return {};
+  }
+
+  Status set_owner(uid_t uid, gid_t gid, mode_t mode) override {
+    for (uint32_t r = 0; r < fds_.size(); ++r) {
+      if (::geteuid() == 0 && ::fchown(fds_[r].get(), uid, gid) != 0) {
+        return sys_error(shard_what(r) + ": chown failed");
+      }
+      if (::fchmod(fds_[r].get(), mode & 07777) != 0) {
+        return sys_error(shard_what(r) + ": chmod failed");
+      }
+    }
+    return {};
+  }
+
+  Status commit(const CommitInfo& info, bool durable) override {
+    if (durable) CKPTFS_CHECK(sync());
+    format::Record rec;
+    rec.name = info.name;
+    rec.k = info.k;
+    rec.m = info.m;
+    rec.size = info.size;
+    rec.header = info.header;
+    rec.tx = name_;
+    for (uint32_t r = 0; r < fds_.size(); ++r) {
+      rec.shards.push_back({format::shard_file_name(r + 1, info.k, info.m), sizes_[r]});
+    }
+    const std::string text = format::serialize_record(rec);
+    const std::string rec_display = fmt::format("{}/{}/{}/record", display_, kState, name_);
+    {
+      CKPTFS_TRY(UniqueFd fd, open_at(tx_.get(), "record", O_WRONLY | O_CREAT | O_TRUNC, 0644));
+      CKPTFS_CHECK(pwrite_all(fd.get(), text.data(), text.size(), 0, rec_display));
+      if (durable) CKPTFS_CHECK(fsync_fd(fd.get(), rec_display));
+    }
+    // The commit point.
+    const std::string final_rec = format::record_file_name(info.name);
+    if (::renameat(tx_.get(), "record", state_.get(), final_rec.c_str()) != 0) {
+      return sys_error(fmt::format("{}/{}/{}: cannot commit", display_, kState, final_rec));
+    }
+    committed_ = true;
+    record_ = final_rec;
+    if (durable) CKPTFS_CHECK(fsync_fd(state_.get(), display_ + "/" + kState));
+    CKPTFS_CHECK(roll_forward(dir_.get(), state_.get(), rec, tx_.get(), display_));
+    remove_staging();
+    if (durable) CKPTFS_CHECK(fsync_fd(dir_.get(), display_));
+    return {};
+  }
+
+  void abort() override {
+    if (committed_ || !created_) return;
+    fds_.clear();
+    remove_staging();
+  }
+
+ private:
+  LocalTransaction() = default;
+
+  std::string shard_what(uint32_t r) const {
+    return fmt::format("{}: rank {} shard ({}/{}/{}/{})", what_, r, display_, kState, name_,
+                       staged_name(r + 1));
+  }
+
+  void remove_staging() {
+    if (!created_) return;
+    created_ = false;
+    remove_tree(state_.get(), name_);
+    lock_.reset();
+  }
+
+  std::string what_, display_, name_;
+  std::string record_;  // the record's name in .ckptfs, once committed
+  UniqueFd dir_, state_, tx_, lock_;
+  std::vector<UniqueFd> fds_;
+  std::vector<uint64_t> sizes_;
+  bool created_ = false;    // the staging directory exists and is ours to remove
+  bool committed_ = false;  // the record is in place: the staging is no longer ours to drop
+};
+
+class LocalFlusher final : public Flusher {
+ public:
+  uint32_t default_ranks() const override { return 1; }
+
+  Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
+                                             std::string what) override {
+    CKPTFS_TRY(auto tx, LocalTransaction::begin(t, set, std::move(what)));
+    return std::unique_ptr<Transaction>(std::move(tx));
+  }
+
+  void recover(const Target& t) override {
+    auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!state) return;
+    auto list = source::list_dir(state->get());
+    if (!list) return;
+    std::vector<std::string> referenced;
+    for (const auto& e : *list) {
+      if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
+      auto text = read_small_file_at(state->get(), e.name);
+      if (!text) continue;
+      auto rec = format::parse_record(*text, e.name);
+      if (!rec || rec->tx.empty()) continue;
+      referenced.push_back(rec->tx);
+      auto tx = open_at(state->get(), rec->tx, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+      if (!tx || !stale(tx->get())) continue;
+      spdlog::info("{}: completing the interrupted commit of {}", t.display, rec->name);
+      if (auto st = roll_forward(t.dirfd, state->get(), *rec, tx->get(), t.display); !st) {
+        spdlog::error("{}: {}", t.display, st.error().message);
+        continue;
+      }
+      remove_tree(state->get(), rec->tx);
+    }
+    for (const auto& e : *list) {
+      if (!S_ISDIR(e.st.st_mode) || !e.name.starts_with("tx-")) continue;
+      if (std::find(referenced.begin(), referenced.end(), e.name) != referenced.end()) continue;
+      auto tx = open_at(state->get(), e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+      if (!tx || !stale(tx->get())) continue;
+      spdlog::info("{}: removing {}/{}, left by a write that never committed", t.display, kState,
+                   e.name);
+      remove_tree(state->get(), e.name);
+    }
+  }
+
+  Status remove(const Target& t, uint32_t k, uint32_t m) override {
+    CKPTFS_TRY(auto entries, source::list_dir(t.dirfd));
+    for (const auto& e : entries) {
+      auto p = format::parse_shard_name(e.name);
+      if (!p || p->k != k || p->m != m) continue;
+      if (::unlinkat(t.dirfd, e.name.c_str(), 0) != 0 && errno != ENOENT) {
+        return sys_error(fmt::format("{}/{}: cannot remove", t.display, e.name));
+      }
+    }
+    auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!state) return {};
+    CKPTFS_TRY(auto recs, source::list_dir(state->get()));
+    for (const auto& e : recs) {
+      if (!e.name.ends_with(format::kRecordSuffix)) continue;
+      auto mn = format::parse_model_name(
+          std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
+      if (mn && mn->k == k && mn->m == m) ::unlinkat(state->get(), e.name.c_str(), 0);
+    }
+    return {};
+  }
+
+ private:
+  static Result<std::string> read_small_file_at(int dirfd, const std::string& name) {
+    struct stat st {};
+    CKPTFS_TRY(UniqueFd fd, open_regular_at(dirfd, name, name, &st));
+    if (static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
+      return make_error(EFBIG, "{}: too large", name);
+    }
+    std::string text(static_cast<size_t>(st.st_size), '\0');
+    CKPTFS_CHECK(pread_exact(fd.get(), text.data(), text.size(), 0, name));
+    return text;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Flusher> make_local_flusher() { return std::make_unique<LocalFlusher>(); }
+
+}  // namespace ckptfs::flush

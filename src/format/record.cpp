@@ -1,0 +1,91 @@
+#include "ckptfs/format/record.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/util/path.hpp"
+#include "json_strict.hpp"
+
+namespace ckptfs::format {
+
+std::string record_file_name(std::string_view file_name) {
+  return std::string(file_name) + std::string(kRecordSuffix);
+}
+
+std::string serialize_record(const Record& r) {
+  nlohmann::json j;
+  j["ckptfs_record"] = kRecordVersion;
+  j["name"] = r.name;
+  j["k"] = r.k;
+  j["m"] = r.m;
+  j["size"] = r.size;
+  // The 8-byte length is implied; the JSON bytes are valid UTF-8 (the parser checked), so a
+  // JSON string holds them exactly.
+  j["header_json"] = r.header.size() >= kHeaderLenBytes ? r.header.substr(kHeaderLenBytes) : "";
+  j["tx"] = r.tx;
+  auto shards = nlohmann::json::array();
+  for (const auto& s : r.shards) shards.push_back({{"name", s.name}, {"size", s.size}});
+  j["shards"] = std::move(shards);
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::strict) + "\n";
+}
+
+Result<Record> parse_record(std::string_view text, std::string_view what) {
+  CKPTFS_TRY(nlohmann::json j, detail::parse_json_strict(text, what, "commit record"));
+  auto bad = [&](std::string_view why) {
+    return make_error(EINVAL, "{}: commit record: {}", what, why);
+  };
+  if (!j.is_object()) return bad("not a JSON object");
+  auto get_u64 = [&](const char* key, uint64_t& out) -> bool {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_number_unsigned()) return false;
+    out = it->get<uint64_t>();
+    return true;
+  };
+  auto get_str = [&](const char* key, std::string& out) -> bool {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_string()) return false;
+    out = it->get<std::string>();
+    return true;
+  };
+  uint64_t version = 0, k = 0, m = 0;
+  Record r;
+  std::string json;
+  if (!get_u64("ckptfs_record", version) || version != kRecordVersion) {
+    return bad("unknown version (not 1)");
+  }
+  if (!get_str("name", r.name) || !get_u64("k", k) || !get_u64("m", m) ||
+      !get_u64("size", r.size) || !get_str("header_json", json) || !get_str("tx", r.tx)) {
+    return bad("missing or mistyped field (name, k, m, size, header_json, tx)");
+  }
+  auto mn = parse_model_name(r.name);
+  if (!mn || mn->k != k || mn->m != m) return bad("name does not match k and m");
+  r.k = static_cast<uint32_t>(k);
+  r.m = static_cast<uint32_t>(m);
+  if (!r.tx.empty() && !is_valid_component(r.tx)) return bad("tx is not a plain name");
+  if (json.size() > kMaxHeaderSize) return bad("header larger than the safetensors limit");
+  CKPTFS_CHECK(parse_header_json(json, r.size, what));
+  r.header.resize(kHeaderLenBytes);
+  uint64_t n = json.size();
+  for (size_t i = 0; i < kHeaderLenBytes; ++i)
+    r.header[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  r.header += json;
+  auto sh = j.find("shards");
+  if (sh == j.end() || !sh->is_array() || sh->empty()) return bad("no shard list");
+  for (const auto& e : *sh) {
+    if (!e.is_object()) return bad("shard entry is not an object");
+    auto nm = e.find("name");
+    auto sz = e.find("size");
+    if (nm == e.end() || !nm->is_string() || sz == e.end() || !sz->is_number_unsigned()) {
+      return bad("shard entry needs a name and a size");
+    }
+    RecordShard s{nm->get<std::string>(), sz->get<uint64_t>()};
+    auto p = parse_shard_name(s.name);
+    if (!p || p->k != r.k || p->m != r.m || !is_valid_component(s.name)) {
+      return bad(fmt::format("shard '{}' is not a shard of file {} of {}", s.name, r.k, r.m));
+    }
+    r.shards.push_back(std::move(s));
+  }
+  return r;
+}
+
+}  // namespace ckptfs::format

@@ -1,0 +1,435 @@
+#include "ckptfs/write/file.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/write/sniff.hpp"
+
+namespace ckptfs::write {
+namespace {
+
+constexpr size_t kCopyChunk = 1 << 20;
+
+bool is_model_name(std::string_view name) { return format::parse_model_name(name).has_value(); }
+
+Error sys_error(std::string_view what) {
+  int e = errno;
+  return make_error(e, "{}: {}", what, std::strerror(e));
+}
+
+}  // namespace
+
+Result<std::shared_ptr<WriteFile>> WriteFile::open(UniqueFd backing, int dirfd,
+                                                   std::string dir_display, bool fresh,
+                                                   flush::Flusher& flusher, PlanOptions plan,
+                                                   std::string what) {
+  auto f = std::shared_ptr<WriteFile>(new WriteFile());
+  struct stat st {};
+  if (::fstat(backing.get(), &st) != 0) return sys_error(what + ": stat failed");
+  int d = ::fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
+  if (d < 0) return sys_error(dir_display + ": dup failed");
+  f->dir_.reset(d);
+  f->backing_ = std::move(backing);
+  f->dir_display_ = std::move(dir_display);
+  f->what_ = std::move(what);
+  f->dev_ = st.st_dev;
+  f->ino_ = st.st_ino;
+  f->flusher_ = &flusher;
+  f->plan_opts_ = std::move(plan);
+  f->size_ = static_cast<uint64_t>(st.st_size);
+  f->state_ = fresh && st.st_size == 0 ? State::Sniffing : State::Plain;
+  return f;
+}
+
+WriteFile::~WriteFile() {
+  std::lock_guard lock(mu_);
+  if (state_ == State::Routed || state_ == State::Sniffing) {
+    // finalize() runs at every close; this is only reached when a handle went without one.
+    if (auto st = to_plain_locked(true); !st) spdlog::error("{}", st.error().message);
+  }
+}
+
+WriteFile::State WriteFile::state() const {
+  std::lock_guard lock(mu_);
+  return state_;
+}
+
+bool WriteFile::routed() const {
+  std::lock_guard lock(mu_);
+  return state_ == State::Routed || state_ == State::Committed;
+}
+
+bool WriteFile::dirty() const {
+  std::lock_guard lock(mu_);
+  return dirty_;
+}
+
+flush::Target WriteFile::target() const {
+  flush::Target t;
+  t.dirfd = dir_.get();
+  t.display = dir_display_;
+  struct stat st {};
+  if (::fstat(backing_.get(), &st) == 0) {
+    t.uid = st.st_uid;
+    t.gid = st.st_gid;
+    t.mode = st.st_mode & 07777;
+  }
+  return t;
+}
+
+Status WriteFile::fail_locked(Error e) {
+  if (tx_) tx_->abort();
+  tx_.reset();
+  router_.reset();
+  prefix_.clear();
+  prefix_.shrink_to_fit();
+  state_ = State::Failed;
+  error_ = e;
+  return e;
+}
+
+Status WriteFile::write(uint64_t off, std::string_view bytes) {
+  std::lock_guard lock(mu_);
+  return write_locked(off, bytes);
+}
+
+Status WriteFile::write_locked(uint64_t off, std::string_view bytes) {
+  const uint64_t end = off + bytes.size();
+  switch (state_) {
+    case State::Failed:
+      return *error_;
+    case State::Committed:
+      return make_error(EIO,
+                        "{}: already stored as rank shards when it was closed; write a new "
+                        "file (or reopen it) to change it",
+                        what_);
+    case State::Sniffing:
+      dirty_ = true;
+      if (off == prefix_.size()) {
+        prefix_.append(bytes);
+        size_ = std::max(size_, end);
+        return decide_locked();
+      }
+      CKPTFS_CHECK(to_plain_locked(true));
+      break;  // now Plain
+    case State::Routed: {
+      dirty_ = true;
+      auto st = router_->write(off, bytes);
+      if (st) {
+        size_ = std::max(size_, end);
+        return {};
+      }
+      if (!needs_staging(st.error())) return fail_locked(std::move(st).error());
+      spdlog::info("{}: {}; staging the whole file and splitting it at close", what_,
+                   st.error().message);
+      CKPTFS_CHECK(to_plain_locked(true));
+      break;  // now Plain
+    }
+    case State::Plain:
+      break;
+  }
+  dirty_ = true;
+  return pwrite_all(backing_.get(), bytes.data(), bytes.size(), off, what_);
+}
+
+Status WriteFile::decide_locked() {
+  const uint64_t known = size_ > prefix_.size() ? size_ : 0;  // sized by ftruncate
+  Sniffed s = sniff(prefix_, known, what_);
+  switch (s.kind) {
+    case Kind::NeedMore:
+      return {};
+    case Kind::Consolidated:
+      return enter_routed_locked(std::move(*s.header));
+    case Kind::RankShard:
+    case Kind::Other:
+      return to_plain_locked(true);
+  }
+  return {};
+}
+
+Status WriteFile::enter_routed_locked(format::Header h) {
+  auto p = plan(h, plan_opts_, what_);
+  auto s = p ? shard_headers(h, *p, what_) : Result<ShardSet>(p.error());
+  if (!s) {
+    spdlog::warn("{}: stored whole, not split: {}", what_, s.error().message);
+    return to_plain_locked(true);
+  }
+  auto tx = flusher_->begin(target(), *s, what_);
+  if (!tx) return fail_locked(std::move(tx).error());
+  plan_ = std::move(p).value();
+  set_ = std::move(s).value();
+  tx_ = std::move(tx).value();
+  auto r = StreamRouter::create(prefix_.substr(0, h.data_start()), h, plan_, set_, *tx_, what_);
+  if (!r) return fail_locked(std::move(r).error());
+  router_.emplace(std::move(r).value());
+  header_ = std::move(h);
+  auto fed = router_->write(0, prefix_);
+  if (!fed) {
+    tx_->abort();
+    tx_.reset();
+    router_.reset();
+    if (!needs_staging(fed.error())) return fail_locked(std::move(fed).error());
+    return to_plain_locked(true);  // from the prefix, still held
+  }
+  prefix_.clear();
+  prefix_.shrink_to_fit();
+  state_ = State::Routed;
+  return {};
+}
+
+// Moves what the file holds into the backing file and continues as a plain file. `keep_all`:
+// the logical size is kept (zeros after the bytes received), else the file ends at the last
+// byte received (a consolidated file cut short must not read as complete).
+Status WriteFile::to_plain_locked(bool keep_all) {
+  uint64_t received = 0;
+  if (state_ == State::Sniffing) {
+    CKPTFS_CHECK(pwrite_all(backing_.get(), prefix_.data(), prefix_.size(), 0, what_));
+    received = prefix_.size();
+    prefix_.clear();
+    prefix_.shrink_to_fit();
+  } else if (state_ == State::Routed) {
+    received = router_->received();
+    std::string buf(std::min<uint64_t>(kCopyChunk, std::max<uint64_t>(received, 1)), '\0');
+    auto pread = [this](uint32_t rank, uint64_t off, char* dst, size_t n) {
+      return tx_->pread(rank, off, dst, n);
+    };
+    for (uint64_t x = 0; x < received; x += buf.size()) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), received - x));
+      CKPTFS_TRY(size_t got, router_->read(x, n, buf.data(), pread));
+      CKPTFS_CHECK(pwrite_all(backing_.get(), buf.data(), got, x, what_));
+    }
+    tx_->abort();
+    tx_.reset();
+    router_.reset();
+  } else {
+    return {};
+  }
+  const uint64_t size = keep_all ? size_ : received;
+  if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
+    return fail_locked(sys_error(what_ + ": cannot size the file"));
+  }
+  state_ = State::Plain;
+  return {};
+}
+
+Status WriteFile::truncate(uint64_t size) {
+  std::lock_guard lock(mu_);
+  switch (state_) {
+    case State::Failed:
+      return *error_;
+    case State::Committed:
+      return make_error(EIO, "{}: already stored as rank shards when it was closed", what_);
+    case State::Sniffing:
+      if (size >= prefix_.size()) {
+        size_ = size;
+        return {};
+      }
+      break;
+    case State::Routed:
+      if (size == size_) return {};
+      break;
+    case State::Plain:
+      break;
+  }
+  CKPTFS_CHECK(to_plain_locked(true));
+  dirty_ = true;
+  if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
+    return sys_error(what_ + ": truncate failed");
+  }
+  return {};
+}
+
+Result<size_t> WriteFile::read(uint64_t off, size_t len, char* dst) {
+  std::lock_guard lock(mu_);
+  switch (state_) {
+    case State::Failed:
+      return *error_;
+    case State::Sniffing: {
+      if (off >= size_) return size_t{0};
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(len, size_ - off));
+      const size_t from_prefix =
+          off < prefix_.size() ? std::min<size_t>(n, prefix_.size() - off) : 0;
+      std::copy_n(prefix_.data() + off, from_prefix, dst);
+      std::fill(dst + from_prefix, dst + n, '\0');
+      return n;
+    }
+    case State::Routed:
+    case State::Committed: {
+      if (off >= size_) return size_t{0};
+      len = static_cast<size_t>(std::min<uint64_t>(len, size_ - off));
+      return router_->read(off, len, dst, [this](uint32_t r, uint64_t o, char* d, size_t n) {
+        return tx_->pread(r, o, d, n);
+      });
+    }
+    case State::Plain:
+      break;
+  }
+  size_t done = 0;
+  while (done < len) {
+    ssize_t n = ::pread(backing_.get(), dst + done, len - done, static_cast<off_t>(off + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return sys_error(what_ + ": read failed");
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
+Result<struct stat> WriteFile::stat() {
+  std::lock_guard lock(mu_);
+  struct stat st {};
+  if (::fstat(backing_.get(), &st) != 0) return sys_error(what_ + ": stat failed");
+  if (state_ != State::Plain) {
+    st.st_size = static_cast<off_t>(size_);
+    st.st_blocks = static_cast<blkcnt_t>((size_ + 511) / 512);
+  }
+  return st;
+}
+
+Status WriteFile::fsync(const Place& where, bool datasync) {
+  std::lock_guard lock(mu_);
+  switch (state_) {
+    case State::Failed:
+      return *error_;
+    case State::Sniffing:
+    case State::Plain:
+      if ((datasync ? ::fdatasync(backing_.get()) : ::fsync(backing_.get())) != 0) {
+        return sys_error(what_ + ": fsync failed");
+      }
+      return {};
+    case State::Routed:
+      durable_ = true;
+      if (router_->complete() && is_model_name(where.name)) return commit_locked(where, true);
+      return tx_->sync();
+    case State::Committed:
+      return tx_->sync();
+  }
+  return {};
+}
+
+Result<bool> WriteFile::is_backing(const Place& where) const {
+  struct stat st {};
+  if (::fstatat(where.dirfd, where.name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) return false;
+    return sys_error(fmt::format("{}/{}: stat failed", where.dir_display, where.name));
+  }
+  return st.st_dev == dev_ && st.st_ino == ino_;
+}
+
+Status WriteFile::finalize(const Place& where) {
+  std::lock_guard lock(mu_);
+  const bool was_dirty = std::exchange(dirty_, false);
+  switch (state_) {
+    case State::Failed:
+      return *error_;
+    case State::Committed:
+      return {};
+    case State::Sniffing:
+      return to_plain_locked(true);
+    case State::Plain:
+      if (was_dirty && is_model_name(where.name)) return split_plain_locked(where, durable_);
+      return {};
+    case State::Routed:
+      break;
+  }
+  if (!is_model_name(where.name)) return to_plain_locked(true);
+  if (!router_->complete()) {
+    spdlog::warn(
+        "{}: closed after {} of its {} bytes; stored as written up to there (a consolidated "
+        "file cut short is never shown as complete)",
+        what_, router_->received(), router_->file_size());
+    return to_plain_locked(false);
+  }
+  return commit_locked(where, durable_);
+}
+
+Status WriteFile::store(const Place& where) {
+  std::lock_guard lock(mu_);
+  if (state_ != State::Plain || !is_model_name(where.name)) return {};
+  return split_plain_locked(where, durable_);
+}
+
+Status WriteFile::commit_locked(const Place& where, bool durable) {
+  struct stat bst {};
+  if (::fstat(backing_.get(), &bst) != 0) return fail_locked(sys_error(what_ + ": stat failed"));
+  if (bst.st_nlink == 0) {  // unlinked while open: nothing to keep
+    tx_->abort();
+    tx_.reset();
+    router_.reset();
+    state_ = State::Plain;
+    return {};
+  }
+  struct stat a {
+  }, b{};
+  CKPTFS_TRY(bool here, is_backing(where));
+  const bool same_dir = ::fstat(where.dirfd, &a) == 0 && ::fstat(dir_.get(), &b) == 0 &&
+                        a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+  if (!here || !same_dir) {
+    spdlog::info("{}: moved away from {} before it was closed; stored whole", what_, dir_display_);
+    return to_plain_locked(true);
+  }
+  CKPTFS_CHECK(tx_->set_owner(bst.st_uid, bst.st_gid, bst.st_mode));
+  auto mn = format::parse_model_name(where.name);
+  flush::CommitInfo info;
+  info.name = where.name;
+  info.k = mn->k;
+  info.m = mn->m;
+  info.header = router_->header();
+  info.size = router_->file_size();
+  if (auto st = tx_->commit(info, durable); !st) return fail_locked(std::move(st).error());
+  state_ = State::Committed;
+  // The backing file was a placeholder: the shards are the file now.
+  CKPTFS_TRY(bool still, is_backing(where));
+  if (still && ::unlinkat(where.dirfd, where.name.c_str(), 0) != 0 && errno != ENOENT) {
+    return sys_error(
+        fmt::format("{}/{}: cannot remove the placeholder", where.dir_display, where.name));
+  }
+  spdlog::info("{}/{}: stored as {} rank shard(s)", where.dir_display, where.name,
+               set_.shards.size());
+  return {};
+}
+
+Status WriteFile::split_plain_locked(const Place& where, bool durable) {
+  struct stat st {};
+  if (::fstat(backing_.get(), &st) != 0) return sys_error(what_ + ": stat failed");
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < format::kHeaderLenBytes + kMinHeaderLen) return {};
+  unsigned char len8[8];
+  CKPTFS_CHECK(pread_exact(backing_.get(), len8, 8, 0, what_));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len8[i];
+  if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) return {};
+  std::string prefix(static_cast<size_t>(format::kHeaderLenBytes + n), '\0');
+  CKPTFS_CHECK(pread_exact(backing_.get(), prefix.data(), prefix.size(), 0, what_));
+  Sniffed s = sniff(prefix, size, what_);
+  if (s.kind != Kind::Consolidated) return {};
+  auto p = plan(*s.header, plan_opts_, what_);
+  auto set = p ? shard_headers(*s.header, *p, what_) : Result<ShardSet>(p.error());
+  if (!set) return {};  // stored whole
+  CKPTFS_TRY(auto tx, flusher_->begin(target(), *set, what_));
+  plan_ = std::move(p).value();
+  set_ = std::move(set).value();
+  CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, plan_, set_, *tx, what_));
+  std::string buf(kCopyChunk, '\0');
+  for (uint64_t x = 0; x < size; x += kCopyChunk) {
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(kCopyChunk, size - x));
+    CKPTFS_CHECK(pread_exact(backing_.get(), buf.data(), len, x, what_));
+    CKPTFS_CHECK(r.write(x, std::string_view(buf.data(), len)));
+  }
+  // The file is routed now; the commit removes the backing file once the shards hold it.
+  tx_ = std::move(tx);
+  router_.emplace(std::move(r));
+  header_ = std::move(s.header);
+  size_ = size;
+  state_ = State::Routed;
+  return commit_locked(where, durable);
+}
+
+}  // namespace ckptfs::write
