@@ -560,6 +560,27 @@ def test_cli_inspect_and_verify_src(saved, name):
     assert sorted(t["name"] for t in ck["tensors"]) == sorted(c.model.state_dict())
 
 
+def test_save_pretrained_twice_into_one_dir(px, base):
+    """save_pretrained of one model in 3 files, then of another in 2 files, into the same
+    directory (as a run that saves to one place does): the mount ends up with the same listing
+    and bytes as the same two saves into a plain directory, from_pretrained gives the second
+    model, and SRC holds only the second save's shards (none of the 3-file set is left)."""
+    first = make_model(11, torch.bfloat16, hidden=64, inter=128, vocab=256)
+    second = make_model(12, torch.bfloat16, hidden=64, inter=128, vocab=256)
+    ref, view, srcdir = base / "twice-ref", px.mnt / "twice", px.src / "twice"
+    for d in (ref, view):
+        first.save_pretrained(str(d), max_shard_size=max_shard_size_for(first, 3))
+        second.save_pretrained(str(d), max_shard_size=max_shard_size_for(second, 2))
+    assert names(view) == names(ref)
+    assert files_of(view) == files_of(ref)
+    model = load_model(view)
+    assert not diff_state(model.state_dict(), second.state_dict())
+    del model
+    gc.collect()
+    assert src_shards(srcdir) == sorted(f"shard-{r:05d}-model-{k:05d}-of-00002.safetensors"
+                                        for r in (1, 2) for k in (1, 2)), names(srcdir)
+
+
 @pytest.mark.parametrize("name", list(SAVES))
 def test_second_mount_ro_same_bytes(saved, name):
     """A second daemon serving the same SRC with -o ro shows the same listing and bytes as the
@@ -907,6 +928,9 @@ def test_unlink_consolidated_removes_shards(px):
     os.unlink(d / "model.safetensors")
     assert names(d) == []
     assert src_shards(s) == [], names(s)
+    records = [str(p.relative_to(s)) for p in (s / ".ckptfs").rglob("*") if "model.safetensors" in p.name] \
+        if (s / ".ckptfs").exists() else []
+    assert records == [], f"the unlinked file's record is still in SRC: {records}"
     expect_errno(lambda: os.stat(d / "model.safetensors"), errno.ENOENT)
     os.rmdir(d)
     assert not s.exists()
