@@ -430,8 +430,7 @@ struct Filesystem::Impl {
   }
 
   // Whether every change of directory (dev, ino) up to `changed_ns` was this daemon's, and no
-  // file being written there could still change the checkpoint (a consolidated file not
-  // committed yet, or a rank shard still open).
+  // rank shard is still being written there.
   bool quiet_by_us(uint64_t dev, uint64_t ino, int64_t changed_ns) {
     std::lock_guard lock(writes_mu_);
     auto t = touched_ns_.find({dev, ino});
@@ -442,8 +441,9 @@ struct Filesystem::Impl {
         it = writes_.erase(it);
         continue;
       }
-      if (it->second.dir == DevIno{dev, ino} && (wf->state() == write::WriteFile::State::Routed ||
-                                                 (it->second.shard_named && wf->dirty()))) {
+      // A consolidated file being written changes nothing shown until its commit, which is
+      // atomic; a rank shard written in place (a DCP save) does.
+      if (it->second.dir == DevIno{dev, ino} && it->second.shard_named && wf->dirty()) {
         return false;
       }
       ++it;
@@ -605,7 +605,7 @@ struct Filesystem::Impl {
     v->ckpt = std::move(ck);
     v->generation = ++generations;
     v->mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(dst));
-    v->complete = complete && v->ckpt->valid();
+    v->complete = (complete || v->ckpt->all_written()) && v->ckpt->valid();
     v->rel = rel;
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
@@ -732,7 +732,8 @@ struct Filesystem::Impl {
     st.dst = dst;
     const bool built_from_these = old && st.view_sig == st.sig;
     st.needs_build = !built_from_these;
-    if (built_from_these && old->complete != (st.settled && old->ckpt->valid())) {
+    if (built_from_these &&
+        old->complete != ((st.settled || old->ckpt->all_written()) && old->ckpt->valid())) {
       // Only the settle state changed: the same model, shown or hidden.
       auto v = make_view(old->ckpt, rel, dst, st.sig, st.entries, st.settled);
       st.view = v;
@@ -1473,6 +1474,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
     }
   }
   auto h = std::make_unique<FileHandle>();
+  h->ino = ino;
   OpenOut out;
   switch (n->kind) {
     case Kind::Output: {

@@ -1,6 +1,7 @@
 // libFuzzer target: the other parsers of untrusted JSON, on the same bytes: NeMo's
-// fqn_to_file_index_mapping.json, model.safetensors.index.json, and the DCP_SHARDING_INFO
-// string a shard's __metadata__ carries. None may crash, hang or recurse without bound
+// fqn_to_file_index_mapping.json, model.safetensors.index.json, the DCP_SHARDING_INFO
+// string a shard's __metadata__ carries, the write path's commit records (.ckptfs/*.commit)
+// and the base_model_tp_plan of a config.json. None may crash, hang or recurse without bound
 // (100,000-deep nesting once overflowed the stack); what parses must hold its invariants.
 #include <cstddef>
 #include <cstdint>
@@ -8,6 +9,7 @@
 
 #include "ckptfs/format/dcp.hpp"
 #include "ckptfs/format/index.hpp"
+#include "ckptfs/format/record.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view text(reinterpret_cast<const char*>(data), size);
@@ -27,5 +29,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                                      "fuzz.safetensors");
     if (!again.ok() || again->size() != info->size()) __builtin_trap();
   }
+  if (auto rec = ckptfs::format::parse_record(text, "fuzz.commit"); rec.ok()) {
+    // A record that parses names only shards of its own file, and round-trips exactly.
+    for (const auto& sh : rec->shards) {
+      if (sh.name.find('/') != std::string::npos) __builtin_trap();
+    }
+    auto again = ckptfs::format::parse_record(ckptfs::format::serialize_record(*rec), "again");
+    if (!again.ok() || again->header != rec->header || again->shards.size() != rec->shards.size()) {
+      __builtin_trap();
+    }
+  }
+  (void)ckptfs::format::parse_tp_plan(text, "fuzz-config.json");
   return 0;
 }

@@ -3,6 +3,7 @@
 // every rule here is tested without touching a disk.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -113,6 +114,12 @@ struct Checkpoint {
   bool written = false;
 
   [[nodiscard]] bool valid() const { return problems.empty(); }
+  // Every output was written through ckptfs and committed: its records prove it complete, so
+  // it needs no settle time.
+  [[nodiscard]] bool all_written() const {
+    return !outputs.empty() &&
+           std::all_of(outputs.begin(), outputs.end(), [](const OutputFile& f) { return f.written; });
+  }
   [[nodiscard]] uint64_t total_bytes() const;
   [[nodiscard]] const OutputFile* find_output(std::string_view name) const;
 };

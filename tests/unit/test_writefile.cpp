@@ -1,0 +1,331 @@
+// The write path without a kernel: fs::Filesystem driven as the FUSE adapter drives it
+// (create, write, rename, flush, release), on real files in a temporary source directory,
+// with the local flusher. What is checked is what lands in SRC and what reads back.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
+#include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "fixture.hpp"
+
+using namespace ckptfs;
+namespace stdfs = std::filesystem;
+
+namespace {
+
+// A consolidated file whose header is laid out unlike ckptfs's own (keys out of order,
+// __metadata__ last, spaces, extra padding), so an exact read-back proves the header bytes
+// were kept rather than re-synthesized.
+std::string consolidated(uint64_t seed, uint64_t rows = 96) {
+  std::mt19937_64 rng(seed);
+  const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;
+  std::string json = fmt::format(
+      R"({{"z.weight": {{"dtype":"F32","shape":[{},64],"data_offsets":[0,{}]}}, )"
+      R"("a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{},{}]}},)"
+      R"("m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{},{}]}},)"
+      R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
+      rows, w, w, w + b, w + b, w + b + e);
+  json.append(13, ' ');
+  while ((8 + json.size()) % 8 != 0) json.push_back(' ');
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
+  out += json;
+  out += test::random_bytes(rng, w + b + e);
+  return out;
+}
+
+struct Src {
+  test::TempDir dir;
+  std::unique_ptr<fs::Filesystem> f;
+  explicit Src(uint32_t ranks = 3) {
+    fs::Options o;
+    o.settle = std::chrono::milliseconds(60'000);  // written files must not wait for it
+    o.revalidate = std::chrono::milliseconds(0);
+    o.ranks = ranks;
+    stdfs::create_directories(dir.path() + "/ckpt");
+    f = std::move(fs::Filesystem::create(dir.path(), o)).value();
+  }
+  std::string path(const std::string& rel) const { return dir.path() + "/" + rel; }
+  fs::Ino lookup(fs::Ino parent, const std::string& name) {
+    auto e = f->lookup(parent, name);
+    EXPECT_TRUE(e.ok()) << name << ": " << (e ? "" : e.error().message);
+    return e ? e->ino : 0;
+  }
+  fs::Ino ckpt() { return lookup(fs::kRootIno, "ckpt"); }
+
+  // As save_pretrained: .tmp name, ftruncate, sequential writes of `chunk`, rename while
+  // open, close. Returns the status of the close (FLUSH).
+  Status save(const std::string& bytes, const std::string& final_name, size_t chunk = 1 << 20,
+              bool in_order = true) {
+    fs::Ino d = ckpt();
+    auto c = f->create(d, ".tmpabc123", 0600, O_RDWR | O_CREAT | O_EXCL);
+    if (!c) return std::move(c).error();
+    fs::SetAttr a;
+    a.size = bytes.size();
+    if (auto r = f->setattr(c->entry.ino, a, c->open.fh); !r) return std::move(r).error();
+    std::vector<uint64_t> offs;
+    for (uint64_t o = 0; o < bytes.size(); o += chunk) offs.push_back(o);
+    if (!in_order) std::reverse(offs.begin(), offs.end());
+    for (uint64_t o : offs) {
+      auto n = std::min<uint64_t>(chunk, bytes.size() - o);
+      if (auto r = f->write(c->open.fh, o, std::string_view(bytes).substr(o, n)); !r) {
+        f->release(c->open.fh);
+        return std::move(r).error();
+      }
+    }
+    if (auto r = f->rename(d, ".tmpabc123", d, final_name, 0); !r) return std::move(r).error();
+    auto st = f->flush(c->open.fh);
+    f->release(c->open.fh);
+    return st;
+  }
+
+  std::string read(fs::Ino ino) {
+    auto o = f->open(ino, O_RDONLY);
+    EXPECT_TRUE(o.ok()) << o.error().message;
+    if (!o) return {};
+    std::string out;
+    auto r = f->reader(o->fh);
+    out.resize(r->size());
+    auto n = r->read(0, out.size(), out.data());
+    EXPECT_TRUE(n.ok()) << n.error().message;
+    f->release(o->fh);
+    return out;
+  }
+
+  std::vector<std::string> src_names(const std::string& rel = "ckpt") const {
+    std::vector<std::string> out;
+    for (const auto& e : stdfs::directory_iterator(path(rel))) out.push_back(e.path().filename());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+};
+
+// Compares file contents without printing them.
+::testing::AssertionResult same(const std::string& got, const std::string& want) {
+  if (got == want) return ::testing::AssertionSuccess();
+  size_t i = 0;
+  while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+  return ::testing::AssertionFailure()
+         << "got " << got.size() << " bytes, want " << want.size() << "; first difference at "
+         << i;
+}
+
+bool has_prefix(const std::vector<std::string>& v, std::string_view p) {
+  return std::any_of(v.begin(), v.end(), [&](const std::string& s) { return s.starts_with(p); });
+}
+
+}  // namespace
+
+TEST(WriteFile, SavedFileIsStoredAsRankShardsAndReadsBackExactly) {
+  Src s(3);
+  const std::string bytes = consolidated(1);
+  ASSERT_TRUE(s.save(bytes, "model.safetensors", 4096).ok());
+  auto names = s.src_names();
+  EXPECT_EQ(names, (std::vector<std::string>{".ckptfs", format::shard_file_name(1, 1, 1),
+                                             format::shard_file_name(2, 1, 1),
+                                             format::shard_file_name(3, 1, 1)}));
+  // The record is the only thing left in the state directory.
+  EXPECT_EQ(s.src_names("ckpt/.ckptfs"),
+            (std::vector<std::string>{"model.safetensors" + std::string(format::kRecordSuffix)}));
+  // Visible at once (settle is a minute), under the written name, byte for byte.
+  fs::Ino file = s.lookup(s.ckpt(), "model.safetensors");
+  EXPECT_TRUE(same(s.read(file), bytes));
+  EXPECT_EQ(s.f->getattr(file)->st_size, static_cast<off_t>(bytes.size()));
+  {
+    auto o = s.f->open(file, O_RDONLY);  // fstat goes through the handle
+    ASSERT_TRUE(o.ok());
+    auto st = s.f->getattr_handle(o->fh);
+    ASSERT_TRUE(st.ok()) << st.error().message;
+    EXPECT_EQ(st->st_size, static_cast<off_t>(bytes.size()));
+    s.f->release(o->fh);
+  }
+  EXPECT_EQ(s.f->lookup(s.ckpt(), ".ckptfs").error().code, ENOENT);
+  EXPECT_EQ(s.f->lookup(s.ckpt(), format::kIndexFileName).error().code, ENOENT);
+  // The shards are a checkpoint by themselves: the CLI's loader sees the same file.
+  auto ck = source::load_checkpoint_path(s.path("ckpt"));
+  ASSERT_TRUE(ck.ok());
+  ASSERT_TRUE((*ck)->valid()) << (*ck)->problems[0].to_string();
+  ASSERT_EQ((*ck)->outputs.size(), 1u);
+  EXPECT_EQ((*ck)->outputs[0].name, "model.safetensors");
+  EXPECT_EQ((*ck)->outputs[0].header, bytes.substr(0, (*ck)->outputs[0].header.size()));
+}
+
+TEST(WriteFile, OutOfOrderWritesAreStagedAndSplitAtClose) {
+  Src s(2);
+  const std::string bytes = consolidated(2);
+  ASSERT_TRUE(s.save(bytes, "model.safetensors", 4096, /*in_order=*/false).ok());
+  EXPECT_TRUE(has_prefix(s.src_names(), "shard-00002-model-00001-of-00001"));
+  EXPECT_FALSE(stdfs::exists(s.path("ckpt/model.safetensors")));
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), bytes));
+}
+
+TEST(WriteFile, OtherNamesAndOtherContentAreStoredAsWritten) {
+  Src s;
+  const std::string bytes = consolidated(3);
+  // A consolidated file closed under a name that is not a model file's: stored whole.
+  ASSERT_TRUE(s.save(bytes, "adapter_model.safetensors").ok());
+  EXPECT_TRUE(same(*read_small_file(s.path("ckpt/adapter_model.safetensors"), 1 << 24), bytes));
+  // Not safetensors at all, but under a model name: stored whole too.
+  std::string fake = bytes;
+  fake[8] = '[';
+  ASSERT_TRUE(s.save(fake, "model.safetensors").ok());
+  EXPECT_TRUE(same(*read_small_file(s.path("ckpt/model.safetensors"), 1 << 24), fake));
+  EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), fake));
+}
+
+TEST(WriteFile, FileCutShortUnderAModelNameNeverReadsComplete) {
+  Src s;
+  const std::string bytes = consolidated(4);
+  fs::Ino d = s.ckpt();
+  auto c = s.f->create(d, "model.safetensors", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(c.ok());
+  fs::SetAttr a;
+  a.size = bytes.size();
+  ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
+  const size_t half = bytes.size() / 2;
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, std::string_view(bytes).substr(0, half)).ok());
+  // A reader meanwhile sees what was written so far, and zeros after.
+  std::string mid(bytes.size(), 'x');
+  auto r = s.f->reader(c->open.fh)->read(0, mid.size(), mid.data());
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(mid.substr(0, half), bytes.substr(0, half));
+  EXPECT_EQ(mid.substr(half), std::string(bytes.size() - half, '\0'));
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  EXPECT_TRUE(same(*read_small_file(s.path("ckpt/model.safetensors"), 1 << 24), bytes.substr(0, half)));
+  EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
+}
+
+TEST(WriteFile, ReplacingAFileKeepsTheOldOneUntilTheNewOneCommits) {
+  Src s(2);
+  const std::string v1 = consolidated(5), v2 = consolidated(6, 40);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  fs::Ino d = s.ckpt();
+  auto c = s.f->create(d, ".tmpnew", 0600, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, std::string_view(v2).substr(0, v2.size() / 2)).ok());
+  ASSERT_TRUE(s.f->rename(d, ".tmpnew", d, "model.safetensors", 0).ok());
+  // Another reader, by name, still gets the committed version.
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model.safetensors")), v1));
+  ASSERT_TRUE(
+      s.f->write(c->open.fh, v2.size() / 2, std::string_view(v2).substr(v2.size() / 2)).ok());
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model.safetensors")), v2));
+  EXPECT_EQ(s.src_names("ckpt/.ckptfs").size(), 1u);  // one record, no staging left
+}
+
+TEST(WriteFile, WriterKilledMidFileLeavesTheOldVersionAndItsStagingIsCleanedUp) {
+  Src s(2);
+  const std::string v1 = consolidated(7);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  const std::string v2 = consolidated(8);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    // The writer's daemon-side state dies with it: no finalize, no destructor.
+    fs::Ino d = s.ckpt();
+    auto c = s.f->create(d, ".tmpdead", 0600, O_RDWR | O_CREAT | O_EXCL);
+    if (!c || !s.f->write(c->open.fh, 0, std::string_view(v2).substr(0, v2.size() / 2))) _exit(1);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  auto staging = s.src_names("ckpt/.ckptfs");
+  EXPECT_TRUE(has_prefix(staging, "tx-")) << "the dead writer's staging should be there";
+  // The view still shows the old version, exactly, and the next check drops the staging.
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
+  EXPECT_FALSE(has_prefix(s.src_names("ckpt/.ckptfs"), "tx-"));
+}
+
+TEST(WriteFile, CommitInterruptedBeforeRollForwardIsCompletedOnNextLook) {
+  // A daemon that died right after the commit point: the record names staging that still
+  // holds the new shards, and the old shards are still in place.
+  Src s(2);
+  const std::string v1 = consolidated(9), v2 = consolidated(10);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  test::TempDir other;
+  {
+    Src t(2);
+    ASSERT_TRUE(t.save(v2, "model.safetensors").ok());
+    stdfs::create_directories(s.path("ckpt/.ckptfs/tx-dead"));
+    for (uint32_t r = 1; r <= 2; ++r) {
+      stdfs::copy_file(t.path("ckpt/" + format::shard_file_name(r, 1, 1)),
+                       s.path(fmt::format("ckpt/.ckptfs/tx-dead/rank-{:05d}", r)));
+    }
+    auto text = *read_small_file(t.path("ckpt/.ckptfs/model.safetensors.commit"), 1 << 24);
+    auto rec = *format::parse_record(text, "record");
+    rec.tx = "tx-dead";
+    test::write_file(s.path("ckpt/.ckptfs/model.safetensors.commit"), format::serialize_record(rec));
+  }
+  // A reader of SRC alone (the CLI, a read-only mount) refuses the half-done state.
+  auto ck = source::load_checkpoint_path(s.path("ckpt"));
+  ASSERT_TRUE(ck.ok());
+  EXPECT_FALSE((*ck)->valid());
+  // The read-write view finishes it and shows the new version.
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v2));
+  EXPECT_FALSE(stdfs::exists(s.path("ckpt/.ckptfs/tx-dead")));
+}
+
+TEST(WriteFile, ShardWriteErrorsReachTheWriter) {
+  // A real write failure: RLIMIT_FSIZE makes the kernel refuse bytes past the limit (EFBIG),
+  // as ENOSPC would. The error reaches write() or close(), and the older file is untouched.
+  Src s(1);
+  const std::string v1 = consolidated(11, 16);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  const std::string big = consolidated(12, 512);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit rl {64 * 1024, 64 * 1024};
+    ::setrlimit(RLIMIT_FSIZE, &rl);
+    Status st = s.save(big, "model.safetensors", 16 * 1024);
+    _exit(!st.ok() && st.error().code == EFBIG ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the EFBIG did not reach the writer";
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
+}
+
+TEST(WriteFile, NamesAndDirectoryOperations) {
+  Src s(2);
+  const std::string bytes = consolidated(13);
+  ASSERT_TRUE(s.save(bytes, "model.safetensors").ok());
+  fs::Ino d = s.ckpt();
+  // The state directory's name is reserved.
+  EXPECT_EQ(s.f->mkdir(d, ".ckptfs", 0755).error().code, EPERM);
+  EXPECT_EQ(s.f->create(fs::kRootIno, ".ckptfs", 0644, O_WRONLY).error().code, EPERM);
+  // A consolidated file is not renamed in place, nor replaced by a no-replace rename.
+  EXPECT_EQ(s.f->rename(d, "model.safetensors", d, "x.safetensors", 0).error().code, EXDEV);
+  auto c = s.f->create(d, "notes.txt", 0644, O_WRONLY | O_CREAT);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, "hello").ok());
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  EXPECT_EQ(s.f->rename(d, "notes.txt", d, "model.safetensors", RENAME_NOREPLACE).error().code,
+            EEXIST);
+  EXPECT_EQ(s.read(s.lookup(d, "notes.txt")), "hello");
+  // Unlinking the consolidated file removes its shards and record.
+  ASSERT_TRUE(s.f->unlink(d, "model.safetensors").ok());
+  EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
+  EXPECT_TRUE(s.src_names("ckpt/.ckptfs").empty());
+  // rmdir of a directory the view shows empty takes the hidden state with it.
+  ASSERT_TRUE(s.f->unlink(d, "notes.txt").ok());
+  ASSERT_TRUE(stdfs::exists(s.path("ckpt/.ckptfs")));
+  ASSERT_TRUE(s.f->rmdir(fs::kRootIno, "ckpt").ok());
+  EXPECT_FALSE(stdfs::exists(s.path("ckpt")));
+}
