@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -131,6 +132,8 @@ class LocalTransaction final : public Transaction {
     CKPTFS_TRY(tx->tx_, open_at(tx->state_.get(), tx->name_, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
     CKPTFS_TRY(tx->lock_, open_at(tx->tx_.get(), "lock", O_RDWR | O_CREAT | O_EXCL, 0600));
     if (::flock(tx->lock_.get(), LOCK_EX) != 0) return sys_error(tx_display + "/lock");
+    const std::string owner = fmt::format("{}\n", static_cast<uint64_t>(t.placeholder));
+    CKPTFS_CHECK(pwrite_all(tx->lock_.get(), owner.data(), owner.size(), 0, tx_display + "/lock"));
     for (const auto& sh : set.shards) {
       const std::string n = staged_name(sh.rank + 1);
       CKPTFS_TRY(UniqueFd fd, open_at(tx->tx_.get(), n, O_RDWR | O_CREAT | O_EXCL, 0600));
@@ -279,6 +282,7 @@ class LocalFlusher final : public Flusher {
       if (!tx || !stale(tx->get())) continue;
       spdlog::info("{}: removing {}/{}, left by a write that never committed", t.display, kState,
                    e.name);
+      remove_placeholder(t.dirfd, tx->get());
       remove_tree(state->get(), e.name);
     }
   }
@@ -305,6 +309,21 @@ class LocalFlusher final : public Flusher {
   }
 
  private:
+  // The empty backing file of the dead writer, found by the inode its staging recorded.
+  static void remove_placeholder(int dirfd, int txfd) {
+    auto text = read_small_file_at(txfd, "lock");
+    if (!text) return;
+    const uint64_t ino = std::strtoull(text->c_str(), nullptr, 10);
+    if (ino == 0) return;
+    auto entries = source::list_dir(dirfd);
+    if (!entries) return;
+    for (const auto& e : *entries) {
+      if (S_ISREG(e.st.st_mode) && static_cast<uint64_t>(e.st.st_ino) == ino && e.st.st_size == 0) {
+        ::unlinkat(dirfd, e.name.c_str(), 0);
+      }
+    }
+  }
+
   static Result<std::string> read_small_file_at(int dirfd, const std::string& name) {
     struct stat st {};
     CKPTFS_TRY(UniqueFd fd, open_regular_at(dirfd, name, name, &st));

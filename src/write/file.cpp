@@ -80,6 +80,7 @@ flush::Target WriteFile::target() const {
     t.uid = st.st_uid;
     t.gid = st.st_gid;
     t.mode = st.st_mode & 07777;
+    t.placeholder = st.st_ino;
   }
   return t;
 }

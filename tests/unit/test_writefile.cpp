@@ -31,12 +31,12 @@ namespace {
 std::string consolidated(uint64_t seed, uint64_t rows = 96) {
   std::mt19937_64 rng(seed);
   const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;
-  std::string json = fmt::format(
-      R"({{"z.weight": {{"dtype":"F32","shape":[{},64],"data_offsets":[0,{}]}}, )"
-      R"("a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{},{}]}},)"
-      R"("m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{},{}]}},)"
-      R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
-      rows, w, w, w + b, w + b, w + b + e);
+  std::string json =
+      fmt::format(R"({{"z.weight": {{"dtype":"F32","shape":[{},64],"data_offsets":[0,{}]}}, )"
+                  R"("a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{},{}]}},)"
+                  R"("m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{},{}]}},)"
+                  R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
+                  rows, w, w, w + b, w + b, w + b + e);
   json.append(13, ' ');
   while ((8 + json.size()) % 8 != 0) json.push_back(' ');
   std::string out(8, '\0');
@@ -118,8 +118,7 @@ struct Src {
   size_t i = 0;
   while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
   return ::testing::AssertionFailure()
-         << "got " << got.size() << " bytes, want " << want.size() << "; first difference at "
-         << i;
+         << "got " << got.size() << " bytes, want " << want.size() << "; first difference at " << i;
 }
 
 bool has_prefix(const std::vector<std::string>& v, std::string_view p) {
@@ -205,7 +204,8 @@ TEST(WriteFile, FileCutShortUnderAModelNameNeverReadsComplete) {
   EXPECT_EQ(mid.substr(half), std::string(bytes.size() - half, '\0'));
   ASSERT_TRUE(s.f->flush(c->open.fh).ok());
   s.f->release(c->open.fh);
-  EXPECT_TRUE(same(*read_small_file(s.path("ckpt/model.safetensors"), 1 << 24), bytes.substr(0, half)));
+  EXPECT_TRUE(
+      same(*read_small_file(s.path("ckpt/model.safetensors"), 1 << 24), bytes.substr(0, half)));
   EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
 }
 
@@ -249,6 +249,7 @@ TEST(WriteFile, WriterKilledMidFileLeavesTheOldVersionAndItsStagingIsCleanedUp) 
   // The view still shows the old version, exactly, and the next check drops the staging.
   EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
   EXPECT_FALSE(has_prefix(s.src_names("ckpt/.ckptfs"), "tx-"));
+  EXPECT_FALSE(stdfs::exists(s.path("ckpt/.tmpdead"))) << "its empty placeholder stays";
 }
 
 TEST(WriteFile, CommitInterruptedBeforeRollForwardIsCompletedOnNextLook) {
@@ -269,7 +270,8 @@ TEST(WriteFile, CommitInterruptedBeforeRollForwardIsCompletedOnNextLook) {
     auto text = *read_small_file(t.path("ckpt/.ckptfs/model.safetensors.commit"), 1 << 24);
     auto rec = *format::parse_record(text, "record");
     rec.tx = "tx-dead";
-    test::write_file(s.path("ckpt/.ckptfs/model.safetensors.commit"), format::serialize_record(rec));
+    test::write_file(s.path("ckpt/.ckptfs/model.safetensors.commit"),
+                     format::serialize_record(rec));
   }
   // A reader of SRC alone (the CLI, a read-only mount) refuses the half-done state.
   auto ck = source::load_checkpoint_path(s.path("ckpt"));
@@ -290,14 +292,17 @@ TEST(WriteFile, ShardWriteErrorsReachTheWriter) {
   pid_t pid = ::fork();
   if (pid == 0) {
     ::signal(SIGXFSZ, SIG_IGN);
-    struct rlimit rl {64 * 1024, 64 * 1024};
+    struct rlimit rl {
+      64 * 1024, 64 * 1024
+    };
     ::setrlimit(RLIMIT_FSIZE, &rl);
     Status st = s.save(big, "model.safetensors", 16 * 1024);
     _exit(!st.ok() && st.error().code == EFBIG ? 0 : 1);
   }
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the EFBIG did not reach the writer";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the EFBIG did not reach the writer";
   EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
 }
 

@@ -35,6 +35,9 @@ struct Target {
   uid_t uid = 0;
   gid_t gid = 0;
   mode_t mode = 0644;
+  // The inode of the file being written, whose backing file is an empty placeholder while
+  // its bytes go to the shards: recover() removes it with the staging of a dead writer.
+  ino_t placeholder = 0;
 };
 
 struct CommitInfo {
@@ -70,7 +73,8 @@ class Flusher {
   virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
                                                      std::string what) = 0;
   // Finishes what a crashed writer left in the directory: completes commits whose record
-  // exists, removes staging without one. Staging that a live daemon holds is left alone.
+  // exists, removes staging without one (and its empty placeholder). Staging that a live
+  // daemon holds is left alone.
   virtual void recover(const Target& t) = 0;
   // Removes the stored form of file k of m: its shards and commit records.
   virtual Status remove(const Target& t, uint32_t k, uint32_t m) = 0;

@@ -117,8 +117,8 @@ struct Checkpoint {
   // Every output was written through ckptfs and committed: its records prove it complete, so
   // it needs no settle time.
   [[nodiscard]] bool all_written() const {
-    return !outputs.empty() &&
-           std::all_of(outputs.begin(), outputs.end(), [](const OutputFile& f) { return f.written; });
+    return !outputs.empty() && std::all_of(outputs.begin(), outputs.end(),
+                                           [](const OutputFile& f) { return f.written; });
   }
   [[nodiscard]] uint64_t total_bytes() const;
   [[nodiscard]] const OutputFile* find_output(std::string_view name) const;
