@@ -5,19 +5,23 @@ the same writer's output in a plain directory, and in SRC against the on-disk co
 
   1. save_pretrained of a small Llama (1 file; 3 files + index; a TP split from the
      config's base_model_tp_plan) into a mount with -o ranks=N: every file reads back
-     byte-exact (listing, bytes, sizes, modes); SRC holds only rank shards (DCP_SHARDING_INFO,
-     the promised split), which torch DCP's HuggingFaceStorageReader loads in one process and
-     into a resharded 2-rank gloo mesh; from_pretrained from the mount equals the model;
-     `ckptfs inspect/verify SRC/dir` accept it; a second mount -o ro shows the same bytes.
+     byte-exact (listing, bytes, sizes, read bits); SRC holds only rank shards
+     (DCP_SHARDING_INFO, the promised split), which torch DCP's HuggingFaceStorageReader loads
+     in one process and into a resharded 2-rank gloo mesh; from_pretrained from the mount
+     equals the model; `ckptfs inspect/verify SRC/dir` accept it; a second mount -o ro shows
+     the same bytes; two saves into one directory (3 files, then 2) end as in a plain one.
   2. a real transformers.Trainer (save_steps, save_total_limit rotation by rmtree) writing into
      the mount, then resuming from it: the step, the weights and the optimizer state.
   3. torch DCP HuggingFaceStorageWriter(save_distributed=True), 2 gloo ranks, writing into the
-     mount (tools/gen_checkpoint.py): from_pretrained of the directory equals the reference.
+     mount (tools/gen_checkpoint.py): from_pretrained of the directory equals the reference;
+     written files and shards show at once even with settle=30.
   4. POSIX on plain files and directories through the mount (rename, RENAME_NOREPLACE, rmtree,
-     unlink, truncate, chmod, utime, directory mtimes, O_EXCL, O_APPEND, statfs, symlinks,
-     hard links, EXDEV for consolidated files, the reserved name .ckptfs).
-  5. faults: kill -9 of a writer and of the daemon mid-file, ENOSPC on a small tmpfs,
-     concurrent writers, a reader during a write, files that only look like safetensors.
+     rmdir of a hidden remainder, unlink, fsync, truncate, chmod, utime, directory mtimes,
+     O_EXCL, O_APPEND, statfs, symlinks, hard links, ownership of a non-root caller's files,
+     EXDEV for consolidated files and mv's copy fallback, the reserved name .ckptfs).
+  5. faults: kill -9 of a writer (mid-file, and after renaming over an older file) and of the
+     daemon mid-file, ENOSPC on a small tmpfs, six concurrent writers, a reader during a write,
+     an open reader of a file being replaced, files that only look like safetensors.
 
 Models are a few MB; the slow writers (tests/python/slow_writer.py) write a few MiB in 64 KiB
 chunks. No timing assertions: "visible at once" checks use settle=30, where waiting for the
@@ -49,7 +53,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import BIN, ROOT, Mount, requires_fuse, run, unmount, wait_for
+from conftest import ROOT, Mount, requires_fuse, run, unmount, wait_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
