@@ -1251,8 +1251,8 @@ def test_open_reader_keeps_old_bytes_during_replacement(mount_factory, tmp_path)
 def test_writer_killed_after_rename_while_replacing(mount_factory, tmp_path):
     """A save_pretrained-style writer replacing D/model.safetensors renames its temp file over
     it while still writing (as safetensors does), then is killed (-9): D/model.safetensors is
-    the older file byte-exact, or a file that does not load as complete; never the new size
-    with zeros where nothing was written."""
+    never the new size with zeros where nothing was written, and a fresh open reads the older,
+    committed file byte-exact."""
     m = mount_factory(mkdir(tmp_path / "src"), opts=("ranks=2",))
     mnt = pathlib.Path(m.mnt)
     (mnt / "D").mkdir()
@@ -1267,6 +1267,10 @@ def test_writer_killed_after_rename_while_replacing(mount_factory, tmp_path):
     assert_alive(m)
     outcome = check_not_complete_but_wrong(mnt / "D" / "model.safetensors", new, (old,))
     print(f"\nD/model.safetensors after the killed replacement: {outcome}")
+    # The cut-short new file is never committed, so a fresh open gets the committed older file
+    # (once the kernel has dropped the entry that pointed at the file being written).
+    wait_for(lambda: (mnt / "D" / "model.safetensors").read_bytes() == old,
+             "the older file under its name again", timeout=5)
     assert_alive(m)
 
 
