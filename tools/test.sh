@@ -5,8 +5,9 @@
 #   3. unit tests under AddressSanitizer + UBSan      build-asan/
 #   4. formatting (clang-format --dry-run -Werror)
 #   5. bounded libFuzzer runs of the parsers (clang)  build-fuzz/
-#   6. real-mount, hostile-source, CLI and ecosystem tests (pytest)
-#   7. the real-mount, hostile-source and CLI tests again, against the ASan+UBSan binary
+#   6. real-mount, hostile-source, CLI, write-path and ecosystem tests (pytest)
+#   7. the real-mount, hostile-source, CLI and write-path tests again, against the ASan+UBSan
+#      binary
 # Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_MOUNT_FUZZ_SECONDS (default
 # 60, the randomized mount test), CKPTFS_PYTEST_ARGS.
 set -euo pipefail
@@ -56,11 +57,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider ${CKPTFS_PYTEST_ARGS:-}
 
-step "real-mount, hostile-source and CLI tests against the ASan+UBSan daemon"
+step "real-mount, hostile-source, CLI and write-path tests against the ASan+UBSan daemon"
 # The daemon must exit 0 after every clean unmount: a leak or an error report fails the test
 # that mounted it. The randomized mount test gets a shorter budget here.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   CKPTFS_BIN="$ROOT/build-asan/src/ckptfs" CKPTFS_ASAN=1 \
   CKPTFS_MOUNT_FUZZ_SECONDS="${CKPTFS_ASAN_MOUNT_FUZZ_SECONDS:-30}" \
   "$VENV/bin/python" -m pytest tests/python/test_mount.py tests/python/test_hostile.py \
-  tests/python/test_mount_fuzz.py tests/python/test_cli.py -q -p no:cacheprovider
+  tests/python/test_mount_fuzz.py tests/python/test_cli.py tests/python/test_write.py -q \
+  -p no:cacheprovider

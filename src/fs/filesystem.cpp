@@ -1253,9 +1253,11 @@ struct Filesystem::Impl {
       st->next_check = Clock::now();
     }
     touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
-    if (h.wf->state() == write::WriteFile::State::Committed && notifier) {
-      // The name now shows the consolidated file: the kernel's entry still holds the file as
-      // it was being written.
+    if (notifier && (h.wf->state() == write::WriteFile::State::Committed ||
+                     format::parse_model_name(name))) {
+      // The name now shows the consolidated file (committed, or still the older one when this
+      // one was cut short and stays hidden behind it): the kernel's entry still holds the file
+      // as it was being written.
       for (const auto& [parent, link] : n->links) notifier->inval_entry(parent, link);
     }
     return result;

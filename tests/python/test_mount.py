@@ -686,7 +686,18 @@ def tree_state(top) -> dict:
     return out
 
 
-def test_writes_are_refused(tree, mnt):
+def test_writes_are_refused(tree, tmp_path):
+    """The read-only view (-o ro; the default mount is read-write) refuses every modifying
+    operation with EROFS, says it is read-only (statvfs, /proc/mounts), and SRC is unchanged."""
+    with Mount(tree.src, tmp_path / "ro", settle=0, opts=["ro"]) as mnt:
+        assert os.statvfs(mnt.mnt).f_flag & os.ST_RDONLY
+        with open("/proc/self/mounts") as f:
+            [entry] = [line.split() for line in f if line.split()[1] == mnt.mnt]
+        assert "ro" in entry[3].split(","), entry
+        check_writes_refused(tree, mnt)
+
+
+def check_writes_refused(tree, mnt):
     before = tree_state(tree.src)
     m = pathlib.Path(mnt.mnt)
     ck = mpath(tree, mnt, "nemo")
