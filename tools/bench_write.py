@@ -19,7 +19,9 @@ the ratios within one run):
 
 Each variant runs on its own fresh mount, so the daemon's peak RSS (VmHWM from
 /proc/PID/status; the daemon runs with -f, so the Popen pid is the daemon) is (m)'s alone; it
-is read right after the save returns (before any read-back) and again right before unmount.
+is read right after the save returns (before any read-back) and again right before unmount;
+the daemon's CPU seconds (user + system, /proc/PID/stat) over the write are reported too.
+The daemon binary is copied once at the start (a rebuild of --bin mid-run cannot mix builds).
 After every variant: sync (timed, reported as "+sync", the time until the bytes are on the
 backing file system) and removal of the outputs, so disk use stays bounded.
 
