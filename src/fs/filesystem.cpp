@@ -68,9 +68,14 @@ bool is_model_output_name(std::string_view n) {
 // The write path's state directory: hidden everywhere, and a reserved name.
 bool is_state_name(std::string_view n) { return n == format::kStateDirName; }
 
+// NeMo AutoModel writes this script beside its shards to make the consolidated checkpoint
+// the view already is; NeMo's own consolidated output leaves it out, and so does the view.
+constexpr std::string_view kNemoConsolidateScript = "consolidate.sh";
+
 bool hidden_in_checkpoint(const source::DirEntry& e, bool show_shards) {
   return source::is_shard_entry(e) || e.name == format::kHfMetadataDir ||
-         is_model_output_name(e.name) || (show_shards && e.name == kShardsDirName);
+         e.name == kNemoConsolidateScript || is_model_output_name(e.name) ||
+         (show_shards && e.name == kShardsDirName);
 }
 
 std::string parent_of(std::string_view rel) {
@@ -501,6 +506,12 @@ struct Filesystem::Impl {
     return h | (1ull << 63);
   }
 
+  // st_ino of a directory node as stat shows it.
+  uint64_t dir_ino_shown(const Node& n) const {
+    if (n.kind == Kind::ShardsDir) return virtual_ino(n.dev, n.bino, 0, kShardsDirName);
+    return shown_ino(n.dev, n.bino);
+  }
+
   // A copy of the node, taken under the lock (rel may change when the source is renamed).
   std::optional<Node> get(Ino ino) {
     std::lock_guard lock(mu_);
@@ -917,7 +928,7 @@ struct Filesystem::Impl {
       st.st_mode = S_IFDIR | 0555;
       return EntryOut{n.ino, st};
     }
-    if (name == format::kHfMetadataDir || consolidated_name ||
+    if (name == format::kHfMetadataDir || consolidated_name || name == kNemoConsolidateScript ||
         format::looks_like_shard_name(name)) {
       return make_error(ENOENT, "{}: hidden in a checkpoint directory", rel);
     }
@@ -986,7 +997,8 @@ struct Filesystem::Impl {
         for (const auto& e : *lifted) {
           if (!S_ISREG(e.st.st_mode) || e.name == format::kFqnMappingFileName ||
               names.count(e.name) || is_model_output_name(e.name) ||
-              format::looks_like_shard_name(e.name) || e.name == kShardsDirName) {
+              format::looks_like_shard_name(e.name) || e.name == kShardsDirName ||
+              e.name == kNemoConsolidateScript) {
             continue;
           }
           real(e);
@@ -1253,8 +1265,8 @@ struct Filesystem::Impl {
       st->next_check = Clock::now();
     }
     touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
-    if (notifier && (h.wf->state() == write::WriteFile::State::Committed ||
-                     format::parse_model_name(name))) {
+    if (notifier &&
+        (h.wf->state() == write::WriteFile::State::Committed || format::parse_model_name(name))) {
       // The name now shows the consolidated file (committed, or still the older one when this
       // one was cut short and stays hidden behind it): the kernel's entry still holds the file
       // as it was being written.
@@ -1447,7 +1459,16 @@ Result<uint64_t> Filesystem::opendir(Ino ino) {
   if (n->kind == Kind::Dir) CKPTFS_CHECK(impl_->real_attr(*n));
   CKPTFS_TRY(auto entries, impl_->list(*n));
   auto h = std::make_unique<DirHandle>();
-  h->entries = std::move(entries);
+  // "." and ".." first, as a real directory lists them (d_ino as stat shows them).
+  const uint64_t self = impl_->dir_ino_shown(*n);
+  uint64_t parent = self;
+  if (!n->links.empty()) {
+    if (auto p = impl_->get(n->links.front().first)) parent = impl_->dir_ino_shown(*p);
+  }
+  h->entries.reserve(entries.size() + 2);
+  h->entries.push_back(DirEntryOut{".", self, S_IFDIR});
+  h->entries.push_back(DirEntryOut{"..", parent, S_IFDIR});
+  for (auto& e : entries) h->entries.push_back(std::move(e));
   return Impl::adopt(impl_->handles_mu_, impl_->dirs_open_, std::move(h));
 }
 

@@ -430,6 +430,33 @@ def test_nemo_side_files_lifted_mapping_hidden(tree, mnt):
     assert model_names(d) == sorted([INDEX] + [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)])
 
 
+def test_readdir_lists_dot_and_dotdot(tree, mnt):
+    """readdir returns "." and ".." (ls -a shows them, with the inode numbers stat gives)."""
+    d = mpath(tree, mnt, "nemo")
+    r = subprocess.run(["ls", "-a1i", str(d)], capture_output=True, text=True, check=True)
+    rows = dict(reversed(line.split(None, 1)) for line in r.stdout.splitlines())
+    assert "." in rows and ".." in rows, r.stdout
+    assert int(rows["."]) == os.stat(d).st_ino
+    assert int(rows[".."]) == os.stat(d.parent).st_ino
+    assert "." not in os.listdir(d)
+
+
+def test_nemo_consolidate_script_hidden(tmp_path):
+    """NeMo writes consolidate.sh beside its shards; the view, like NeMo's own consolidated
+    output, leaves it out of a checkpoint directory (and keeps it elsewhere)."""
+    src = tmp_path / "src"
+    ck = src / "run" / "step_1" / "model"
+    write_checkpoint(str(ck), [TensorSpec("w", "F32", (8, 4), grid=(2, 1))], world=2, seed=3)
+    (ck / "consolidate.sh").write_text("#!/bin/sh\n")
+    (src / "run" / "consolidate.sh").write_text("#!/bin/sh\n")
+    with Mount(src, tmp_path / "mnt") as m:
+        view = pathlib.Path(m.mnt)
+        assert "consolidate.sh" not in os.listdir(view / "run/step_1/model")
+        assert not os.path.exists(view / "run/step_1/model/consolidate.sh")
+        assert "model-00001-of-00001.safetensors" in os.listdir(view / "run/step_1/model")
+        assert (view / "run/consolidate.sh").read_text() == "#!/bin/sh\n"
+
+
 def test_whole_tree_matches_expected_view(tree, mnt):
     want = expected_snapshot(tree.src, tree.cons)
     got = snapshot(mnt.mnt)

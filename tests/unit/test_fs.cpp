@@ -58,7 +58,7 @@ std::vector<std::string> names(fs::Filesystem& f, fs::Ino dir) {
   std::vector<std::string> out;
   if (!dh) return out;
   EXPECT_TRUE(f.readdir(*dh, 0, [&](const fs::DirEntryOut& e, uint64_t) {
-                 out.push_back(e.name);
+                 if (e.name != "." && e.name != "..") out.push_back(e.name);
                  return true;
                }).ok());
   f.releasedir(*dh);
@@ -618,4 +618,57 @@ TEST(Fs, ADirectoryBecomingACheckpointDropsTheNamesItNowHides) {
   names(*t.f, hf);
   EXPECT_EQ(t.rec.entries.count({hf, "model.safetensors"}), 1u);
   EXPECT_EQ(t.f->lookup(hf, "model.safetensors").error().code, ENOENT);
+}
+
+TEST(Fs, ReaddirListsDotAndDotDotWithTheInodesStatShows) {
+  Fs t;
+  fs::Ino run = t.walk({"run"});
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  auto dh = t.f->opendir(model);
+  ASSERT_TRUE(dh.ok());
+  std::vector<fs::DirEntryOut> got;
+  ASSERT_TRUE(t.f->readdir(*dh, 0,
+                           [&](const fs::DirEntryOut& e, uint64_t) {
+                             got.push_back(e);
+                             return true;
+                           })
+                  .ok());
+  t.f->releasedir(*dh);
+  ASSERT_GE(got.size(), 2u);
+  EXPECT_EQ(got[0].name, ".");
+  EXPECT_EQ(got[0].ino, t.f->getattr(model)->st_ino);
+  EXPECT_EQ(got[0].type, static_cast<mode_t>(S_IFDIR));
+  EXPECT_EQ(got[1].name, "..");
+  EXPECT_EQ(got[1].ino, t.f->getattr(t.walk({"run", "step_1"}))->st_ino);
+  // The root's ".." is itself.
+  auto rh = t.f->opendir(fs::kRootIno);
+  ASSERT_TRUE(rh.ok());
+  std::vector<fs::DirEntryOut> root;
+  ASSERT_TRUE(t.f->readdir(*rh, 0,
+                           [&](const fs::DirEntryOut& e, uint64_t) {
+                             root.push_back(e);
+                             return true;
+                           })
+                  .ok());
+  t.f->releasedir(*rh);
+  ASSERT_GE(root.size(), 2u);
+  EXPECT_EQ(root[1].name, "..");
+  EXPECT_EQ(root[1].ino, root[0].ino);
+  EXPECT_EQ(root[0].ino, t.f->getattr(fs::kRootIno)->st_ino);
+  (void)run;
+}
+
+TEST(Fs, NemoConsolidateScriptIsHiddenInACheckpointDirectory) {
+  Fs t;
+  test::write_file(t.dir.path() + "/run/step_1/model/consolidate.sh", "#!/bin/sh\n");
+  test::write_file(t.dir.path() + "/run/consolidate.sh", "#!/bin/sh\n");
+  t.f->invalidate_all();
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  auto listing = names(*t.f, model);
+  EXPECT_EQ(std::count(listing.begin(), listing.end(), "consolidate.sh"), 0);
+  EXPECT_EQ(t.f->lookup(model, "consolidate.sh").error().code, ENOENT);
+  // Outside a checkpoint directory it is an ordinary file.
+  fs::Ino run = t.walk({"run"});
+  auto outside = names(*t.f, run);
+  EXPECT_EQ(std::count(outside.begin(), outside.end(), "consolidate.sh"), 1);
 }
