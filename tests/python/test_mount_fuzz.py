@@ -147,7 +147,9 @@ class Fuzz:
                     meta.unlink()
                 os.symlink(self.outside, meta)
         elif kind == "dup_rank":
-            shutil.copy(victim, d / f"shard-{99:05d}-model-00001-of-00001.safetensors")
+            dup = d / f"shard-{99:05d}-model-00001-of-00001.safetensors"
+            if victim != dup:  # an earlier round's duplicate may be the victim itself
+                shutil.copy(victim, dup)
         self.note(f"break {kind}: {victim.relative_to(self.src)!r}")
 
     def replace_with_raw(self, path: pathlib.Path, header: bytes, data: bytes) -> None:
