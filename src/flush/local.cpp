@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -40,6 +42,12 @@ void remove_tree_depth(int parent, const std::string& name, int depth) {
   if (::unlinkat(parent, name.c_str(), 0) == 0 || errno == ENOENT) return;
   if (depth > kMaxRemoveDepth) return;
   auto fd = open_at(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  struct stat pst {
+  }, cst{};
+  if (fd &&
+      (::fstat(parent, &pst) != 0 || ::fstat(fd->get(), &cst) != 0 || pst.st_dev != cst.st_dev)) {
+    return;  // another file system mounted there (the view itself, say): never descend
+  }
   if (fd) {
     if (auto list = source::list_dir(fd->get()); list) {
       for (const auto& e : *list) {
@@ -70,12 +78,14 @@ bool stale(int txfd) {
 
 // The roll forward of a commit: staged shards over their final names, then the directory's
 // other shards and records of the same file number removed. Idempotent.
+// `recovering`: a staged shard that is gone was moved already by the interrupted roll forward;
+// in a live commit every staged shard must still be there.
 Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
-                    const std::string& display) {
+                    const std::string& display, bool recovering) {
   for (const auto& s : rec.shards) {
     auto p = format::parse_shard_name(s.name);
     if (::renameat(txfd, staged_name(p->shard).c_str(), dirfd, s.name.c_str()) != 0 &&
-        errno != ENOENT) {
+        (errno != ENOENT || !recovering)) {
       return sys_error(
           fmt::format("{}/{}: cannot move the committed shard into place", display, s.name));
     }
@@ -104,15 +114,48 @@ Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
   return {};
 }
 
+// Staging directories this process is using: recover() never touches them, whatever their
+// lock says (between a staging's mkdir and its flock, the lock proves nothing).
+struct Live {
+  std::mutex mu;  // guards names
+  std::set<std::string> names;
+  bool has(const std::string& n) {
+    std::lock_guard lock(mu);
+    return names.count(n) != 0;
+  }
+};
+
+// The state directory is trusted only when the daemon made it: owned by its user and
+// writable by nobody else. Anyone else's could swap staged shards or plant records that make
+// recovery rename or unlink files as root.
+Status check_state_dir(int statefd, const std::string& display) {
+  struct stat st {};
+  if (::fstat(statefd, &st) != 0) return sys_error(display + ": stat failed");
+  if (st.st_uid != ::geteuid() || (st.st_mode & 022) != 0) {
+    return make_error(
+        EPERM,
+        "{}: owned by uid {} with mode {:o}, not by this daemon (uid {}) and private; "
+        "not used",
+        display, st.st_uid, st.st_mode & 07777, ::geteuid());
+  }
+  return {};
+}
+
 class LocalTransaction final : public Transaction {
  public:
-  ~LocalTransaction() override { abort(); }
+  ~LocalTransaction() override {
+    abort();
+    std::lock_guard lock(live_->mu);
+    live_->names.erase(name_);
+  }
 
   static Result<std::unique_ptr<LocalTransaction>> begin(const Target& t,
                                                          const write::ShardSet& set,
-                                                         std::string what) {
+                                                         std::string what,
+                                                         std::shared_ptr<Live> live) {
     static std::atomic<uint64_t> counter{0};
     auto tx = std::unique_ptr<LocalTransaction>(new LocalTransaction());
+    tx->live_ = std::move(live);
     tx->what_ = std::move(what);
     tx->display_ = t.display;
     int d = ::fcntl(t.dirfd, F_DUPFD_CLOEXEC, 0);
@@ -122,8 +165,13 @@ class LocalTransaction final : public Transaction {
       return sys_error(fmt::format("{}/{}: cannot create", t.display, kState));
     }
     CKPTFS_TRY(tx->state_, open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+    CKPTFS_CHECK(check_state_dir(tx->state_.get(), t.display + "/" + kState));
     std::random_device rd;
     tx->name_ = fmt::format("tx-{}-{}-{:08x}", ::getpid(), counter.fetch_add(1), rd());
+    {
+      std::lock_guard lock(tx->live_->mu);
+      tx->live_->names.insert(tx->name_);
+    }
     const std::string tx_display = fmt::format("{}/{}/{}", t.display, kState, tx->name_);
     if (::mkdirat(tx->state_.get(), tx->name_.c_str(), 0700) != 0) {
       return sys_error(fmt::format("{}: cannot create", tx_display));
@@ -207,7 +255,7 @@ class LocalTransaction final : public Transaction {
     committed_ = true;
     record_ = final_rec;
     if (durable) CKPTFS_CHECK(fsync_fd(state_.get(), display_ + "/" + kState));
-    CKPTFS_CHECK(roll_forward(dir_.get(), state_.get(), rec, tx_.get(), display_));
+    CKPTFS_CHECK(roll_forward(dir_.get(), state_.get(), rec, tx_.get(), display_, false));
     remove_staging();
     if (durable) CKPTFS_CHECK(fsync_fd(dir_.get(), display_));
     return {};
@@ -236,6 +284,7 @@ class LocalTransaction final : public Transaction {
 
   std::string what_, display_, name_;
   std::string record_;  // the record's name in .ckptfs, once committed
+  std::shared_ptr<Live> live_;
   UniqueFd dir_, state_, tx_, lock_;
   std::vector<UniqueFd> fds_;
   std::vector<uint64_t> sizes_;
@@ -249,7 +298,7 @@ class LocalFlusher final : public Flusher {
 
   Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
                                              std::string what) override {
-    CKPTFS_TRY(auto tx, LocalTransaction::begin(t, set, std::move(what)));
+    CKPTFS_TRY(auto tx, LocalTransaction::begin(t, set, std::move(what), live_));
     return std::unique_ptr<Transaction>(std::move(tx));
   }
 
@@ -258,6 +307,16 @@ class LocalFlusher final : public Flusher {
     if (!state) return;
     auto list = source::list_dir(state->get());
     if (!list) return;
+    // Nothing to do unless some staging is there: records alone are the stored form.
+    if (std::none_of(list->begin(), list->end(), [](const source::DirEntry& e) {
+          return S_ISDIR(e.st.st_mode) && e.name.starts_with("tx-");
+        })) {
+      return;
+    }
+    if (auto ok = check_state_dir(state->get(), t.display + "/" + kState); !ok) {
+      spdlog::warn("{}", ok.error().message);
+      return;
+    }
     std::vector<std::string> referenced;
     for (const auto& e : *list) {
       if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
@@ -266,10 +325,11 @@ class LocalFlusher final : public Flusher {
       auto rec = format::parse_record(*text, e.name);
       if (!rec || rec->tx.empty()) continue;
       referenced.push_back(rec->tx);
+      if (live_->has(rec->tx)) continue;
       auto tx = open_at(state->get(), rec->tx, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
       if (!tx || !stale(tx->get())) continue;
       spdlog::info("{}: completing the interrupted commit of {}", t.display, rec->name);
-      if (auto st = roll_forward(t.dirfd, state->get(), *rec, tx->get(), t.display); !st) {
+      if (auto st = roll_forward(t.dirfd, state->get(), *rec, tx->get(), t.display, true); !st) {
         spdlog::error("{}: {}", t.display, st.error().message);
         continue;
       }
@@ -278,6 +338,7 @@ class LocalFlusher final : public Flusher {
     for (const auto& e : *list) {
       if (!S_ISDIR(e.st.st_mode) || !e.name.starts_with("tx-")) continue;
       if (std::find(referenced.begin(), referenced.end(), e.name) != referenced.end()) continue;
+      if (live_->has(e.name)) continue;
       auto tx = open_at(state->get(), e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
       if (!tx || !stale(tx->get())) continue;
       spdlog::info("{}: removing {}/{}, left by a write that never committed", t.display, kState,
@@ -287,7 +348,21 @@ class LocalFlusher final : public Flusher {
     }
   }
 
+  // Records first: a crash midway leaves shards without a record (a DCP checkpoint the view
+  // may show), never a record naming shards that are gone.
   Status remove(const Target& t, uint32_t k, uint32_t m) override {
+    if (auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW); state) {
+      CKPTFS_TRY(auto recs, source::list_dir(state->get()));
+      for (const auto& e : recs) {
+        if (!e.name.ends_with(format::kRecordSuffix)) continue;
+        auto mn = format::parse_model_name(
+            std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
+        if (mn && mn->k == k && mn->m == m && ::unlinkat(state->get(), e.name.c_str(), 0) != 0 &&
+            errno != ENOENT) {
+          return sys_error(fmt::format("{}/{}/{}: cannot remove", t.display, kState, e.name));
+        }
+      }
+    }
     CKPTFS_TRY(auto entries, source::list_dir(t.dirfd));
     for (const auto& e : entries) {
       auto p = format::parse_shard_name(e.name);
@@ -296,19 +371,12 @@ class LocalFlusher final : public Flusher {
         return sys_error(fmt::format("{}/{}: cannot remove", t.display, e.name));
       }
     }
-    auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-    if (!state) return {};
-    CKPTFS_TRY(auto recs, source::list_dir(state->get()));
-    for (const auto& e : recs) {
-      if (!e.name.ends_with(format::kRecordSuffix)) continue;
-      auto mn = format::parse_model_name(
-          std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
-      if (mn && mn->k == k && mn->m == m) ::unlinkat(state->get(), e.name.c_str(), 0);
-    }
     return {};
   }
 
  private:
+  std::shared_ptr<Live> live_ = std::make_shared<Live>();
+
   // The empty backing file of the dead writer, found by the inode its staging recorded.
   static void remove_placeholder(int dirfd, int txfd) {
     auto text = read_small_file_at(txfd, "lock");

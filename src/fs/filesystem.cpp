@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <unordered_map>
 
 #include <spdlog/spdlog.h>
@@ -414,7 +415,7 @@ struct Filesystem::Impl {
     bool shard_named = false;           // named like a rank shard (a DCP save into the view)
   };
   using DevIno = std::pair<uint64_t, uint64_t>;
-  std::mutex writes_mu_;  // guards writes_ and touched_ns_; a leaf
+  std::mutex writes_mu_;  // guards writes_, touched_ns_ and produced_; a leaf
   std::map<DevIno, Writing> writes_;
   std::map<DevIno, int64_t> touched_ns_;
 
@@ -436,10 +437,17 @@ struct Filesystem::Impl {
 
   // Whether every change of directory (dev, ino) up to `changed_ns` was this daemon's, and no
   // rank shard is still being written there.
-  bool quiet_by_us(uint64_t dev, uint64_t ino, int64_t changed_ns) {
+  // ...and every input of the checkpoint (`sig`) is a file this daemon finished writing, as
+  // it is now: shards another writer put there (another node, a job writing SRC directly)
+  // still wait for settle.
+  bool quiet_by_us(uint64_t dev, uint64_t ino, int64_t changed_ns, const source::Signature& sig) {
+    std::vector<std::shared_ptr<write::WriteFile>> seen;  // released after the lock
     std::lock_guard lock(writes_mu_);
     auto t = touched_ns_.find({dev, ino});
     if (t == touched_ns_.end() || changed_ns > t->second) return false;
+    for (const auto& [name, stamp] : sig.files) {
+      if (!produced_.count(stamp_key(stamp))) return false;
+    }
     for (auto it = writes_.begin(); it != writes_.end();) {
       auto wf = it->second.wf.lock();
       if (!wf) {
@@ -448,13 +456,32 @@ struct Filesystem::Impl {
       }
       // A consolidated file being written changes nothing shown until its commit, which is
       // atomic; a rank shard written in place (a DCP save) does.
-      if (it->second.dir == DevIno{dev, ino} && it->second.shard_named && wf->dirty()) {
-        return false;
-      }
+      const bool busy = it->second.dir == DevIno{dev, ino} && it->second.shard_named && wf->dirty();
+      seen.push_back(std::move(wf));
+      if (busy) return false;
       ++it;
     }
     return true;
   }
+
+  using StampKey = std::tuple<uint64_t, uint64_t, uint64_t, int64_t, int64_t>;
+  static StampKey stamp_key(const layout::FileStamp& s) {
+    return {s.dev, s.ino, s.size, s.mtime_ns, s.ctime_ns};
+  }
+  // Records that this daemon finished writing these files of directory `dirfd`, as they are.
+  void produced(int dirfd, const std::vector<std::string>& names) {
+    std::vector<StampKey> keys;
+    for (const auto& n : names) {
+      struct stat st {};
+      if (::fstatat(dirfd, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        keys.push_back(stamp_key(source::stamp_of(st)));
+      }
+    }
+    std::lock_guard lock(writes_mu_);
+    if (produced_.size() > 65536) produced_.clear();  // only recent writes matter
+    produced_.insert(keys.begin(), keys.end());
+  }
+  std::set<StampKey> produced_;  // files this daemon finished writing, by stamp (writes_mu_)
 
   // Lock order: DirState::mu -> mu_. The header cache has its own leaf lock.
   mutable std::mutex mu_;  // guards nodes_, keys_, next_ino_, dirs_
@@ -733,7 +760,7 @@ struct Filesystem::Impl {
         std::chrono::duration_cast<std::chrono::nanoseconds>(opts.settle).count();
     st.settled =
         quiet_ns >= settle_ns || quiet_by_us(static_cast<uint64_t>(dst.st_dev),
-                                             static_cast<uint64_t>(dst.st_ino), changed_ns);
+                                             static_cast<uint64_t>(dst.st_ino), changed_ns, sig);
     if (!st.settled) {
       st.next_check = std::min(st.next_check, now + std::chrono::nanoseconds(settle_ns - quiet_ns));
     }
@@ -1221,13 +1248,24 @@ struct Filesystem::Impl {
       if (!(real_key(st) == n.key)) return make_error(ESTALE, "{}: replaced", n.rel);
       fresh = fresh || st.st_size == 0;
     } else {
-      int raw = ::openat(d.fd.get(), name.c_str(), oflags | O_CREAT | O_TRUNC, 0644);
+      int raw = ::openat(d.fd.get(), name.c_str(), oflags | O_CREAT | O_TRUNC, 0600);
       if (raw < 0) return make_error(errno, "{}: {}", source_path(n.rel), std::strerror(errno));
       fd.reset(raw);
+      // The new version keeps the owner and mode of the one it replaces (its shards'), which
+      // its own shards then take at commit.
+      if (!n.view->inputs.empty()) {
+        const Perm& p = n.view->inputs.front();
+        if ((::geteuid() == 0 && ::fchown(raw, p.uid, p.gid) != 0) ||
+            ::fchmod(raw, p.mode & 07777) != 0) {
+          return make_error(errno, "{}: cannot keep the owner and mode: {}", source_path(n.rel),
+                            std::strerror(errno));
+        }
+      }
       fresh = true;
     }
     CKPTFS_TRY(auto wf, start_writing(std::move(fd), d, name, fresh));
     if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));
+    wf->writers.fetch_add(1);
     touched(d.dev, d.ino);
     auto h = std::make_unique<FileHandle>();
     h->reader = std::make_shared<WriteFileReader>(wf);
@@ -1263,6 +1301,11 @@ struct Filesystem::Impl {
       st->built.wait(lock, [&] { return !st->building; });
       result = fn(*h.wf, write::Place{dfd->get(), name, source_path(dir_rel)});
       st->next_check = Clock::now();
+      if (result.ok()) {
+        auto names = h.wf->stored_names();
+        if (names.empty() && format::looks_like_shard_name(name)) names.push_back(name);
+        produced(dfd->get(), names);
+      }
     }
     touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
     if (notifier &&
@@ -1320,6 +1363,24 @@ struct Filesystem::Impl {
     };
     if (a) relink(*a, {op, oname}, {np, nname});
     if (b && exchange) relink(*b, {np, nname}, {op, oname});
+  }
+
+  // Whether what the view hides in directory `dir` (whose listing is empty) may go with it:
+  // only the remains of a broken checkpoint that has been quiet for the settle time, or the
+  // write path's state, never a checkpoint still settling or being written, nor the mount
+  // point itself.
+  bool hidden_removable(const Node& dir) {
+    if (!hidden_child(dir.rel).empty()) return false;
+    {
+      std::lock_guard lock(writes_mu_);
+      for (const auto& [key, w] : writes_) {
+        if (w.dir == DevIno{dir.dev, dir.bino} && !w.wf.expired()) return false;
+      }
+    }
+    auto st = dir_state(dir.dev, dir.bino);
+    std::lock_guard lock(st->mu);
+    if (!st->view) return true;
+    return st->settled && !st->building && !st->view->ckpt->valid() && !st->view_sig.files.empty();
   }
 
   // forget() under mu_: returns the state of a directory that was dropped, if any.
@@ -1552,7 +1613,21 @@ std::shared_ptr<const FileReader> Filesystem::reader(uint64_t fh) const {
   return reinterpret_cast<FileHandle*>(fh)->reader;
 }
 
-void Filesystem::release(uint64_t fh) { Impl::drop(impl_->handles_mu_, impl_->files_, fh); }
+void Filesystem::release(uint64_t fh) {
+  auto* h = reinterpret_cast<FileHandle*>(fh);
+  std::shared_ptr<write::WriteFile> wf;
+  if (h->writable && h->wf) {
+    wf = h->wf;
+    wf->writers.fetch_sub(1);
+  }
+  Impl::drop(impl_->handles_mu_, impl_->files_, fh);
+  // The last handle gone: drop the file's registry entry (its state goes with `wf`).
+  if (wf && wf.use_count() == 1) {
+    const auto dev = static_cast<uint64_t>(wf->dev()), ino = static_cast<uint64_t>(wf->ino());
+    wf.reset();
+    impl_->writing(dev, ino);
+  }
+}
 
 Result<struct statvfs> Filesystem::statfs() {
   struct statvfs sv {};
@@ -1595,6 +1670,8 @@ Result<CreateOut> Filesystem::create(Ino parent, std::string_view name, mode_t m
   impl_->touched(d.dev, d.ino);
   CKPTFS_TRY(EntryOut e, impl_->lookup_real(join_rel(d.node.rel, name), parent, name));
   CKPTFS_TRY(auto wf, impl_->start_writing(std::move(file), d, n, true));
+  if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));  // the inode may have been open already
+  wf->writers.fetch_add(1);
   auto h = std::make_unique<FileHandle>();
   h->reader = std::make_shared<WriteFileReader>(wf);
   h->wf = std::move(wf);
@@ -1716,7 +1793,9 @@ Status Filesystem::rmdir(Ino parent, std::string_view name) {
     return make_error(ENOTEMPTY, "{}: not empty", impl_->source_path(rel));
   }
   CKPTFS_TRY(auto shown, impl_->list(*child));
-  if (!shown.empty()) return make_error(ENOTEMPTY, "{}: not empty", impl_->source_path(rel));
+  if (!shown.empty() || !impl_->hidden_removable(*child)) {
+    return make_error(ENOTEMPTY, "{}: not empty", impl_->source_path(rel));
+  }
   CKPTFS_TRY(UniqueFd cfd, open_at(d.fd.get(), n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
   CKPTFS_TRY(auto left, source::list_dir(cfd.get()));
   for (const auto& e : left) flush::remove_tree(cfd.get(), e.name);
@@ -1763,12 +1842,14 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
   if (::fstatat(to.fd.get(), nn.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
     return {};
   }
-  if (impl_->writing(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino))) return {};
+  if (auto open =
+          impl_->writing(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+      open && open->writers.load() > 0) {
+    return {};  // stored when its writer closes it, under the name it has then
+  }
   CKPTFS_TRY(UniqueFd fd, open_at(to.fd.get(), nn, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
-  CKPTFS_TRY(auto wf,
-             write::WriteFile::open(std::move(fd), to.fd.get(), impl_->source_path(to.node.rel),
-                                    false, *impl_->flusher, impl_->plan_options(to.fd.get()),
-                                    impl_->source_path(join_rel(to.node.rel, nn))));
+  // The registered state if the file is still open (read-only, or a release not yet here).
+  CKPTFS_TRY(auto wf, impl_->start_writing(std::move(fd), to, nn, false));
   auto dst = to.state();
   std::unique_lock lock(dst->mu);
   dst->built.wait(lock, [&] { return !dst->building; });

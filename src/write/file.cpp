@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
 #include "ckptfs/write/sniff.hpp"
 
 namespace ckptfs::write {
@@ -61,14 +62,14 @@ WriteFile::State WriteFile::state() const {
   return state_;
 }
 
+std::vector<std::string> WriteFile::stored_names() const {
+  std::lock_guard lock(mu_);
+  return stored_;
+}
+
 bool WriteFile::routed() const {
   std::lock_guard lock(mu_);
   return state_ == State::Routed || state_ == State::Committed;
-}
-
-bool WriteFile::dirty() const {
-  std::lock_guard lock(mu_);
-  return dirty_;
 }
 
 flush::Target WriteFile::target() const {
@@ -163,7 +164,12 @@ Status WriteFile::enter_routed_locked(format::Header h) {
     return to_plain_locked(true);
   }
   auto tx = flusher_->begin(target(), *s, what_);
-  if (!tx) return fail_locked(std::move(tx).error());
+  if (!tx) {
+    // Staging could not be made (no space for it, no flock on this file system, ...): the
+    // file is kept whole, as a plain file would be, rather than refused.
+    spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
+    return to_plain_locked(true);
+  }
   plan_ = std::move(p).value();
   set_ = std::move(s).value();
   tx_ = std::move(tx).value();
@@ -257,7 +263,7 @@ Result<size_t> WriteFile::read(uint64_t off, size_t len, char* dst) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(len, size_ - off));
       const size_t from_prefix =
           off < prefix_.size() ? std::min<size_t>(n, prefix_.size() - off) : 0;
-      std::copy_n(prefix_.data() + off, from_prefix, dst);
+      if (from_prefix > 0) std::copy_n(prefix_.data() + off, from_prefix, dst);
       std::fill(dst + from_prefix, dst + n, '\0');
       return n;
     }
@@ -301,6 +307,9 @@ Status WriteFile::fsync(const Place& where, bool datasync) {
       return *error_;
     case State::Sniffing:
     case State::Plain:
+      // The bytes held while sniffing go to the backing file first: fsync covers them.
+      if (state_ == State::Sniffing) CKPTFS_CHECK(to_plain_locked(true));
+      durable_ = true;  // a split at close is made durable too
       if ((datasync ? ::fdatasync(backing_.get()) : ::fsync(backing_.get())) != 0) {
         return sys_error(what_ + ": fsync failed");
       }
@@ -326,7 +335,7 @@ Result<bool> WriteFile::is_backing(const Place& where) const {
 
 Status WriteFile::finalize(const Place& where) {
   std::lock_guard lock(mu_);
-  const bool was_dirty = std::exchange(dirty_, false);
+  const bool was_dirty = dirty_.exchange(false);
   switch (state_) {
     case State::Failed:
       return *error_;
@@ -386,6 +395,11 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
   info.size = router_->file_size();
   if (auto st = tx_->commit(info, durable); !st) return fail_locked(std::move(st).error());
   state_ = State::Committed;
+  stored_.clear();
+  for (uint32_t r = 0; r < set_.shards.size(); ++r) {
+    stored_.push_back(format::shard_file_name(r + 1, info.k, info.m));
+  }
+  stored_.push_back(std::string(format::kStateDirName) + "/" + format::record_file_name(info.name));
   // The backing file was a placeholder: the shards are the file now.
   CKPTFS_TRY(bool still, is_backing(where));
   if (still && ::unlinkat(where.dirfd, where.name.c_str(), 0) != 0 && errno != ENOENT) {
@@ -414,10 +428,14 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable) {
   auto p = plan(*s.header, plan_opts_, what_);
   auto set = p ? shard_headers(*s.header, *p, what_) : Result<ShardSet>(p.error());
   if (!set) return {};  // stored whole
-  CKPTFS_TRY(auto tx, flusher_->begin(target(), *set, what_));
+  auto tx = flusher_->begin(target(), *set, what_);
+  if (!tx) {  // no staging here: the file stays whole, as written
+    spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
+    return {};
+  }
   plan_ = std::move(p).value();
   set_ = std::move(set).value();
-  CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, plan_, set_, *tx, what_));
+  CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, plan_, set_, **tx, what_));
   std::string buf(kCopyChunk, '\0');
   for (uint64_t x = 0; x < size; x += kCopyChunk) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(kCopyChunk, size - x));
@@ -425,7 +443,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable) {
     CKPTFS_CHECK(r.write(x, std::string_view(buf.data(), len)));
   }
   // The file is routed now; the commit removes the backing file once the shards hold it.
-  tx_ = std::move(tx);
+  tx_ = std::move(tx).value();
   router_.emplace(std::move(r));
   header_ = std::move(s.header);
   size_ = size;

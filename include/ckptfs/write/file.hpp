@@ -18,11 +18,13 @@
 
 #include <sys/stat.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/format/safetensors.hpp"
@@ -75,8 +77,16 @@ class WriteFile {
   Status store(const Place& where);
 
   [[nodiscard]] State state() const;
+  // Once committed: the files its stored form is made of, relative to its directory (the
+  // rank shards and the commit record).
+  [[nodiscard]] std::vector<std::string> stored_names() const;
   [[nodiscard]] bool routed() const;  // Routed or Committed: the shards hold the bytes
-  [[nodiscard]] bool dirty() const;   // written since the last finalize
+  // Written since the last finalize. Lock-free: the fs layer polls it under its own locks,
+  // which must not wait behind a long copy holding this file's mutex.
+  [[nodiscard]] bool dirty() const { return dirty_.load(std::memory_order_relaxed); }
+  // Handles open for writing on this file (kept by the fs layer): with none, nothing will
+  // finalize it, so a rename onto a model name stores it at once.
+  std::atomic<int> writers{0};
   [[nodiscard]] dev_t dev() const { return dev_; }
   [[nodiscard]] ino_t ino() const { return ino_; }
 
@@ -107,8 +117,9 @@ class WriteFile {
   ShardSet set_;
   std::unique_ptr<flush::Transaction> tx_;
   std::optional<StreamRouter> router_;
-  std::optional<Error> error_;  // Failed
-  bool dirty_ = false;
+  std::optional<Error> error_;       // Failed
+  std::vector<std::string> stored_;  // Committed: see stored_names()
+  std::atomic<bool> dirty_{false};
   bool durable_ = false;  // fsync was asked: the commit is made durable too
 };
 
