@@ -1868,6 +1868,16 @@ Result<struct stat> Filesystem::setattr(Ino ino, const SetAttr& a, std::optional
   CKPTFS_WRITABLE();
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->kind == Kind::Output && fh) {
+    // A new version being written through a handle opened with O_TRUNC: its writer sizes it
+    // (ftruncate before the data, as safetensors does); owner, mode and times follow the
+    // version it replaces.
+    auto* h = reinterpret_cast<FileHandle*>(*fh);
+    if (h->wf && h->writable) {
+      if (a.size) CKPTFS_CHECK(h->wf->truncate(*a.size));
+      return getattr_handle(*fh);
+    }
+  }
   if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir) {
     return make_error(EPERM, "{}: a consolidated file's attributes follow its shards", n->rel);
   }

@@ -390,3 +390,32 @@ TEST(WriteFile, AStateDirectoryNotMadeByTheDaemonIsNeverUsed) {
   EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
   EXPECT_TRUE(stdfs::exists(s.path("ckpt/.ckptfs/tx-planted/rank-00001")));
 }
+
+TEST(WriteFile, RewritingAConsolidatedFileWithOTruncAndFtruncate) {
+  // open(O_TRUNC) of the shown file, ftruncate to the final size through that handle, write,
+  // close: a new version, with the old one's owner and mode.
+  Src s(2);
+  const std::string v1 = consolidated(31), v2 = consolidated(32, 40);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  ASSERT_EQ(::chmod(s.path("ckpt/" + format::shard_file_name(1, 1, 1)).c_str(), 0640), 0);
+  ASSERT_EQ(::chmod(s.path("ckpt/" + format::shard_file_name(2, 1, 1)).c_str(), 0640), 0);
+  s.f->invalidate_all();
+  fs::Ino file = s.lookup(s.ckpt(), "model.safetensors");
+  auto o = s.f->open(file, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(o.ok()) << o.error().message;
+  fs::SetAttr a;
+  a.size = v2.size();
+  auto st = s.f->setattr(file, a, o->fh);
+  ASSERT_TRUE(st.ok()) << st.error().message;
+  EXPECT_EQ(st->st_size, static_cast<off_t>(v2.size()));
+  a.size.reset();
+  a.mode = 0600;
+  EXPECT_EQ(s.f->setattr(file, a).error().code, EPERM);  // without the writer's handle
+  ASSERT_TRUE(s.f->write(o->fh, 0, v2).ok());
+  ASSERT_TRUE(s.f->flush(o->fh).ok());
+  s.f->release(o->fh);
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v2));
+  struct stat sh {};
+  ASSERT_EQ(::stat(s.path("ckpt/" + format::shard_file_name(1, 1, 1)).c_str(), &sh), 0);
+  EXPECT_EQ(sh.st_mode & 07777, 0640u);
+}
