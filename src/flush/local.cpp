@@ -28,13 +28,8 @@ constexpr int kMaxRemoveDepth = 8;  // staging directories are flat; anything de
 
 std::string staged_name(uint32_t shard) { return fmt::format("rank-{:05d}", shard); }
 
-Error sys_error(std::string_view what) {
-  int e = errno;
-  return make_error(e, "{}: {}", what, std::strerror(e));
-}
-
 Status fsync_fd(int fd, std::string_view what) {
-  if (::fsync(fd) != 0) return sys_error(fmt::format("{}: fsync failed", what));
+  if (::fsync(fd) != 0) return errno_error(fmt::format("{}: fsync failed", what));
   return {};
 }
 
@@ -86,7 +81,7 @@ Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
     auto p = format::parse_shard_name(s.name);
     if (::renameat(txfd, staged_name(p->shard).c_str(), dirfd, s.name.c_str()) != 0 &&
         (errno != ENOENT || !recovering)) {
-      return sys_error(
+      return errno_error(
           fmt::format("{}/{}: cannot move the committed shard into place", display, s.name));
     }
   }
@@ -98,7 +93,7 @@ Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
     bool ours = std::any_of(rec.shards.begin(), rec.shards.end(),
                             [&](const format::RecordShard& s) { return s.name == e.name; });
     if (!ours && ::unlinkat(dirfd, e.name.c_str(), 0) != 0 && errno != ENOENT) {
-      return sys_error(fmt::format("{}/{}: cannot remove an older shard", display, e.name));
+      return errno_error(fmt::format("{}/{}: cannot remove an older shard", display, e.name));
     }
   }
   if (auto recs = source::list_dir(statefd); recs) {
@@ -130,7 +125,7 @@ struct Live {
 // recovery rename or unlink files as root.
 Status check_state_dir(int statefd, const std::string& display) {
   struct stat st {};
-  if (::fstat(statefd, &st) != 0) return sys_error(display + ": stat failed");
+  if (::fstat(statefd, &st) != 0) return errno_error(display + ": stat failed");
   if (st.st_uid != ::geteuid() || (st.st_mode & 022) != 0) {
     return make_error(
         EPERM,
@@ -159,10 +154,10 @@ class LocalTransaction final : public Transaction {
     tx->what_ = std::move(what);
     tx->display_ = t.display;
     int d = ::fcntl(t.dirfd, F_DUPFD_CLOEXEC, 0);
-    if (d < 0) return sys_error(fmt::format("{}: dup failed", t.display));
+    if (d < 0) return errno_error(fmt::format("{}: dup failed", t.display));
     tx->dir_.reset(d);
     if (::mkdirat(t.dirfd, kState.c_str(), 0700) != 0 && errno != EEXIST) {
-      return sys_error(fmt::format("{}/{}: cannot create", t.display, kState));
+      return errno_error(fmt::format("{}/{}: cannot create", t.display, kState));
     }
     CKPTFS_TRY(tx->state_, open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
     CKPTFS_CHECK(check_state_dir(tx->state_.get(), t.display + "/" + kState));
@@ -174,19 +169,19 @@ class LocalTransaction final : public Transaction {
     }
     const std::string tx_display = fmt::format("{}/{}/{}", t.display, kState, tx->name_);
     if (::mkdirat(tx->state_.get(), tx->name_.c_str(), 0700) != 0) {
-      return sys_error(fmt::format("{}: cannot create", tx_display));
+      return errno_error(fmt::format("{}: cannot create", tx_display));
     }
     tx->created_ = true;
     CKPTFS_TRY(tx->tx_, open_at(tx->state_.get(), tx->name_, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
     CKPTFS_TRY(tx->lock_, open_at(tx->tx_.get(), "lock", O_RDWR | O_CREAT | O_EXCL, 0600));
-    if (::flock(tx->lock_.get(), LOCK_EX) != 0) return sys_error(tx_display + "/lock");
+    if (::flock(tx->lock_.get(), LOCK_EX) != 0) return errno_error(tx_display + "/lock");
     const std::string owner = fmt::format("{}\n", static_cast<uint64_t>(t.placeholder));
     CKPTFS_CHECK(pwrite_all(tx->lock_.get(), owner.data(), owner.size(), 0, tx_display + "/lock"));
     for (const auto& sh : set.shards) {
       const std::string n = staged_name(sh.rank + 1);
       CKPTFS_TRY(UniqueFd fd, open_at(tx->tx_.get(), n, O_RDWR | O_CREAT | O_EXCL, 0600));
       if (::ftruncate(fd.get(), static_cast<off_t>(sh.file_size())) != 0) {
-        return sys_error(fmt::format("{}/{}: cannot size the shard", tx_display, n));
+        return errno_error(fmt::format("{}/{}: cannot size the shard", tx_display, n));
       }
       tx->sizes_.push_back(sh.file_size());
       tx->fds_.push_back(std::move(fd));
@@ -219,10 +214,10 @@ class LocalTransaction final : public Transaction {
   Status set_owner(uid_t uid, gid_t gid, mode_t mode) override {
     for (uint32_t r = 0; r < fds_.size(); ++r) {
       if (::geteuid() == 0 && ::fchown(fds_[r].get(), uid, gid) != 0) {
-        return sys_error(shard_what(r) + ": chown failed");
+        return errno_error(shard_what(r) + ": chown failed");
       }
       if (::fchmod(fds_[r].get(), mode & 07777) != 0) {
-        return sys_error(shard_what(r) + ": chmod failed");
+        return errno_error(shard_what(r) + ": chmod failed");
       }
     }
     return {};
@@ -250,7 +245,7 @@ class LocalTransaction final : public Transaction {
     // The commit point.
     const std::string final_rec = format::record_file_name(info.name);
     if (::renameat(tx_.get(), "record", state_.get(), final_rec.c_str()) != 0) {
-      return sys_error(fmt::format("{}/{}/{}: cannot commit", display_, kState, final_rec));
+      return errno_error(fmt::format("{}/{}/{}: cannot commit", display_, kState, final_rec));
     }
     committed_ = true;
     record_ = final_rec;
@@ -302,25 +297,26 @@ class LocalFlusher final : public Flusher {
     return std::unique_ptr<Transaction>(std::move(tx));
   }
 
-  void recover(const Target& t) override {
+  bool recover(const Target& t) override {
     auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-    if (!state) return;
+    if (!state) return false;
     auto list = source::list_dir(state->get());
-    if (!list) return;
+    if (!list) return false;
     // Nothing to do unless some staging is there: records alone are the stored form.
     if (std::none_of(list->begin(), list->end(), [](const source::DirEntry& e) {
           return S_ISDIR(e.st.st_mode) && e.name.starts_with("tx-");
         })) {
-      return;
+      return false;
     }
     if (auto ok = check_state_dir(state->get(), t.display + "/" + kState); !ok) {
       spdlog::warn("{}", ok.error().message);
-      return;
+      return false;
     }
     std::vector<std::string> referenced;
+    bool changed = false;
     for (const auto& e : *list) {
       if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
-      auto text = read_small_file_at(state->get(), e.name);
+      auto text = read_small_file_beneath(state->get(), e.name, format::kMaxSideFileSize);
       if (!text) continue;
       auto rec = format::parse_record(*text, e.name);
       if (!rec || rec->tx.empty()) continue;
@@ -334,6 +330,7 @@ class LocalFlusher final : public Flusher {
         continue;
       }
       remove_tree(state->get(), rec->tx);
+      changed = true;
     }
     for (const auto& e : *list) {
       if (!S_ISDIR(e.st.st_mode) || !e.name.starts_with("tx-")) continue;
@@ -345,7 +342,9 @@ class LocalFlusher final : public Flusher {
                    e.name);
       remove_placeholder(t.dirfd, tx->get());
       remove_tree(state->get(), e.name);
+      changed = true;
     }
+    return changed;
   }
 
   // Records first: a crash midway leaves shards without a record (a DCP checkpoint the view
@@ -359,7 +358,7 @@ class LocalFlusher final : public Flusher {
             std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
         if (mn && mn->k == k && mn->m == m && ::unlinkat(state->get(), e.name.c_str(), 0) != 0 &&
             errno != ENOENT) {
-          return sys_error(fmt::format("{}/{}/{}: cannot remove", t.display, kState, e.name));
+          return errno_error(fmt::format("{}/{}/{}: cannot remove", t.display, kState, e.name));
         }
       }
     }
@@ -368,7 +367,7 @@ class LocalFlusher final : public Flusher {
       auto p = format::parse_shard_name(e.name);
       if (!p || p->k != k || p->m != m) continue;
       if (::unlinkat(t.dirfd, e.name.c_str(), 0) != 0 && errno != ENOENT) {
-        return sys_error(fmt::format("{}/{}: cannot remove", t.display, e.name));
+        return errno_error(fmt::format("{}/{}: cannot remove", t.display, e.name));
       }
     }
     return {};
@@ -379,7 +378,7 @@ class LocalFlusher final : public Flusher {
 
   // The empty backing file of the dead writer, found by the inode its staging recorded.
   static void remove_placeholder(int dirfd, int txfd) {
-    auto text = read_small_file_at(txfd, "lock");
+    auto text = read_small_file_beneath(txfd, "lock", 64);
     if (!text) return;
     const uint64_t ino = std::strtoull(text->c_str(), nullptr, 10);
     if (ino == 0) return;
@@ -390,17 +389,6 @@ class LocalFlusher final : public Flusher {
         ::unlinkat(dirfd, e.name.c_str(), 0);
       }
     }
-  }
-
-  static Result<std::string> read_small_file_at(int dirfd, const std::string& name) {
-    struct stat st {};
-    CKPTFS_TRY(UniqueFd fd, open_regular_at(dirfd, name, name, &st));
-    if (static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
-      return make_error(EFBIG, "{}: too large", name);
-    }
-    std::string text(static_cast<size_t>(st.st_size), '\0');
-    CKPTFS_CHECK(pread_exact(fd.get(), text.data(), text.size(), 0, name));
-    return text;
   }
 };
 

@@ -63,7 +63,7 @@ Result<Record> parse_record(std::string_view text, std::string_view what) {
   r.m = static_cast<uint32_t>(m);
   if (!r.tx.empty() && !is_valid_component(r.tx)) return bad("tx is not a plain name");
   if (json.size() > kMaxHeaderSize) return bad("header larger than the safetensors limit");
-  CKPTFS_CHECK(parse_header_json(json, r.size, what));
+  CKPTFS_TRY(r.parsed, parse_header_json(json, r.size, what));
   r.header.resize(kHeaderLenBytes);
   uint64_t n = json.size();
   for (size_t i = 0; i < kHeaderLenBytes; ++i)

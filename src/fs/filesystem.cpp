@@ -79,6 +79,12 @@ bool hidden_in_checkpoint(const source::DirEntry& e, bool show_shards) {
          (show_shards && e.name == kShardsDirName);
 }
 
+// The last component of a path relative to the source root.
+std::string last_of(std::string_view rel) {
+  auto slash = rel.rfind('/');
+  return std::string(slash == std::string_view::npos ? rel : rel.substr(slash + 1));
+}
+
 std::string parent_of(std::string_view rel) {
   auto slash = rel.rfind('/');
   return slash == std::string_view::npos ? std::string() : std::string(rel.substr(0, slash));
@@ -722,10 +728,11 @@ struct Filesystem::Impl {
           return is_state_name(e.name) && S_ISDIR(e.st.st_mode);
         })) {
       // What a crashed writer or daemon left: finish its commit, or drop its staging.
-      flusher->recover(flush::Target{dirfd->get(), source_path(rel)});
-      auto again = source::list_dir(dirfd->get(), hidden_child(rel));
-      if (!again) return;
-      entries = std::move(again);
+      if (flusher->recover(flush::Target{dirfd->get(), source_path(rel)})) {
+        auto again = source::list_dir(dirfd->get(), hidden_child(rel));
+        if (!again) return;
+        entries = std::move(again);
+      }
     }
     std::shared_ptr<const View> old = st.view;
     if (!source::has_shards(*entries)) {
@@ -1178,16 +1185,11 @@ struct Filesystem::Impl {
     p.ranks = opts.ranks ? opts.ranks : flusher->default_ranks();
     p.split = opts.split;
     if (p.split == write::PlanOptions::TpPlan) {
-      struct stat st {};
-      auto fd = open_regular_at(dirfd, "config.json", "config.json", &st);
-      if (fd && static_cast<uint64_t>(st.st_size) <= (16u << 20)) {
-        std::string text(static_cast<size_t>(st.st_size), '\0');
-        if (pread_exact(fd->get(), text.data(), text.size(), 0, "config.json")) {
-          if (auto plan = format::parse_tp_plan(text, "config.json"); plan) {
-            p.tp_plan = std::move(plan).value();
-          } else {
-            spdlog::warn("{}; splitting on dim 0", plan.error().message);
-          }
+      if (auto text = read_small_file_beneath(dirfd, "config.json", 16u << 20); text) {
+        if (auto plan = format::parse_tp_plan(*text, "config.json"); plan) {
+          p.tp_plan = std::move(plan).value();
+        } else {
+          spdlog::warn("{}; splitting on dim 0", plan.error().message);
         }
       }
     }
@@ -1217,7 +1219,7 @@ struct Filesystem::Impl {
     bool fresh = (flags & O_TRUNC) != 0;
     if (n.kind == Kind::File) {
       dir_rel = parent_of(n.rel);
-      name = n.rel.substr(dir_rel.empty() ? 0 : dir_rel.size() + 1);
+      name = last_of(n.rel);
     } else if (n.kind == Kind::Output && (flags & O_TRUNC)) {
       // Replacing a consolidated file: a new file under its name, committed at close.
       dir_rel = n.rel;
@@ -1265,16 +1267,21 @@ struct Filesystem::Impl {
     }
     CKPTFS_TRY(auto wf, start_writing(std::move(fd), d, name, fresh));
     if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));
-    wf->writers.fetch_add(1);
     touched(d.dev, d.ino);
+    OpenOut out;
+    out.fh = adopt_writer(std::move(wf), n.ino);
+    return out;
+  }
+
+  // A handle open for writing on `wf`, for the kernel's inode `ino`.
+  uint64_t adopt_writer(std::shared_ptr<write::WriteFile> wf, Ino ino) {
+    wf->writers.fetch_add(1);
     auto h = std::make_unique<FileHandle>();
     h->reader = std::make_shared<WriteFileReader>(wf);
     h->wf = std::move(wf);
-    h->ino = n.ino;
+    h->ino = ino;
     h->writable = true;
-    OpenOut out;
-    out.fh = adopt(handles_mu_, files_, std::move(h));
-    return out;
+    return adopt(handles_mu_, files_, std::move(h));
   }
 
   // Runs `fn` (finalize or fsync) on the file of handle `h` where it is now, under its
@@ -1284,10 +1291,9 @@ struct Filesystem::Impl {
   Status settle_file(FileHandle& h, Fn fn) {
     auto n = get(h.ino);
     if (!n) return make_error(ESTALE, "unknown inode {}", h.ino);
-    std::string dir_rel = n->kind == Kind::File ? parent_of(n->rel) : n->rel;
-    std::string name = n->kind == Kind::File
-                           ? n->rel.substr(dir_rel.empty() ? 0 : dir_rel.size() + 1)
-                           : n->key.name;
+    const bool real = n->kind == Kind::File;
+    const std::string dir_rel = real ? parent_of(n->rel) : n->rel;
+    const std::string name = real ? last_of(n->rel) : n->key.name;
     auto dfd = open_beneath(root.get(), dir_rel, O_RDONLY | O_DIRECTORY);
     struct stat dst {};
     if (!dfd || ::fstat(dfd->get(), &dst) != 0) {
@@ -1501,9 +1507,9 @@ Result<std::string> Filesystem::readlink(Ino ino) {
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
   if (n->kind != Kind::Symlink) return make_error(EINVAL, "not a symlink");
-  std::string parent = parent_of(n->rel);
-  std::string last = n->rel.substr(parent.empty() ? 0 : parent.size() + 1);
-  CKPTFS_TRY(UniqueFd dir, open_beneath(impl_->root.get(), parent, O_PATH | O_DIRECTORY));
+  const std::string last = last_of(n->rel);
+  CKPTFS_TRY(UniqueFd dir,
+             open_beneath(impl_->root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
   std::string buf(PATH_MAX, '\0');
   ssize_t len = ::readlinkat(dir.get(), last.c_str(), buf.data(), buf.size());
   if (len < 0) return make_error(errno, "{}: readlink failed: {}", n->rel, std::strerror(errno));
@@ -1639,15 +1645,6 @@ Result<struct statvfs> Filesystem::statfs() {
 
 // --- writes --------------------------------------------------------------------------
 
-namespace {
-
-Error errno_error(std::string_view what) {
-  int e = errno;
-  return make_error(e, "{}: {}", what, std::strerror(e));
-}
-
-}  // namespace
-
 #define CKPTFS_WRITABLE()                                                  \
   do {                                                                     \
     if (impl_->opts.read_only) return make_error(EROFS, "read-only view"); \
@@ -1671,15 +1668,9 @@ Result<CreateOut> Filesystem::create(Ino parent, std::string_view name, mode_t m
   CKPTFS_TRY(EntryOut e, impl_->lookup_real(join_rel(d.node.rel, name), parent, name));
   CKPTFS_TRY(auto wf, impl_->start_writing(std::move(file), d, n, true));
   if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));  // the inode may have been open already
-  wf->writers.fetch_add(1);
-  auto h = std::make_unique<FileHandle>();
-  h->reader = std::make_shared<WriteFileReader>(wf);
-  h->wf = std::move(wf);
-  h->ino = e.ino;
-  h->writable = true;
   CreateOut out;
   out.entry = e;
-  out.open.fh = Impl::adopt(impl_->handles_mu_, impl_->files_, std::move(h));
+  out.open.fh = impl_->adopt_writer(std::move(wf), e.ino);
   return out;
 }
 
@@ -1735,8 +1726,7 @@ Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_
   CKPTFS_TRY(auto d, impl_->dir_for_change(new_parent, new_name));
   CKPTFS_TRY(UniqueFd from,
              open_beneath(impl_->root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
-  const std::string last =
-      n->rel.substr(n->rel.rfind('/') == std::string::npos ? 0 : n->rel.rfind('/') + 1);
+  const std::string last = last_of(n->rel);
   if (::linkat(from.get(), last.c_str(), d.fd.get(), std::string(new_name).c_str(), 0) != 0) {
     return errno_error(impl_->source_path(join_rel(d.node.rel, new_name)));
   }
@@ -1898,15 +1888,9 @@ Result<struct stat> Filesystem::setattr(Ino ino, const SetAttr& a, std::optional
   }
   // The entry by its parent and name (the root by itself).
   const bool is_root = n->rel.empty();
-  const std::string last =
-      is_root ? std::string(".")
-              : n->rel.substr(n->rel.rfind('/') == std::string::npos ? 0 : n->rel.rfind('/') + 1);
-  UniqueFd pfd;
-  if (is_root) {
-    CKPTFS_TRY(pfd, open_beneath(impl_->root.get(), "", O_PATH | O_DIRECTORY));
-  } else {
-    CKPTFS_TRY(pfd, open_beneath(impl_->root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
-  }
+  const std::string last = is_root ? std::string(".") : last_of(n->rel);
+  CKPTFS_TRY(UniqueFd pfd, open_beneath(impl_->root.get(), is_root ? "" : parent_of(n->rel),
+                                        O_PATH | O_DIRECTORY));
   if (a.mode && n->kind != Kind::Symlink) {
     if (::fchmodat(pfd.get(), last.c_str(), *a.mode & 07777, 0) != 0) return errno_error(where);
   }

@@ -252,19 +252,12 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
 void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,
                   layout::BuildInput& in) {
   for (const auto& [rel, lst] : record_files(dirfd, entries)) {
-    struct stat st {};
-    auto fd = open_regular_beneath(dirfd, rel, Resolve::Auto, &st);
-    if (!fd) continue;  // raced away
-    if (static_cast<uint64_t>(st.st_size) > format::kMaxSideFileSize) {
-      in.problems.push_back({rel, "", "commit record larger than the side-file limit"});
-      continue;
+    auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
+    if (!text) {
+      if (text.error().code != ENOENT) in.problems.push_back({"", "", text.error().message});
+      continue;  // ENOENT: raced away
     }
-    std::string text(static_cast<size_t>(st.st_size), '\0');
-    if (auto rd = pread_exact(fd->get(), text.data(), text.size(), 0, rel); !rd) {
-      in.problems.push_back({rel, "", rd.error().message});
-      continue;
-    }
-    auto rec = format::parse_record(text, rel);
+    auto rec = format::parse_record(*text, rel);
     if (!rec) {
       in.problems.push_back({"", "", rec.error().message});
       continue;
@@ -301,17 +294,11 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
       spdlog::warn("{}/{}: ignoring a stale commit record ({})", display, rel, why);
       continue;
     }
-    auto h = format::parse_header_json(
-        std::string_view(rec->header).substr(format::kHeaderLenBytes), rec->size, rel);
-    if (!h) {
-      in.problems.push_back({"", "", h.error().message});
-      continue;
-    }
     layout::OutputOverride o;
     o.k = rec->k;
     o.name = rec->name;
     o.header = std::move(rec->header);
-    o.parsed = std::make_shared<const format::Header>(std::move(h).value());
+    o.parsed = std::make_shared<const format::Header>(std::move(rec->parsed));
     o.record = rel;
     in.overrides.push_back(std::move(o));
   }

@@ -134,13 +134,23 @@ Result<std::string> read_small_file(const std::string& path, uint64_t limit) {
   if (raw < 0) return open_regular_error(errno, path);
   struct stat st {};
   CKPTFS_TRY(UniqueFd fd, require_regular(UniqueFd(raw), path, &st));
+  return read_whole(fd, st, path, limit);
+}
+
+Result<std::string> read_whole(const UniqueFd& fd, const struct stat& st, std::string_view what,
+                               uint64_t limit) {
   if (static_cast<uint64_t>(st.st_size) > limit) {
-    return make_error(EFBIG, "{}: file is {} bytes, larger than the {} byte limit", path,
+    return make_error(EFBIG, "{}: file is {} bytes, larger than the {} byte limit", what,
                       st.st_size, limit);
   }
   std::string out(static_cast<size_t>(st.st_size), '\0');
-  CKPTFS_CHECK(pread_exact(fd.get(), out.data(), out.size(), 0, path));
+  CKPTFS_CHECK(pread_exact(fd.get(), out.data(), out.size(), 0, what));
   return out;
+}
+
+Error errno_error(std::string_view what) {
+  const int e = errno;
+  return make_error(e, "{}: {}", what, std::strerror(e));
 }
 
 }  // namespace ckptfs

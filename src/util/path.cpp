@@ -23,6 +23,12 @@ std::string join_rel(std::string_view dir, std::string_view name) {
   return out;
 }
 
+Result<std::string> read_small_file_beneath(int rootfd, std::string_view rel, uint64_t limit) {
+  struct stat st {};
+  CKPTFS_TRY(UniqueFd fd, open_regular_beneath(rootfd, rel, Resolve::Auto, &st));
+  return read_whole(fd, st, rel, limit);
+}
+
 namespace {
 
 bool rel_is_safe(std::string_view rel) {

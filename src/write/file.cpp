@@ -20,11 +20,6 @@ constexpr size_t kCopyChunk = 1 << 20;
 
 bool is_model_name(std::string_view name) { return format::parse_model_name(name).has_value(); }
 
-Error sys_error(std::string_view what) {
-  int e = errno;
-  return make_error(e, "{}: {}", what, std::strerror(e));
-}
-
 }  // namespace
 
 Result<std::shared_ptr<WriteFile>> WriteFile::open(UniqueFd backing, int dirfd,
@@ -33,9 +28,9 @@ Result<std::shared_ptr<WriteFile>> WriteFile::open(UniqueFd backing, int dirfd,
                                                    std::string what) {
   auto f = std::shared_ptr<WriteFile>(new WriteFile());
   struct stat st {};
-  if (::fstat(backing.get(), &st) != 0) return sys_error(what + ": stat failed");
+  if (::fstat(backing.get(), &st) != 0) return errno_error(what + ": stat failed");
   int d = ::fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
-  if (d < 0) return sys_error(dir_display + ": dup failed");
+  if (d < 0) return errno_error(dir_display + ": dup failed");
   f->dir_.reset(d);
   f->backing_ = std::move(backing);
   f->dir_display_ = std::move(dir_display);
@@ -65,11 +60,6 @@ WriteFile::State WriteFile::state() const {
 std::vector<std::string> WriteFile::stored_names() const {
   std::lock_guard lock(mu_);
   return stored_;
-}
-
-bool WriteFile::routed() const {
-  std::lock_guard lock(mu_);
-  return state_ == State::Routed || state_ == State::Committed;
 }
 
 flush::Target WriteFile::target() const {
@@ -148,7 +138,7 @@ Status WriteFile::decide_locked() {
     case Kind::NeedMore:
       return {};
     case Kind::Consolidated:
-      return enter_routed_locked(std::move(*s.header));
+      return enter_routed_locked(*s.header);
     case Kind::RankShard:
     case Kind::Other:
       return to_plain_locked(true);
@@ -156,7 +146,7 @@ Status WriteFile::decide_locked() {
   return {};
 }
 
-Status WriteFile::enter_routed_locked(format::Header h) {
+Status WriteFile::enter_routed_locked(const format::Header& h) {
   auto p = plan(h, plan_opts_, what_);
   auto s = p ? shard_headers(h, *p, what_) : Result<ShardSet>(p.error());
   if (!s) {
@@ -170,13 +160,11 @@ Status WriteFile::enter_routed_locked(format::Header h) {
     spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
     return to_plain_locked(true);
   }
-  plan_ = std::move(p).value();
-  set_ = std::move(s).value();
   tx_ = std::move(tx).value();
-  auto r = StreamRouter::create(prefix_.substr(0, h.data_start()), h, plan_, set_, *tx_, what_);
+  ranks_ = static_cast<uint32_t>(s->shards.size());
+  auto r = StreamRouter::create(prefix_.substr(0, h.data_start()), h, *p, *s, *tx_, what_);
   if (!r) return fail_locked(std::move(r).error());
   router_.emplace(std::move(r).value());
-  header_ = std::move(h);
   auto fed = router_->write(0, prefix_);
   if (!fed) {
     tx_->abort();
@@ -220,7 +208,7 @@ Status WriteFile::to_plain_locked(bool keep_all) {
   }
   const uint64_t size = keep_all ? size_ : received;
   if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
-    return fail_locked(sys_error(what_ + ": cannot size the file"));
+    return fail_locked(errno_error(what_ + ": cannot size the file"));
   }
   state_ = State::Plain;
   return {};
@@ -248,7 +236,7 @@ Status WriteFile::truncate(uint64_t size) {
   CKPTFS_CHECK(to_plain_locked(true));
   dirty_ = true;
   if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
-    return sys_error(what_ + ": truncate failed");
+    return errno_error(what_ + ": truncate failed");
   }
   return {};
 }
@@ -282,7 +270,7 @@ Result<size_t> WriteFile::read(uint64_t off, size_t len, char* dst) {
   while (done < len) {
     ssize_t n = ::pread(backing_.get(), dst + done, len - done, static_cast<off_t>(off + done));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return sys_error(what_ + ": read failed");
+    if (n < 0) return errno_error(what_ + ": read failed");
     if (n == 0) break;
     done += static_cast<size_t>(n);
   }
@@ -292,7 +280,7 @@ Result<size_t> WriteFile::read(uint64_t off, size_t len, char* dst) {
 Result<struct stat> WriteFile::stat() {
   std::lock_guard lock(mu_);
   struct stat st {};
-  if (::fstat(backing_.get(), &st) != 0) return sys_error(what_ + ": stat failed");
+  if (::fstat(backing_.get(), &st) != 0) return errno_error(what_ + ": stat failed");
   if (state_ != State::Plain) {
     st.st_size = static_cast<off_t>(size_);
     st.st_blocks = static_cast<blkcnt_t>((size_ + 511) / 512);
@@ -311,7 +299,7 @@ Status WriteFile::fsync(const Place& where, bool datasync) {
       if (state_ == State::Sniffing) CKPTFS_CHECK(to_plain_locked(true));
       durable_ = true;  // a split at close is made durable too
       if ((datasync ? ::fdatasync(backing_.get()) : ::fsync(backing_.get())) != 0) {
-        return sys_error(what_ + ": fsync failed");
+        return errno_error(what_ + ": fsync failed");
       }
       return {};
     case State::Routed:
@@ -328,7 +316,7 @@ Result<bool> WriteFile::is_backing(const Place& where) const {
   struct stat st {};
   if (::fstatat(where.dirfd, where.name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     if (errno == ENOENT) return false;
-    return sys_error(fmt::format("{}/{}: stat failed", where.dir_display, where.name));
+    return errno_error(fmt::format("{}/{}: stat failed", where.dir_display, where.name));
   }
   return st.st_dev == dev_ && st.st_ino == ino_;
 }
@@ -368,7 +356,7 @@ Status WriteFile::store(const Place& where) {
 
 Status WriteFile::commit_locked(const Place& where, bool durable) {
   struct stat bst {};
-  if (::fstat(backing_.get(), &bst) != 0) return fail_locked(sys_error(what_ + ": stat failed"));
+  if (::fstat(backing_.get(), &bst) != 0) return fail_locked(errno_error(what_ + ": stat failed"));
   if (bst.st_nlink == 0) {  // unlinked while open: nothing to keep
     tx_->abort();
     tx_.reset();
@@ -396,24 +384,23 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
   if (auto st = tx_->commit(info, durable); !st) return fail_locked(std::move(st).error());
   state_ = State::Committed;
   stored_.clear();
-  for (uint32_t r = 0; r < set_.shards.size(); ++r) {
+  for (uint32_t r = 0; r < ranks_; ++r) {
     stored_.push_back(format::shard_file_name(r + 1, info.k, info.m));
   }
   stored_.push_back(std::string(format::kStateDirName) + "/" + format::record_file_name(info.name));
   // The backing file was a placeholder: the shards are the file now.
   CKPTFS_TRY(bool still, is_backing(where));
   if (still && ::unlinkat(where.dirfd, where.name.c_str(), 0) != 0 && errno != ENOENT) {
-    return sys_error(
+    return errno_error(
         fmt::format("{}/{}: cannot remove the placeholder", where.dir_display, where.name));
   }
-  spdlog::info("{}/{}: stored as {} rank shard(s)", where.dir_display, where.name,
-               set_.shards.size());
+  spdlog::info("{}/{}: stored as {} rank shard(s)", where.dir_display, where.name, ranks_);
   return {};
 }
 
 Status WriteFile::split_plain_locked(const Place& where, bool durable) {
   struct stat st {};
-  if (::fstat(backing_.get(), &st) != 0) return sys_error(what_ + ": stat failed");
+  if (::fstat(backing_.get(), &st) != 0) return errno_error(what_ + ": stat failed");
   const auto size = static_cast<uint64_t>(st.st_size);
   if (size < format::kHeaderLenBytes + kMinHeaderLen) return {};
   unsigned char len8[8];
@@ -433,9 +420,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable) {
     spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
     return {};
   }
-  plan_ = std::move(p).value();
-  set_ = std::move(set).value();
-  CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, plan_, set_, **tx, what_));
+  CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, *p, *set, **tx, what_));
   std::string buf(kCopyChunk, '\0');
   for (uint64_t x = 0; x < size; x += kCopyChunk) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(kCopyChunk, size - x));
@@ -444,8 +429,8 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable) {
   }
   // The file is routed now; the commit removes the backing file once the shards hold it.
   tx_ = std::move(tx).value();
+  ranks_ = static_cast<uint32_t>(set->shards.size());
   router_.emplace(std::move(r));
-  header_ = std::move(s.header);
   size_ = size;
   state_ = State::Routed;
   return commit_locked(where, durable);

@@ -130,26 +130,30 @@ Status StreamRouter::write(uint64_t file_offset, std::string_view bytes) {
   return route_data(bytes);
 }
 
+StreamRouter::Hit StreamRouter::locate(const Route& rt, uint64_t x) const {
+  const uint64_t p = x - rt.begin;
+  const uint64_t row = p / rt.row_bytes;
+  const uint64_t col = p % rt.row_bytes;
+  // The last piece whose first byte is at or before `col`.
+  const Piece* first = pieces_.data() + rt.first_piece;
+  const Piece* pc = std::upper_bound(first, first + rt.pieces, col,
+                                     [](uint64_t c, const Piece& y) { return c < y.col; }) -
+                    1;
+  return Hit{pc->rank, pc->shard_offset + row * pc->len + (col - pc->col), pc->col + pc->len - col};
+}
+
 Status StreamRouter::route_data(std::string_view bytes) {
   while (!bytes.empty()) {
     while (routes_[cursor_].end <= pos_) ++cursor_;  // in range: pos_ < file_size_
     const Route& rt = routes_[cursor_];
-    const uint64_t p = pos_ - rt.begin;
-    const uint64_t row = p / rt.row_bytes;
-    const uint64_t col = p % rt.row_bytes;
-    // The last piece whose first byte is at or before `col`.
-    const Piece* first = pieces_.data() + rt.first_piece;
-    const Piece* pc = std::upper_bound(first, first + rt.pieces, col,
-                                       [](uint64_t c, const Piece& x) { return c < x.col; }) -
-                      1;
-    const uint64_t n = std::min<uint64_t>(bytes.size(), pc->col + pc->len - col);
-    const uint64_t at = pc->shard_offset + row * pc->len + (col - pc->col);
-    auto st = sink_->pwrite(pc->rank, at, bytes.substr(0, n));
+    const Hit h = locate(rt, pos_);
+    const uint64_t n = std::min<uint64_t>(bytes.size(), h.run);
+    auto st = sink_->pwrite(h.rank, h.shard_offset, bytes.substr(0, n));
     if (!st) {
       Error e = std::move(st).error();
       if (e.code == kNeedsStaging) e.code = EIO;
       return fail(std::move(e).context(
-          fmt::format("{}: tensor '{}': rank {}", what_, names_[rt.tensor], pc->rank)));
+          fmt::format("{}: tensor '{}': rank {}", what_, names_[rt.tensor], h.rank)));
     }
     pos_ += n;
     bytes.remove_prefix(n);
@@ -176,17 +180,9 @@ Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
     if (it == routes_.begin() || (it - 1)->end <= x) {
       return make_error(EIO, "{}: byte {} belongs to no tensor", what_, x);
     }
-    const Route& rt = *(it - 1);
-    const uint64_t p = x - rt.begin;
-    const uint64_t row = p / rt.row_bytes;
-    const uint64_t col = p % rt.row_bytes;
-    const Piece* first = pieces_.data() + rt.first_piece;
-    const Piece* pc = std::upper_bound(first, first + rt.pieces, col,
-                                       [](uint64_t c, const Piece& y) { return c < y.col; }) -
-                      1;
-    const uint64_t n = std::min<uint64_t>(end - x, pc->col + pc->len - col);
-    CKPTFS_CHECK(pread(pc->rank, pc->shard_offset + row * pc->len + (col - pc->col), out,
-                       static_cast<size_t>(n)));
+    const Hit h = locate(*(it - 1), x);
+    const uint64_t n = std::min<uint64_t>(end - x, h.run);
+    CKPTFS_CHECK(pread(h.rank, h.shard_offset, out, static_cast<size_t>(n)));
     x += n;
   }
   return static_cast<size_t>(end - off);

@@ -74,8 +74,8 @@ class Flusher {
                                                      std::string what) = 0;
   // Finishes what a crashed writer left in the directory: completes commits whose record
   // exists, removes staging without one (and its empty placeholder). Staging that a live
-  // daemon holds is left alone.
-  virtual void recover(const Target& t) = 0;
+  // daemon holds is left alone. Returns whether it changed anything in the directory.
+  virtual bool recover(const Target& t) = 0;
   // Removes the stored form of file k of m: its shards and commit records.
   virtual Status remove(const Target& t, uint32_t k, uint32_t m) = 0;
 };

@@ -36,6 +36,7 @@ struct Record {
   // exists the commit is still being rolled forward and the shards may be a mix.
   std::string tx;
   std::vector<RecordShard> shards;  // in rank order
+  Header parsed;                    // `header` parsed (set by parse_record; not serialized)
 };
 
 std::string serialize_record(const Record& r);

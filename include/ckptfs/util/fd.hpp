@@ -74,5 +74,11 @@ Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string
 // Whole small file into memory (refuses files larger than `limit`, and anything but a regular
 // file as require_regular does; `path` is opened without blocking, symlinks followed).
 Result<std::string> read_small_file(const std::string& path, uint64_t limit);
+// The same for a regular file already open (`st` its fstat), named `what` in errors.
+Result<std::string> read_whole(const UniqueFd& fd, const struct stat& st, std::string_view what,
+                               uint64_t limit);
+
+// The error for a system call that just failed: errno, and "what: strerror(errno)".
+Error errno_error(std::string_view what);
 
 }  // namespace ckptfs

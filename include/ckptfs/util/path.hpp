@@ -51,6 +51,10 @@ Result<struct stat> stat_beneath(int rootfd, std::string_view rel, Resolve how =
 Result<UniqueFd> open_regular_beneath(int rootfd, std::string_view rel, Resolve how = Resolve::Auto,
                                       struct stat* st = nullptr);
 
+// Whole small regular file `rel` beneath `rootfd` (as open_regular_beneath opens it; larger
+// than `limit`: EFBIG), named `rel` in errors.
+Result<std::string> read_small_file_beneath(int rootfd, std::string_view rel, uint64_t limit);
+
 int64_t mtime_ns(const struct stat& st);
 int64_t ctime_ns(const struct stat& st);
 

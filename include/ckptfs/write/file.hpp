@@ -80,7 +80,6 @@ class WriteFile {
   // Once committed: the files its stored form is made of, relative to its directory (the
   // rank shards and the commit record).
   [[nodiscard]] std::vector<std::string> stored_names() const;
-  [[nodiscard]] bool routed() const;  // Routed or Committed: the shards hold the bytes
   // Written since the last finalize. Lock-free: the fs layer polls it under its own locks,
   // which must not wait behind a long copy holding this file's mutex.
   [[nodiscard]] bool dirty() const { return dirty_.load(std::memory_order_relaxed); }
@@ -95,7 +94,7 @@ class WriteFile {
   Status write_locked(uint64_t off, std::string_view bytes);
   Status decide_locked();
   Status to_plain_locked(bool keep_all);
-  Status enter_routed_locked(format::Header h);
+  Status enter_routed_locked(const format::Header& h);
   Status split_plain_locked(const Place& where, bool durable);
   Status commit_locked(const Place& where, bool durable);
   Status fail_locked(Error e);
@@ -112,9 +111,7 @@ class WriteFile {
   PlanOptions plan_opts_;
   std::string prefix_;  // Sniffing: the bytes [0, prefix_.size()) received so far
   uint64_t size_ = 0;   // the file's logical size (Sniffing, Routed, Committed)
-  std::optional<format::Header> header_;
-  Plan plan_;
-  ShardSet set_;
+  uint32_t ranks_ = 0;  // shard files of tx_
   std::unique_ptr<flush::Transaction> tx_;
   std::optional<StreamRouter> router_;
   std::optional<Error> error_;       // Failed

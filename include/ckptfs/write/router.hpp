@@ -78,6 +78,15 @@ class StreamRouter {
     uint32_t tensor = 0;  // index in the original header, for messages
   };
 
+  // Where byte `x` of the file (inside route `rt`) lives: its rank, its offset in that rank's
+  // shard, and how many bytes from there on are contiguous in the shard.
+  struct Hit {
+    uint32_t rank = 0;
+    uint64_t shard_offset = 0;
+    uint64_t run = 0;
+  };
+  [[nodiscard]] Hit locate(const Route& rt, uint64_t x) const;
+
   StreamRouter() = default;
   Status fail(Error e);
   Status route_data(std::string_view bytes);
