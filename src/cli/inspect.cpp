@@ -56,6 +56,9 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
   J j;
   j["dir"] = c.dir;
   j["valid"] = c.valid();
+  j["evidence"] = {{"tensor_set_listed", c.from_mapping},
+                   {"shapes_stored", c.shapes_stored},
+                   {"tensors", c.tensors.size()}};
   J shards = J::array();
   for (const auto& s : c.shards) {
     shards.push_back({{"name", s.name}, {"size", s.stamp.size}, {"rank", s.parsed.shard - 1}});
@@ -131,6 +134,19 @@ void print_text(const layout::Checkpoint& c) {
                  reps ? fmt::format(" (+{} replicas)", reps) : "",
                  c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
     }
+  }
+  if (!c.tensors.empty()) {
+    // What proves the checkpoint whole, beyond sizes, headers and tiling (docs/semantics.md).
+    fmt::print(
+        "  completeness evidence: tensor set {}; full shapes stored for {} of {} tensors{}\n",
+        c.from_mapping ? "listed by .hf_metadata/fqn_to_file_index_mapping.json"
+                       : "not listed anywhere (a tensor held by a missing rank alone "
+                         "would not be seen)",
+        c.shapes_stored, c.tensors.size(),
+        c.shapes_stored == c.tensors.size()
+            ? ""
+            : " (the others are inferred from their chunks: a missing last rank would "
+              "look like a smaller tensor)");
   }
   if (!c.problems.empty()) {
     fmt::print("  problems:\n");

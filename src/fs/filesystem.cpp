@@ -21,6 +21,7 @@
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
+#include "ckptfs/source/watcher.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 #include "ckptfs/write/file.hpp"
@@ -73,10 +74,13 @@ bool is_state_name(std::string_view n) { return n == format::kStateDirName; }
 // the view already is; NeMo's own consolidated output leaves it out, and so does the view.
 constexpr std::string_view kNemoConsolidateScript = "consolidate.sh";
 
+// Listed in a checkpoint directory while it settles: a read-only file saying what it waits for.
+constexpr std::string_view kPendingName = ".ckptfs-pending";
+
 bool hidden_in_checkpoint(const source::DirEntry& e, bool show_shards) {
   return source::is_shard_entry(e) || e.name == format::kHfMetadataDir ||
-         e.name == kNemoConsolidateScript || is_model_output_name(e.name) ||
-         (show_shards && e.name == kShardsDirName);
+         e.name == kNemoConsolidateScript || e.name == kPendingName ||
+         is_model_output_name(e.name) || (show_shards && e.name == kShardsDirName);
 }
 
 // The last component of a path relative to the source root.
@@ -200,7 +204,11 @@ struct View {
   uint64_t generation = 0;
   int64_t mtime_ns = 0;
   bool complete = false;  // valid and settled: consolidated files are shown
-  std::string rel;        // checkpoint directory, relative to the source root
+  // Not complete and not settled: lookups of consolidated names wait for it, and listings
+  // show kPendingName, whose content is `pending`.
+  bool settling = false;
+  std::string pending;
+  std::string rel;  // checkpoint directory, relative to the source root
   uint64_t dir_dev = 0, dir_ino = 0;
   std::vector<Perm> inputs;  // owner and mode of every shard: who may read the synthesized files
   Perm shown;                // owner and mode shown for them (see shown_perm)
@@ -247,7 +255,7 @@ class OutputReader final : public FileReader {
   uint32_t output_;
 };
 
-enum class Kind : uint8_t { Dir, File, Symlink, Other, Output, Index, ShardsDir };
+enum class Kind : uint8_t { Dir, File, Symlink, Other, Output, Index, ShardsDir, Pending };
 
 // What a FUSE inode number stands for. Numbers are handed out on lookup and retired when the
 // kernel forgets them, so the table holds only what the kernel holds.
@@ -294,6 +302,9 @@ struct DirState {
   source::Signature sig;
   struct stat dst {};
   bool settled = false;
+  // The shards as the daemon first saw them (empty when there were none): unchanged since, a
+  // shard is at rest. Taken at the first check.
+  std::map<std::string, layout::FileStamp> first_seen;
   int64_t mtime_ns = INT64_MIN;    // shown mtime of the directory: its own or its newest input's
   int64_t changed_ns = INT64_MIN;  // newest stamped change of the inputs or the directory
   Clock::time_point seen_since;    // when the daemon first saw this signature and stamp
@@ -439,6 +450,67 @@ struct Filesystem::Impl {
     std::lock_guard lock(writes_mu_);
     if (touched_ns_.size() > 4096) touched_ns_.clear();  // only recent changes matter
     touched_ns_[{dev, ino}] = now_realtime_ns();
+  }
+
+  // Whether every shard of directory (dev, ino) is at rest: unchanged since the daemon first
+  // looked at the directory, or closed by its writer since its last change (inotify). Commit
+  // records and the mapping file (names with a '/') need no such evidence: the first is renamed
+  // into place whole, the second is proven whole by parsing.
+  bool at_rest(const DirState& st, uint64_t dev, uint64_t ino, const source::Signature& sig) const {
+    bool any = false;
+    for (const auto& [name, stamp] : sig.files) {
+      if (name.find('/') != std::string::npos) continue;
+      any = true;
+      auto f = st.first_seen.find(name);
+      if (f != st.first_seen.end() && f->second == stamp) continue;
+      if (watcher && watcher->closed(dev, ino, name, stamp.mtime_ns)) continue;
+      return false;
+    }
+    return any;
+  }
+
+  // The content of kPendingName: why a checkpoint directory shows no consolidated file yet.
+  std::string pending_text(const layout::Checkpoint& ck, const std::string& dir) const {
+    const double settle_s = std::chrono::duration<double>(opts.settle).count();
+    std::string t = fmt::format("{}: not shown yet.\n", dir);
+    if (ck.valid()) {
+      t += fmt::format(
+          "Its shards are complete, but they changed less than {} s ago and the close of every "
+          "shard's writer was not seen. It is shown once each shard is closed, or after {} s "
+          "without changes.\n",
+          settle_s, settle_s);
+      return t;
+    }
+    t += fmt::format(
+        "Incomplete so far (it is shown once every shard is complete and closed, or quiet for "
+        "{} s):\n",
+        settle_s);
+    size_t n = 0;
+    for (const auto& p : ck.problems) {
+      if (++n > 32) {
+        t += fmt::format("  ... and {} more\n", ck.problems.size() - 32);
+        break;
+      }
+      t += "  " + p.to_string() + "\n";
+    }
+    return t;
+  }
+
+  // A writer closed a file of directory (dev, ino): check it again now, and wake lookups
+  // waiting for it to settle. Runs on the watcher's thread.
+  void on_close(uint64_t dev, uint64_t ino) {
+    std::shared_ptr<DirState> st;
+    {
+      std::lock_guard lock(mu_);
+      auto it = dirs_.find({dev, ino});
+      if (it == dirs_.end()) return;
+      st = it->second;
+    }
+    {
+      std::lock_guard lock(st->mu);
+      st->next_check = Clock::now();
+    }
+    st->built.notify_all();
   }
 
   // Whether every change of directory (dev, ino) up to `changed_ns` was this daemon's, and no
@@ -644,12 +716,14 @@ struct Filesystem::Impl {
                                         const std::string& rel, const struct stat& dst,
                                         const source::Signature& sig,
                                         const std::vector<source::DirEntry>& entries,
-                                        bool complete) {
+                                        bool settled) {
     auto v = std::make_shared<View>();
     v->ckpt = std::move(ck);
     v->generation = ++generations;
     v->mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(dst));
-    v->complete = (complete || v->ckpt->all_written()) && v->ckpt->valid();
+    v->complete = (settled || v->ckpt->all_written()) && v->ckpt->valid();
+    v->settling = !v->complete && !settled;
+    if (v->settling) v->pending = pending_text(*v->ckpt, source_path(rel));
     v->rel = rel;
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
@@ -716,11 +790,17 @@ struct Filesystem::Impl {
   void check_locked(DirState& st, const std::string& rel, const struct stat& dst, Ino dir_ino) {
     auto now = Clock::now();
     if (st.checked && now < st.next_check) return;
+    const bool first = !st.checked;
     st.checked = true;
     st.next_check = now + opts.revalidate;
 
     auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
     if (!dirfd) return;  // vanished: open files keep their own views
+    // Watched before it is listed: a shard closed after the listing is never missed.
+    if (first && watcher) {
+      watcher->watch(dirfd->get(), static_cast<uint64_t>(dst.st_dev),
+                     static_cast<uint64_t>(dst.st_ino));
+    }
     auto entries = source::list_dir(dirfd->get(), hidden_child(rel));
     if (!entries) return;
     if (!opts.read_only &&
@@ -745,6 +825,9 @@ struct Filesystem::Impl {
       return;
     }
     auto sig = source::signature_of(dirfd->get(), *entries);
+    if (first) {
+      for (const auto& [name, stamp] : sig.files) st.first_seen.emplace(name, stamp);
+    }
     // Settle: quiet since the newest change of any shard (written: mtime; moved in: ctime)
     // and of the directory (created or renamed into place). Stamps can lie (clock skew, a
     // future mtime): the daemon's own observation counts too, so a checkpoint whose stamps
@@ -766,8 +849,10 @@ struct Filesystem::Impl {
     const int64_t settle_ns =
         std::chrono::duration_cast<std::chrono::nanoseconds>(opts.settle).count();
     st.settled =
-        quiet_ns >= settle_ns || quiet_by_us(static_cast<uint64_t>(dst.st_dev),
-                                             static_cast<uint64_t>(dst.st_ino), changed_ns, sig);
+        quiet_ns >= settle_ns ||
+        quiet_by_us(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino),
+                    changed_ns, sig) ||
+        at_rest(st, static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino), sig);
     if (!st.settled) {
       st.next_check = std::min(st.next_check, now + std::chrono::nanoseconds(settle_ns - quiet_ns));
     }
@@ -777,8 +862,10 @@ struct Filesystem::Impl {
     st.dst = dst;
     const bool built_from_these = old && st.view_sig == st.sig;
     st.needs_build = !built_from_these;
+    const bool complete_now =
+        built_from_these && (st.settled || old->ckpt->all_written()) && old->ckpt->valid();
     if (built_from_these &&
-        old->complete != ((st.settled || old->ckpt->all_written()) && old->ckpt->valid())) {
+        (old->complete != complete_now || old->settling != (!complete_now && !st.settled))) {
       // Only the settle state changed: the same model, shown or hidden.
       auto v = make_view(old->ckpt, rel, dst, st.sig, st.entries, st.settled);
       st.view = v;
@@ -789,7 +876,7 @@ struct Filesystem::Impl {
       auto pending = std::make_shared<layout::Checkpoint>();
       pending->dir = source_path(rel);
       pending->problems.push_back({"", "", "shard headers not read yet"});
-      st.view = make_view(std::move(pending), rel, dst, st.sig, st.entries, false);
+      st.view = make_view(std::move(pending), rel, dst, st.sig, st.entries, st.settled);
       drop_hidden_kids(dir_ino);
     }
   }
@@ -816,6 +903,7 @@ struct Filesystem::Impl {
       for (const auto& o : old->ckpt->outputs) notifier->inval_entry(dir_ino, o.name);
       notifier->inval_entry(dir_ino, std::string(format::kIndexFileName));
     }
+    if (old && old->settling) notifier->inval_entry(dir_ino, std::string(kPendingName));
     notifier->inval_inode(dir_ino);
   }
 
@@ -876,10 +964,11 @@ struct Filesystem::Impl {
   struct stat virtual_attr(const Node& n) const {
     struct stat st {};
     st.st_ino = virtual_ino(n.key.dev, n.key.ino, n.key.gen, n.key.name);
-    st.st_mode = S_IFREG | n.view->shown.mode;
+    st.st_mode = S_IFREG | (n.kind == Kind::Pending ? mode_t{0444} : n.view->shown.mode);
     st.st_nlink = 1;
-    uint64_t size = n.kind == Kind::Index ? n.view->ckpt->index_json.size()
-                                          : n.view->ckpt->outputs[n.output].size;
+    uint64_t size = n.kind == Kind::Index     ? n.view->ckpt->index_json.size()
+                    : n.kind == Kind::Pending ? n.view->pending.size()
+                                              : n.view->ckpt->outputs[n.output].size;
     st.st_size = static_cast<off_t>(size);
     st.st_blocks = static_cast<blkcnt_t>((size + 511) / 512);
     st.st_blksize = 1 << 20;
@@ -936,8 +1025,12 @@ struct Filesystem::Impl {
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     const bool consolidated_name = is_model_output_name(name);
     auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
+    if (consolidated_name) v = wait_settled(dir, std::move(v));
     const std::string rel = join_rel(dir.rel, name);
     if (!v) return lookup_real(rel, dir.ino, name);
+    if (name == kPendingName && v->settling) {
+      return lookup_virtual(v, dir.rel, dir.ino, Kind::Pending, 0, name);
+    }
     if (v->complete) {
       const auto& ck = *v->ckpt;
       for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
@@ -963,7 +1056,7 @@ struct Filesystem::Impl {
       return EntryOut{n.ino, st};
     }
     if (name == format::kHfMetadataDir || consolidated_name || name == kNemoConsolidateScript ||
-        format::looks_like_shard_name(name)) {
+        name == kPendingName || format::looks_like_shard_name(name)) {
       return make_error(ENOENT, "{}: hidden in a checkpoint directory", rel);
     }
     auto real = lookup_real(rel, dir.ino, name);
@@ -1032,7 +1125,7 @@ struct Filesystem::Impl {
           if (!S_ISREG(e.st.st_mode) || e.name == format::kFqnMappingFileName ||
               names.count(e.name) || is_model_output_name(e.name) ||
               format::looks_like_shard_name(e.name) || e.name == kShardsDirName ||
-              e.name == kNemoConsolidateScript) {
+              e.name == kNemoConsolidateScript || e.name == kPendingName) {
             continue;
           }
           real(e);
@@ -1051,6 +1144,11 @@ struct Filesystem::Impl {
             std::string(format::kIndexFileName),
             virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
       }
+    }
+    if (v->settling) {
+      out.push_back(DirEntryOut{std::string(kPendingName),
+                                virtual_ino(v->dir_dev, v->dir_ino, v->generation, kPendingName),
+                                S_IFREG});
     }
     if (opts.show_shards) {
       out.push_back(DirEntryOut{std::string(kShardsDirName),
@@ -1226,6 +1324,8 @@ struct Filesystem::Impl {
       name = n.key.name;
     } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir) {
       return make_error(EISDIR, "is a directory");
+    } else if (n.kind == Kind::Pending) {
+      return make_error(EACCES, "{}: written by ckptfs only", kPendingName);
     } else if (n.kind == Kind::Output || n.kind == Kind::Index) {
       return make_error(EPERM,
                         "{}: a consolidated file is not changed in place; write it anew (O_TRUNC) "
@@ -1397,6 +1497,31 @@ struct Filesystem::Impl {
     std::lock_guard lock(st->mu);
     st->next_check = Clock::now();
   }
+
+  // A consolidated name was looked up while its checkpoint settles: rather than answer ENOENT
+  // at once, wait (at most the settle time) until it is shown or stops settling. Woken early
+  // by a writer's close; otherwise rechecks when the settle time would have passed.
+  std::shared_ptr<const View> wait_settled(const Node& dir, std::shared_ptr<const View> v) {
+    if (!v || !v->settling) return v;
+    const auto deadline = Clock::now() + opts.settle + std::chrono::milliseconds(50);
+    auto st = dir_state(v->dir_dev, v->dir_ino);
+    while (v && v->settling) {
+      const auto now = Clock::now();
+      if (now >= deadline) break;
+      {
+        std::unique_lock lock(st->mu);
+        auto until = std::clamp(st->next_check, now + std::chrono::milliseconds(10), deadline);
+        st->built.wait_until(lock, until, [&] { return st->view != v && !st->building; });
+      }
+      auto dst = stat_beneath(root.get(), dir.rel);
+      if (!dst) break;
+      v = view_of(dir.rel, *dst, dir.ino, Need::Current);
+    }
+    return v;
+  }
+
+  // Last: destroyed first, so its thread never calls into a half-destroyed Impl.
+  std::unique_ptr<source::CloseWatcher> watcher;
 };
 
 Filesystem::Filesystem(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -1431,6 +1556,9 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   root.nlookup = 1;
   impl->keys_.emplace(root.key, kRootIno);
   impl->nodes_.emplace(kRootIno, std::make_shared<Node>(std::move(root)));
+  Impl* raw = impl.get();
+  impl->watcher =
+      source::CloseWatcher::create([raw](uint64_t dev, uint64_t ino) { raw->on_close(dev, ino); });
   return std::unique_ptr<Filesystem>(new Filesystem(std::move(impl)));
 }
 
@@ -1491,6 +1619,7 @@ Result<struct stat> Filesystem::getattr(Ino ino) {
   switch (n->kind) {
     case Kind::Output:
     case Kind::Index:
+    case Kind::Pending:
       return impl_->virtual_attr(*n);
     case Kind::ShardsDir: {
       CKPTFS_TRY(struct stat st, stat_beneath(impl_->root.get(), n->rel));
@@ -1557,7 +1686,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
     if (impl_->opts.read_only) return make_error(EROFS, "read-only view");
     return impl_->open_for_write(*n, flags);
   }
-  if (n->kind == Kind::Output || n->kind == Kind::Index) {
+  if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::Pending) {
     const auto& in = n->view->inputs;
     if (!std::all_of(in.begin(), in.end(), [&](const Perm& p) { return may_read(p, who); })) {
       return make_error(EACCES, "{}: uid {} may not read every shard", n->rel, who.uid);
@@ -1582,6 +1711,9 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
       h->reader = std::make_shared<MemoryReader>(n->view, n->view->ckpt->index_json);
       out.keep_cache = true;
       out.is_virtual = true;
+      break;
+    case Kind::Pending:
+      h->reader = std::make_shared<MemoryReader>(n->view, n->view->pending);
       break;
     case Kind::File: {
       if (auto wf = impl_->writing(n->dev, n->bino)) {  // being written: what it holds now
@@ -1868,7 +2000,8 @@ Result<struct stat> Filesystem::setattr(Ino ino, const SetAttr& a, std::optional
       return getattr_handle(*fh);
     }
   }
-  if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir) {
+  if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir ||
+      n->kind == Kind::Pending) {
     return make_error(EPERM, "{}: a consolidated file's attributes follow its shards", n->rel);
   }
   std::shared_ptr<write::WriteFile> wf;

@@ -233,6 +233,7 @@ class Builder {
         }
       }
       shape = *tb.full_shape;
+      ++ck_->shapes_stored;
     }
     auto numel = checked_numel(shape);
     auto nbytes = numel ? format::byte_size(tb.dtype, *numel) : std::nullopt;

@@ -41,6 +41,7 @@ pytestmark = requires_fuse
 MODEL_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 SHARD_RE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 INDEX = "model.safetensors.index.json"
+PENDING = ".ckptfs-pending"
 DEADLINE = 10.0  # seconds a live change may take to show (revalidate is 1 s); wait_for's default
 
 
@@ -1074,6 +1075,8 @@ def test_settle_hides_a_just_written_checkpoint(tmp_path, mount_factory):
     shards = [ckdir / n for n in os.listdir(ckdir) if SHARD_RE.match(n)]
     ref = consolidate(ckdir, tmp_path / "ref")
     want = {n: read(ref / n) for n in model_names(ref)}
+    # Complete and closed when the daemon first looks: shown at once.
+    assert view_bytes(mm / "ck") == want
 
     def touch_and_check_hidden():
         """Touches the shards and looks at once; True when the look happened well within 2 s."""
@@ -1085,7 +1088,7 @@ def test_settle_hides_a_just_written_checkpoint(tmp_path, mount_factory):
         if looked - t0 > 1.5:
             return False  # too slow to judge (busy machine): try again
         assert not any(is_model_output(n) for n in names), "shown before the settle time"
-        assert not os.path.exists(mm / "ck" / INDEX)
+        assert PENDING in names, "a settling checkpoint lists no .ckptfs-pending"
         return True
 
     assert any(touch_and_check_hidden() for _ in range(5)), "could not look within the settle time"
@@ -1114,6 +1117,65 @@ def test_settle_hides_a_just_written_checkpoint(tmp_path, mount_factory):
     else:
         pytest.fail("could not look within the settle time")
     wait_view(mm / "ck", NEW, "the settled, modified checkpoint")
+
+
+def test_a_checkpoint_saved_just_before_the_mount_shows_at_once(tmp_path, mount_factory):
+    """train -> mount -> load: shards written a moment before the daemon starts are complete
+    and at rest when it first looks; they show at once, not after the settle time (30 s)."""
+    src = tmp_path / "src"
+    ck = write_checkpoint(str(src / "ck"), small_specs(), world=4, files=2, seed=70)
+    ref = consolidate(src / "ck", tmp_path / "ref")
+    m = mount_factory(src, settle=30)
+    d = pathlib.Path(m.mnt) / "ck"
+    t0 = time.time()
+    assert view_bytes(d) == {n: read(ref / n) for n in model_names(ref)}
+    assert PENDING not in os.listdir(d)
+    assert time.time() - t0 < 20, "waited for the settle time"
+    check_tensors(d, ck)
+
+
+def test_shards_written_while_mounted_show_when_their_writers_close(tmp_path, mount_factory):
+    """A DCP-style save into SRC under a running mount: every rank writes its shard under the
+    final name and closes it. The last close (inotify) shows the checkpoint, well before the
+    settle time (60 s); meanwhile lookups of its consolidated names are not answered ENOENT at
+    once and the listing says it is pending."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, settle=60)
+    d = pathlib.Path(m.mnt) / "ck"
+    assert os.listdir(d) == []  # the daemon looks (and starts watching) before the save
+    ck = write_checkpoint(str(src / "ck"), small_specs(), world=4, files=2, seed=71)
+    ref = consolidate(src / "ck", tmp_path / "ref")
+    wait_view(d, {n: read(ref / n) for n in model_names(ref)}, "the closed checkpoint", timeout=30)
+    check_tensors(d, ck)
+
+
+def test_a_lookup_waits_for_a_settling_checkpoint(tmp_path, mount_factory):
+    """While a checkpoint settles, `ls` shows .ckptfs-pending (saying why) and a lookup of a
+    consolidated name waits for it instead of answering ENOENT."""
+    src = tmp_path / "src"
+    write_checkpoint(str(src / "ck"), small_specs(), world=4, files=2, seed=72)
+    m = mount_factory(src, settle=2, opts=["revalidate=0"])
+    d = pathlib.Path(m.mnt) / "ck"
+    assert INDEX in os.listdir(d)
+    shards = [src / "ck" / n for n in os.listdir(src / "ck") if SHARD_RE.match(n)]
+    for _ in range(5):
+        t0 = time.time()
+        for p in shards:
+            os.utime(p)  # a change no close accounts for: the settle time applies
+        names = os.listdir(d)
+        if time.time() - t0 > 1.5:
+            continue  # too slow to judge (busy machine): try again
+        assert PENDING in names and INDEX not in names, names
+        why = read(d / PENDING).decode()
+        assert "changed less than 2 s ago" in why, why
+        t1 = time.time()
+        assert os.path.exists(d / INDEX), "a lookup during settle answered ENOENT"
+        assert time.time() - t1 > 0.2, "the lookup did not wait for the settle time"
+        assert PENDING not in os.listdir(d)
+        break
+    else:
+        pytest.fail("could not look within the settle time")
 
 
 def test_settle_counts_shards_moved_in_with_old_mtimes(tmp_path, mount_factory):

@@ -291,12 +291,118 @@ std::pair<std::unique_ptr<fs::Filesystem>, fs::Ino> settle_fs(const std::string&
 
 }  // namespace
 
-TEST(Fs, SettleDelaysAFreshCheckpoint) {
+namespace {
+
+constexpr const char* kModel = "model-00001-of-00001.safetensors";
+
+// Sets a file's mtime to now (a change with the same bytes, seen by no inotify close).
+void touch(const std::string& path) {
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), nullptr, 0), 0);
+}
+
+bool listed(fs::Filesystem& f, fs::Ino dir, const std::string& name) {
+  auto l = names(f, dir);
+  return std::find(l.begin(), l.end(), name) != l.end();
+}
+
+// Polls a listing until `name` shows (true) or `secs` pass (false).
+bool shows_within(fs::Filesystem& f, fs::Ino dir, const std::string& name, int secs) {
+  for (int i = 0; i < secs * 100; ++i) {
+    if (listed(f, dir, name)) return true;
+    ::usleep(10000);
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST(Fs, ACheckpointCompleteAtFirstSightShowsAtOnce) {
+  // The train -> mount -> load flow: the shards were written a moment ago, then the daemon
+  // started. Complete and unchanged since the daemon first looked: no settle wait (an hour here).
   test::TempDir d;
   write_ckpt(d.path() + "/ck", 'a');
   auto [f, ck] = settle_fs(d.path(), std::chrono::hours(1));
   ASSERT_TRUE(f && ck);
-  EXPECT_EQ(f->lookup(ck, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  EXPECT_TRUE(f->lookup(ck, kModel).ok());
+  EXPECT_EQ(names(*f, ck), (std::vector<std::string>{kModel, "model.safetensors.index.json"}));
+}
+
+TEST(Fs, AShardChangedWithoutACloseSettlesAndSaysSo) {
+  test::TempDir d;
+  write_ckpt(d.path() + "/ck", 'a');
+  auto [f, ck] = settle_fs(d.path(), std::chrono::hours(1));
+  ASSERT_TRUE(f && ck);
+  ASSERT_TRUE(f->lookup(ck, kModel).ok());
+  // A change no writer's close accounts for (another node's write, a touch): settle applies.
+  touch(d.path() + "/ck/" + format::shard_file_name(2, 1, 1));
+  auto l = names(*f, ck);
+  EXPECT_EQ(l, (std::vector<std::string>{".ckptfs-pending"}));
+  auto p = f->lookup(ck, ".ckptfs-pending");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->attr.st_mode, S_IFREG | 0444);
+  std::string why = read_all(*f, p->ino);
+  EXPECT_NE(why.find("changed less than 3600 s ago"), std::string::npos) << why;
+  EXPECT_EQ(f->open(p->ino, O_WRONLY).error().code, EACCES);
+}
+
+TEST(Fs, ALookupWaitsForTheSettleTimeInsteadOfAnsweringEnoent) {
+  test::TempDir d;
+  write_ckpt(d.path() + "/ck", 'a');
+  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(300));
+  ASSERT_TRUE(f && ck);
+  ASSERT_TRUE(f->lookup(ck, kModel).ok());
+  touch(d.path() + "/ck/" + format::shard_file_name(1, 1, 1));
+  ASSERT_TRUE(listed(*f, ck, ".ckptfs-pending"));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto e = f->lookup(ck, kModel);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(e.ok()) << e.error().message;
+  EXPECT_GE(waited, std::chrono::milliseconds(100)) << "answered before the checkpoint settled";
+  EXPECT_FALSE(listed(*f, ck, ".ckptfs-pending"));
+}
+
+TEST(Fs, AShardClosedByItsWriterShowsAtOnce) {
+  // Shards written while the daemon watches: each is complete when its writer closes it, and
+  // the checkpoint shows then, not a settle time (an hour here) later.
+  test::TempDir d;
+  stdfs::create_directories(d.path() + "/ck");
+  auto [f, ck] = settle_fs(d.path(), std::chrono::hours(1));
+  ASSERT_TRUE(f && ck);
+  EXPECT_TRUE(names(*f, ck).empty());  // first look: nothing yet
+  write_ckpt(d.path() + "/ck", 'a');
+  EXPECT_TRUE(shows_within(*f, ck, kModel, 10)) << "not shown after every writer closed";
+
+  // A writer that still has a shard open after changing it holds the checkpoint back.
+  const std::string shard = d.path() + "/ck/" + format::shard_file_name(2, 1, 1);
+  auto bytes = read_small_file(shard, 1 << 20);
+  ASSERT_TRUE(bytes.ok());
+  UniqueFd fd(::open(shard.c_str(), O_WRONLY));
+  ASSERT_TRUE(fd.valid());
+  ::usleep(20000);  // a later mtime than the last close
+  ASSERT_EQ(::pwrite(fd.get(), bytes->data(), bytes->size(), 0),
+            static_cast<ssize_t>(bytes->size()));
+  ::usleep(100000);
+  EXPECT_FALSE(listed(*f, ck, kModel)) << "shown while a writer had a shard open";
+  EXPECT_TRUE(listed(*f, ck, ".ckptfs-pending"));
+  fd.reset();
+  EXPECT_TRUE(shows_within(*f, ck, kModel, 10)) << "not shown after the writer closed";
+}
+
+TEST(Fs, AnIncompleteCheckpointWhoseShardsAreClosedIsNotPending) {
+  // A rank died: its shard is missing. The others are closed and quiet, so nothing is pending
+  // and nothing consolidated shows.
+  test::TempDir d;
+  stdfs::create_directories(d.path() + "/ck");
+  auto [f, ck] = settle_fs(d.path(), std::chrono::hours(1));
+  ASSERT_TRUE(f && ck);
+  EXPECT_TRUE(names(*f, ck).empty());
+  ChunkSpec c{"w", DType::F32, {2, 0}, {2, 2}, std::nullopt, std::string(16, 'x')};
+  test::write_file(d.path() + "/ck/" + format::shard_file_name(2, 1, 1),
+                   test::make_shard_bytes(ShardSpec{format::shard_file_name(2, 1, 1), {c}}));
+  bool quiet = false;
+  for (int i = 0; i < 500 && !quiet; ++i, ::usleep(10000)) quiet = names(*f, ck).empty();
+  EXPECT_TRUE(quiet) << "still pending after the writer closed";
+  EXPECT_EQ(f->lookup(ck, kModel).error().code, ENOENT);
 }
 
 TEST(Fs, ShardsFolderShowsHiddenFiles) {
@@ -499,19 +605,20 @@ TEST(Fs, TimesBefore1970AreShownAsTheyAre) {
 TEST(Fs, AShardStampedInTheFutureSettlesByObservation) {
   test::TempDir d;
   write_ckpt(d.path() + "/ck", 'a');
+  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(200));
+  ASSERT_TRUE(f && ck);
+  ASSERT_TRUE(f->lookup(ck, "model-00001-of-00001.safetensors").ok());
   struct timespec future[2] = {{::time(nullptr) + 7200, 0}, {::time(nullptr) + 7200, 0}};
   ASSERT_EQ(::utimensat(AT_FDCWD, (d.path() + "/ck/" + format::shard_file_name(1, 1, 1)).c_str(),
                         future, 0),
             0);
-  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(200));
-  ASSERT_TRUE(f && ck);
   // Not shown at once (it may still be being written)...
-  EXPECT_EQ(f->lookup(ck, "model-00001-of-00001.safetensors").error().code, ENOENT);
+  EXPECT_FALSE(listed(*f, ck, "model-00001-of-00001.safetensors"));
   // ...but once nothing changed for `settle` while watched, not two hours later.
   bool shown = false;
   for (int i = 0; i < 100 && !shown; ++i) {
     ::usleep(20000);
-    shown = f->lookup(ck, "model-00001-of-00001.safetensors").ok();
+    shown = listed(*f, ck, "model-00001-of-00001.safetensors");
   }
   EXPECT_TRUE(shown);
 }

@@ -109,6 +109,9 @@ struct Checkpoint {
   std::string index_json;
   std::vector<Problem> problems;
   bool from_mapping = false;  // output assignment came from fqn_to_file_index_mapping.json
+  // Tensors whose full shape the shards store; the others' is inferred from their chunks (as
+  // every reader does), so a missing last chunk cannot be told from a smaller tensor.
+  uint32_t shapes_stored = 0;
   // Some output was written through ckptfs (has a commit record): the directory's own index
   // file, if it has one, is the real one and none is synthesized.
   bool written = false;
