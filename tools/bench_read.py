@@ -18,10 +18,18 @@ Measures, side by side in one run (the machine is noisy: compare ratios, not abs
 
   --warm-compare OTHER  only the warm re-read of view-row, alternating --bin and OTHER for
              --repeat rounds (fresh mount, one read to fill the page cache, 5 timed re-reads)
+  --warm-like  only the warm re-read, compared like for like (see docs/benchmarks.md): each
+             round mounts afresh, reads the view once, copies the plain file to a fresh native
+             file (pages in the same state), then times 5 re-reads of each, interleaved, 4 MiB
+             unbuffered reads; the first re-read and the steady ones are reported apart
+  --parallel N  only N readers at once, each of its own view (hard links of view-row's
+             shards), fresh mount per configuration: first read and re-read, aggregate GB/s,
+             for each --config (mount options, e.g. --config prefetch=off --config splice=on)
 
 Usage: sudo tools/bench_read.py [--dir /dev/shm/ckptfs-bench] [--size-mb 1024] [--repeat 3]
                                [--bin build/src/ckptfs] [--splice] [--mount-opt OPT ...]
-                               [--warm-compare OTHER_BIN]
+                               [--warm-compare OTHER_BIN] [--warm-like]
+                               [--parallel N [--config OPTS ...]]
 """
 
 from __future__ import annotations
@@ -226,6 +234,111 @@ def warm_compare(bins: list[str], src: str, mnt: str, opts: list[str], rounds: i
                 d.close()
 
 
+def read_unbuffered(path: str, bs: int = 4 << 20) -> tuple[float, int]:
+    """Sequential unbuffered reads of `bs` bytes, each into a fresh bytes object."""
+    total = 0
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            b = f.read(bs)
+            if not b:
+                break
+            total += len(b)
+    return time.perf_counter() - t0, total
+
+
+def warm_like(binary: str, src: str, mnt: str, opts: list[str], rounds: int) -> None:
+    """Warm re-reads of the view against a native file in the same page-cache state."""
+    plain = os.path.join(src, "plain", "file.bin")
+    fresh = os.path.join(os.path.dirname(src), "native-fresh.bin")
+    view = os.path.join(mnt, "row", "model-00001-of-00001.safetensors")
+    for rnd in range(rounds):
+        d = Daemon(binary, src, mnt, opts)
+        try:
+            # Fills the mount's page cache: each page is inserted and touched once. The native
+            # file's pages get the same state from being written once (cp): the next access of
+            # either activates every page on the kernel's LRU (see docs/benchmarks.md).
+            read_unbuffered(view)
+            shutil.copyfile(plain, fresh)
+            v, n = [], []
+            for _ in range(5):
+                dt, b = read_unbuffered(view)
+                v.append(b / dt / 1e9)
+                dt, b = read_unbuffered(fresh)
+                n.append(b / dt / 1e9)
+            sv, sn = statistics.median(v[1:]), statistics.median(n[1:])
+            print(f"round {rnd + 1} [{','.join(opts)}]: first re-read view {v[0]:.2f} native "
+                  f"{n[0]:.2f} GB/s = {v[0] / n[0]:.2f}x; steady (2-5) view {sv:.2f} native "
+                  f"{sn:.2f} = {sv / sn:.2f}x; first view re-read / steady native = "
+                  f"{v[0] / sn:.2f}x", flush=True)
+        finally:
+            d.close()
+            os.unlink(fresh)
+
+
+def _reader(path: str, bs: int, q) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    buf = bytearray(bs)
+    mv = memoryview(buf)
+    total = 0
+    q.get()  # start together
+    while True:
+        n = os.readv(fd, [mv])
+        if n <= 0:
+            break
+        total += n
+    os.close(fd)
+    q.put(total)
+
+
+def parallel(binary: str, src: str, mnt: str, base: list[str], configs: list[str], n: int,
+             rounds: int) -> None:
+    """n readers of n views at once; aggregate GB/s of the first read and of a re-read."""
+    import multiprocessing as mp
+    row = os.path.join(src, "row")
+    for k in range(n):
+        d = os.path.join(src, f"par{k}")
+        if not os.path.isdir(d):
+            os.makedirs(d)
+            for name in os.listdir(row):
+                os.link(os.path.join(row, name), os.path.join(d, name))
+    ctx = mp.get_context("fork")
+
+    def once(paths: list[str]) -> float:
+        qs = [ctx.Queue() for _ in paths]
+        ps = [ctx.Process(target=_reader, args=(p, 8 << 20, q)) for p, q in zip(paths, qs)]
+        for p in ps:
+            p.start()
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        for q in qs:
+            q.put(None)
+        for p in ps:
+            p.join()
+        dt = time.perf_counter() - t0
+        return sum(q.get() for q in qs) / dt / 1e9
+
+    for rnd in range(rounds):
+        native = [os.path.join(src, f"native{k}.bin") for k in range(n)]
+        for p in native:
+            if not os.path.exists(p):
+                shutil.copyfile(os.path.join(src, "plain", "file.bin"), p)
+        line = [f"native {once(native):.2f}"]
+        for cfg in configs:
+            opts = base + ([x for x in cfg.split(",") if x] if cfg else [])
+            d = Daemon(binary, src, mnt, opts)
+            try:
+                views = [os.path.join(mnt, f"par{k}", "model-00001-of-00001.safetensors")
+                         for k in range(n)]
+                for v in views:
+                    os.stat(v)
+                first, again = once(views), once(views)
+                line.append(f"[{cfg or 'default'}] {first:.2f} / {again:.2f}")
+            finally:
+                d.close()
+        print(f"round {rnd + 1}, {n} readers, GB/s first / re-read: " + "  ".join(line), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/dev/shm/ckptfs-bench")
@@ -237,7 +350,27 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
     ap.add_argument("--warm-compare", metavar="OTHER_BIN",
                     help="only compare warm re-reads of --bin and OTHER_BIN, alternating")
+    ap.add_argument("--warm-like", action="store_true",
+                    help="only the like-for-like warm re-read comparison")
+    ap.add_argument("--parallel", type=int, default=0, metavar="N",
+                    help="only N parallel readers of N views")
+    ap.add_argument("--config", action="append", default=None,
+                    help="with --parallel: a comma-separated set of mount options (repeatable)")
     args = ap.parse_args()
+
+    if args.warm_like or args.parallel:
+        src = ensure_data(args.dir, args.size_mb)
+        base = ["settle=0", *args.mount_opt]
+        if args.splice:
+            base.append("splice=on")
+        mnt = os.path.join(args.dir, "mnt")
+        if args.warm_like:
+            warm_like(args.bin, src, mnt, base, args.repeat)
+        else:
+            parallel(args.bin, src, mnt, base, args.config or [""], args.parallel, args.repeat)
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        return 0
 
     if args.warm_compare:
         src = ensure_data(args.dir, args.size_mb)

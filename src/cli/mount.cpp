@@ -29,7 +29,7 @@ keeps serving in the background) unless -f is given. Unmount with 'fusermount3 -
 
 options:
   -f, --foreground       stay in the foreground, log to stderr
-  --threads N            FUSE worker threads (default 8)
+  --threads N            FUSE worker threads (default: one per core, at least 8, at most 64)
   --log-level L          trace, debug, info, warn, error (default info)
   --log-file PATH        where a daemonized mount logs (default: syslog)
   -o opt[,opt...]        ckptfs options below, or FUSE/mount options (allow_other, ro, ...)
@@ -42,7 +42,9 @@ ckptfs -o options:
   split=even|tp          how tensors are cut: evenly on dim 0 (default), or by the model's
                          base_model_tp_plan in config.json (colwise: dim 0, rowwise: dim 1)
   show_shards            list the hidden shard files under <checkpoint>/.shards/
-  prefetch=on|off        push consolidated files into the page cache on open (default on)
+  prefetch=on|off        push consolidated files into the page cache ahead of readers
+                         (default: on below 8 cores with 2 GiB available, else off)
+  prefetch_threads=N     threads pushing (default: half the cores, 2 to 8)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
   read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
   settle=SECONDS         quiet time before a changed checkpoint is shown (default 1)
@@ -81,6 +83,10 @@ Status apply_option(fuse::MountOptions& o, const std::string& opt) {
     o.fs.show_shards = true;
   } else if (key == "prefetch") {
     CKPTFS_TRY(o.prefetch, parse_onoff(val, "prefetch"));
+  } else if (key == "prefetch_threads") {
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "prefetch_threads"));
+    if (n < 1 || n > 64) return make_error(EINVAL, "prefetch_threads: must be 1..64, got {}", n);
+    o.prefetch_threads = n;
   } else if (key == "splice") {
     CKPTFS_TRY(o.splice, parse_onoff(val, "splice"));
   } else if (key == "read_ahead_kb") {

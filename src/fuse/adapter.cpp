@@ -6,14 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <fstream>
-#include <map>
 #include <mutex>
-#include <set>
+#include <span>
 #include <sstream>
 #include <thread>
 
@@ -22,6 +20,7 @@
 #include <spdlog/sinks/syslog_sink.h>
 #include <spdlog/spdlog.h>
 
+#include "ckptfs/fs/prefetch.hpp"
 #include "ckptfs/util/text.hpp"
 
 namespace ckptfs::fuse {
@@ -83,148 +82,20 @@ class NotifyQueue final : public fs::Notifier {
   std::thread thread_;
 };
 
-uint64_t mem_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  uint64_t kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return 0;
-}
-
-// Pushes consolidated files into the kernel page cache ahead of readers, in offset order,
-// with fuse_lowlevel_notify_store. Page faults through FUSE arrive as small synchronous
-// requests; pushed pages are hits, so an mmap loader runs at memory speed behind the pusher.
-//
-// Triggers: the first open of an inode (from offset 0), and any read request that reaches the
-// daemon while no push of that inode is running (the kernel asked for bytes, so they are not
-// cached: caches were dropped, pages evicted, or the reader overtook the pusher).
-// Bounds: one push per inode at a time, each covering at most half the memory available when
-// it starts (a later miss continues it), stopping when available memory runs short; at most
-// `kQueue` pushes wait.
-class Prefetcher {
+// The kernel side of a prefetch push: fuse_lowlevel_notify_store.
+class FusePusher final : public fs::PagePusher {
  public:
-  // `lead`: bytes after a read miss that the kernel's own read-ahead will request anyway.
-  Prefetcher(fuse_session* se, unsigned threads, uint64_t lead) : se_(se), lead_(lead) {
-    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  explicit FusePusher(fuse_session* se) : se_(se) {}
+  int store(fs::Ino ino, uint64_t off, std::span<const char> bytes) override {
+    fuse_bufvec bv = FUSE_BUFVEC_INIT(bytes.size());
+    bv.buf[0].mem = const_cast<char*>(bytes.data());
+    return fuse_lowlevel_notify_store(se_, ino, static_cast<off_t>(off), &bv,
+                                      static_cast<fuse_buf_copy_flags>(0));
   }
-  ~Prefetcher() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  void on_open(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader) {
-    {
-      std::lock_guard lock(mu_);
-      if (!opened_.insert(ino).second) return;
-    }
-    request(ino, std::move(reader), 0);
-  }
-  // A read reached the daemon up to `off`: the kernel's read-ahead covers the next `lead_`
-  // bytes, so a running push skips ahead of that window instead of duplicating it.
-  void on_miss(fs::Ino ino, const std::shared_ptr<const fs::FileReader>& reader, uint64_t off) {
-    {
-      std::lock_guard lock(mu_);
-      auto it = running_.find(ino);
-      if (it != running_.end()) {
-        uint64_t want = off + lead_;
-        uint64_t cur = it->second->load();
-        while (cur < want && !it->second->compare_exchange_weak(cur, want)) {
-        }
-        return;
-      }
-    }
-    request(ino, reader, off + lead_);
-  }
+  uint64_t mem_available() override { return fs::read_mem_available(); }
 
  private:
-  static constexpr size_t kQueue = 64;
-  static constexpr uint64_t kChunk = 1 << 20;
-  static constexpr uint64_t kReserve = 512ull << 20;  // keep this much memory available
-
-  struct Job {
-    fs::Ino ino;
-    std::shared_ptr<const fs::FileReader> reader;
-    uint64_t start;
-    std::shared_ptr<std::atomic<uint64_t>> floor;  // never push below this (readers are there)
-  };
-
-  void request(fs::Ino ino, std::shared_ptr<const fs::FileReader> reader, uint64_t off) {
-    {
-      std::lock_guard lock(mu_);
-      if (stop_ || running_.count(ino) || q_.size() >= kQueue) return;
-      if (off >= reader->size()) return;
-      auto floor = std::make_shared<std::atomic<uint64_t>>(off);
-      running_.emplace(ino, floor);
-      q_.push_back({ino, std::move(reader), off - off % kChunk, std::move(floor)});
-    }
-    cv_.notify_one();
-  }
-
-  void run() {
-    std::vector<char> buf(kChunk);
-    std::unique_lock lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
-      if (stop_) return;
-      Job job = std::move(q_.front());
-      q_.pop_front();
-      lock.unlock();
-      push(job, buf);
-      lock.lock();
-      running_.erase(job.ino);
-    }
-  }
-
-  void push(const Job& job, std::vector<char>& buf) {
-    const uint64_t size = job.reader->size();
-    uint64_t avail = mem_available();
-    if (avail < kReserve + kChunk) return;
-    const uint64_t end = std::min(size, job.start + (avail - kReserve) / 2);
-    uint64_t pushed = 0;
-    for (uint64_t off = job.start; off < end; off += kChunk) {
-      if (uint64_t floor = job.floor->load(); floor > off) off = floor - floor % kChunk;
-      if (off >= end) break;
-      if (++pushed % 256 == 0 && mem_available() < kReserve) {
-        spdlog::debug("prefetch of inode {} paused at {}: memory is short", job.ino, off);
-        return;
-      }
-      {
-        std::lock_guard lock(mu_);
-        if (stop_) return;
-      }
-      const size_t n = static_cast<size_t>(std::min(kChunk, size - off));
-      auto r = job.reader->read(off, n, buf.data());
-      if (!r) {
-        spdlog::warn("prefetch of inode {}: {}", job.ino, r.error().message);
-        return;
-      }
-      fuse_bufvec bv = FUSE_BUFVEC_INIT(*r);
-      bv.buf[0].mem = buf.data();
-      int rc = fuse_lowlevel_notify_store(se_, job.ino, static_cast<off_t>(off), &bv,
-                                          static_cast<fuse_buf_copy_flags>(0));
-      if (rc != 0) {  // e.g. -ENOENT: the kernel dropped the inode
-        spdlog::debug("prefetch of inode {} stopped at {}: {}", job.ino, off, std::strerror(-rc));
-        return;
-      }
-    }
-  }
-
   fuse_session* se_;
-  uint64_t lead_;
-  std::mutex mu_;  // guards q_, running_, opened_ and stop_
-  std::condition_variable cv_;
-  std::deque<Job> q_;
-  // Inodes with a queued or running push, and the offset below which it must not push.
-  std::map<fs::Ino, std::shared_ptr<std::atomic<uint64_t>>> running_;
-  std::set<fs::Ino> opened_;  // inodes whose first open already triggered a push
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
 };
 
 void set_read_ahead(const std::string& devnum, unsigned kb);
@@ -233,7 +104,7 @@ struct Context {
   fs::Filesystem* fs = nullptr;
   const MountOptions* opts = nullptr;
   fuse_session* se = nullptr;
-  Prefetcher* prefetch = nullptr;
+  fs::Prefetcher* prefetch = nullptr;
   std::string devnum;         // the mount's bdi "major:minor"
   std::once_flag read_ahead;  // set once the kernel has processed our INIT reply
 };
@@ -384,7 +255,7 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
   auto st = c.fs->read(fi->fh, static_cast<uint64_t>(off), size, plan);
   if (!st) return reply_error(req, st.error(), "read");
   if (c.prefetch && plan.src.ckpt != nullptr) {
-    c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off) + size);
+    c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off), size);
   }
   const bool passthrough = plan.passthrough();
   if (c.opts->splice && plan.direct == nullptr && (passthrough || plan.segs.size() <= 16)) {
@@ -653,8 +524,14 @@ void setup_background_logging(const MountOptions& o) {
 
 }  // namespace
 
-int run_mount(const MountOptions& o) {
+int run_mount(const MountOptions& given) {
   raise_fd_limit();
+  MountOptions o = given;
+  const fs::Machine machine = fs::probe_machine();
+  const fs::ReadTuning tune = fs::tune_read_path(machine);
+  if (!o.threads) o.threads = tune.fuse_threads;
+  if (!o.prefetch) o.prefetch = tune.prefetch;
+  if (!o.prefetch_threads) o.prefetch_threads = tune.prefetch_threads;
   // The kernel already applied the caller's umask to the modes it sends: the daemon's own
   // must not mask them again.
   ::umask(0);
@@ -708,21 +585,31 @@ int run_mount(const MountOptions& o) {
     setup_background_logging(o);
   }
   spdlog::info("mounted {} at {}", o.source, o.mountpoint);
+  spdlog::info(
+      "read path: {} cores, {} MiB available: threads={} prefetch={} (threads {}) splice={}",
+      machine.cores, machine.mem_available >> 20, *o.threads, *o.prefetch ? "on" : "off",
+      *o.prefetch_threads, o.splice ? "on" : "off");
 
   int rc;
   {
     NotifyQueue notify(se.get());
     fsys.set_notifier(&notify);
-    std::unique_ptr<Prefetcher> pf;
-    if (o.prefetch) {
-      pf = std::make_unique<Prefetcher>(se.get(), o.prefetch_threads,
-                                        uint64_t{std::max(o.read_ahead_kb, 128u)} << 10);
+    FusePusher pusher(se.get());
+    std::unique_ptr<fs::Prefetcher> pf;
+    if (o.prefetch.value_or(false)) {
+      fs::PrefetchConfig pc;
+      pc.threads = o.prefetch_threads.value_or(2);
+      pc.per_inode = pc.threads;
+      pc.lead = uint64_t{std::max(o.read_ahead_kb, 128u)} << 10;
+      pf = std::make_unique<fs::Prefetcher>(pusher, pc);
     }
     c.prefetch = pf.get();
     fuse_loop_config* cfg = fuse_loop_cfg_create();
     fuse_loop_cfg_set_clone_fd(cfg, 1);
-    fuse_loop_cfg_set_max_threads(cfg, o.threads);
-    fuse_loop_cfg_set_idle_threads(cfg, std::max(1u, o.threads / 2));
+    fuse_loop_cfg_set_max_threads(cfg, o.threads.value_or(8));
+    // Idle workers stay: libfuse destroys a worker that finds more than `idle` others idle,
+    // and re-creates one for the next burst of read-ahead requests.
+    fuse_loop_cfg_set_idle_threads(cfg, o.threads.value_or(8));
     rc = fuse_session_loop_mt(se.get(), cfg);
     fuse_loop_cfg_destroy(cfg);
     c.prefetch = nullptr;

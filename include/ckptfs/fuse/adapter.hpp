@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,12 +15,13 @@ struct MountOptions {
   std::string source;
   std::string mountpoint;
   bool foreground = false;
-  unsigned threads = 8;  // max FUSE worker threads
-  bool prefetch = true;  // push consolidated files into the page cache on open
-  unsigned prefetch_threads = 2;
-  bool splice = false;            // reply with fd-backed buffers spliced by the kernel
-  unsigned read_ahead_kb = 8192;  // the mount's bdi read_ahead_kb (0: leave the default)
-  bool auto_unmount = true;       // unmount if the daemon dies (fusermount3 watchdog)
+  // Unset: chosen from the machine by fs::tune_read_path when the mount starts.
+  std::optional<unsigned> threads;           // max FUSE worker threads
+  std::optional<bool> prefetch;              // push consolidated files into the page cache
+  std::optional<unsigned> prefetch_threads;  // push threads (each inode: all of them)
+  bool splice = false;                       // reply with fd-backed buffers spliced by the kernel
+  unsigned read_ahead_kb = 8192;             // the mount's bdi read_ahead_kb (0: leave the default)
+  bool auto_unmount = true;                  // unmount if the daemon dies (fusermount3 watchdog)
   double attr_timeout = 1.0;
   double entry_timeout = 1.0;
   std::vector<std::string> fuse_opts;  // passed to libfuse as -o
