@@ -321,14 +321,15 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
   }
 }
 
-Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std::string& dir) {
+Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
+    const std::string& dir, const layout::BuildOptions& opts) {
   CKPTFS_TRY(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, list_dir(fd.get()));
   if (!has_shards(entries)) {
     return make_error(ENOENT, "{}: no rank shard files (shard-R-model-K-of-M.safetensors)", dir);
   }
   HeaderCache cache;
-  return load_checkpoint(fd.get(), entries, dir, cache);
+  return load_checkpoint(fd.get(), entries, dir, cache, opts);
 }
 
 namespace {
