@@ -77,6 +77,7 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
     J tj;
     tj["name"] = t.name;
     tj["dtype"] = std::string(format::dtype_name(t.dtype));
+    tj["stored_dtype"] = std::string(format::dtype_name(t.src_dtype));
     tj["shape"] = t.shape;
     std::vector<size_t> g;
     for (const auto& b : t.grid.bounds) g.push_back(b.size() - 1);
@@ -128,10 +129,13 @@ void print_text(const layout::Checkpoint& c) {
     for (const auto& t : c.tensors) {
       size_t reps = 0;
       for (const auto& ch : t.chunks) reps += ch.replicas.size();
-      fmt::print("    {}  {} [{}]  grid {}  {} chunk{}{}{}\n", printable(t.name),
-                 format::dtype_name(t.dtype), fmt::join(t.shape, ", "), grid_str(t),
-                 t.chunks.size(), t.chunks.size() == 1 ? "" : "s",
-                 reps ? fmt::format(" (+{} replicas)", reps) : "",
+      // A cast view shows both: stored -> served.
+      const std::string dt = t.is_cast() ? fmt::format("{} -> {}", format::dtype_name(t.src_dtype),
+                                                       format::dtype_name(t.dtype))
+                                         : std::string(format::dtype_name(t.dtype));
+      fmt::print("    {}  {} [{}]  grid {}  {} chunk{}{}{}\n", printable(t.name), dt,
+                 fmt::join(t.shape, ", "), grid_str(t), t.chunks.size(),
+                 t.chunks.size() == 1 ? "" : "s", reps ? fmt::format(" (+{} replicas)", reps) : "",
                  c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
     }
   }
@@ -169,7 +173,10 @@ Result<Loaded> load_all(const std::string& dir) {
   Loaded out;
   out.too_deep = std::move(found.too_deep);
   for (const auto& d : found.dirs) {
-    CKPTFS_TRY(auto c, source::load_checkpoint_path(d));
+    // As the mount shows it by default (dtype=auto: NeMo's dtype mapping applied).
+    layout::BuildOptions opts;
+    opts.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;
+    CKPTFS_TRY(auto c, source::load_checkpoint_path(d, opts));
     out.ckpts.push_back(std::move(c));
   }
   return out;
@@ -199,7 +206,7 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
   for (const auto& t : c.tensors) {
     for (const auto& ch : t.chunks) {
       if (ch.replicas.empty()) continue;
-      uint64_t nbytes = *format::byte_size(t.dtype, *checked_numel(ch.sizes));
+      uint64_t nbytes = *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));
       for (const auto& rep : ch.replicas) {
         for (uint64_t off = 0; off < nbytes; off += kBlock) {
           size_t n = static_cast<size_t>(std::min<uint64_t>(kBlock, nbytes - off));

@@ -41,6 +41,11 @@ ckptfs -o options:
                          nothing gained from more files; set it to the ranks that will load it)
   split=even|tp          how tensors are cut: evenly on dim 0 (default), or by the model's
                          base_model_tp_plan in config.json (colwise: dim 0, rowwise: dim 1)
+  dtype=auto|stored|bf16|fp16|fp32
+                         dtype of the tensors served: auto (default) casts to NeMo's
+                         .hf_metadata/fqn_to_dtype_mapping.json where present, stored serves
+                         the shards' dtypes, bf16/fp16/fp32 cast every F16/BF16/F32/F64 tensor
+                         (F8, integer and bool tensors stay as stored)
   show_shards            list the hidden shard files under <checkpoint>/.shards/
   prefetch=on|off        push consolidated files into the page cache ahead of readers
                          (default: on below 8 cores with 2 GiB available, else off)
@@ -122,6 +127,8 @@ Status apply_option(fuse::MountOptions& o, const std::string& opt) {
       return make_error(EINVAL, "ranks: must be 1..{}, got {}", write::kMaxRanks, r);
     }
     o.fs.ranks = r;
+  } else if (key == "dtype") {
+    CKPTFS_CHECK(layout::set_dtype_policy(o.fs.build, val));
   } else if (key == "split") {
     if (val == "even") {
       o.fs.split = write::PlanOptions::EvenDim0;
@@ -150,6 +157,7 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
   auto* args = &std::get<Args>(parsed);
   fuse::MountOptions o;
+  o.fs.build.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;  // dtype=auto
   o.source = args->positional[0];
   o.mountpoint = args->positional[1];
   while (o.source.size() > 1 && o.source.back() == '/') o.source.pop_back();

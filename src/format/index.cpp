@@ -56,6 +56,25 @@ Result<FqnMapping> parse_fqn_mapping(std::string_view text, std::string_view wha
   return out;
 }
 
+Result<DtypeMapping> parse_dtype_mapping(std::string_view text, std::string_view what) {
+  std::vector<std::string> order;
+  CKPTFS_TRY(nlohmann::json j, detail::parse_json_strict(text, what, "dtype mapping", &order));
+  if (!j.is_object()) return make_error(EINVAL, "{}: dtype mapping is not a JSON object", what);
+  DtypeMapping out;
+  out.reserve(order.size());
+  for (const auto& key : order) {
+    const auto& v = j.at(key);
+    const auto* name = v.is_string() ? &v.get_ref<const std::string&>() : nullptr;
+    auto d = name ? parse_dtype(*name) : std::nullopt;
+    if (!d) {
+      return make_error(EINVAL, "{}: tensor {}: dtype is {}, not a safetensors dtype name", what,
+                        detail::describe(nlohmann::json(key)), detail::describe(v));
+    }
+    out.emplace_back(key, *d);
+  }
+  return out;
+}
+
 std::string serialize_fqn_mapping(const FqnMapping& mapping) {
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   for (const auto& [k, v] : mapping) j[k] = v;

@@ -385,7 +385,7 @@ Status check_extents(const ReadPlan& p) {
     if (seen) continue;
     uint64_t end = 0;
     for (const auto& h : p.segs) {
-      if (!h.is_memory() && h.shard == g.shard) end = std::max(end, h.src + h.len);
+      if (!h.is_memory() && h.shard == g.shard) end = std::max(end, h.src + h.src_len());
     }
     struct stat st {};
     if (::fstat(p.src.fds[g.shard], &st) != 0) {
@@ -1061,8 +1061,9 @@ struct Filesystem::Impl {
     }
     auto real = lookup_real(rel, dir.ino, name);
     if (real.ok() || real.error().code != ENOENT) return real;
-    // Lifted from .hf_metadata/ (never the mapping file). No symlink is followed on the way.
-    if (name == format::kFqnMappingFileName) return real;
+    // Lifted from .hf_metadata/ (never the mapping files). No symlink is followed on the way.
+    if (name == format::kFqnMappingFileName || name == format::kFqnDtypeMappingFileName)
+      return real;
     const std::string lifted = join_rel(join_rel(dir.rel, format::kHfMetadataDir), name);
     auto st = stat_beneath(root.get(), lifted);
     if (!st || !S_ISREG(st->st_mode)) return real;
@@ -1128,6 +1129,7 @@ struct Filesystem::Impl {
               e.name == kNemoConsolidateScript || e.name == kPendingName) {
             continue;
           }
+          if (e.name == format::kFqnDtypeMappingFileName) continue;  // hidden, as NeMo's export
           real(e);
           names.insert(e.name);
         }

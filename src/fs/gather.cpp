@@ -9,6 +9,8 @@
 
 #include <fmt/core.h>
 
+#include "ckptfs/format/cast.hpp"
+
 namespace ckptfs::fs {
 namespace {
 
@@ -18,6 +20,7 @@ struct Scratch {
   std::vector<uint64_t> dst_off;
   std::vector<iovec> iov;
   std::vector<char> sink = std::vector<char>(kGatherMaxGap);
+  std::vector<char> cast;  // source elements of a cast segment, at most kCastBlock bytes
 };
 
 Scratch& scratch() {
@@ -54,6 +57,50 @@ Status preadv_all(int fd, iovec* iov, int cnt, uint64_t off, const GatherSource&
   return {};
 }
 
+// Reads the source elements of cast segment `g` block by block (kCastBlock bytes at most)
+// and converts them into dst. Whole output elements convert in place; a partial first or
+// last one converts into an 8-byte temporary and the bytes asked for are copied.
+Status gather_cast(const GatherSource& src, const layout::Segment& g, char* dst,
+                   std::vector<char>& buf) {
+  const uint64_t isz = format::dtype_bits(g.from) / 8;
+  const uint64_t osz = format::dtype_bits(g.to) / 8;
+  const uint64_t total = g.elems();
+  const uint64_t per_block = std::max<uint64_t>(1, kCastBlock / isz);
+  if (buf.size() < std::min(total, per_block) * isz) buf.resize(std::min(total, per_block) * isz);
+  uint64_t skip = g.skip;  // output bytes still to drop (first element only)
+  uint64_t left = g.len;   // output bytes still to produce
+  for (uint64_t e = 0; e < total; e += per_block) {
+    const uint64_t n = std::min(per_block, total - e);
+    iovec iov{buf.data(), static_cast<size_t>(n * isz)};
+    CKPTFS_CHECK(preadv_all(src.fds[g.shard], &iov, 1, g.src + e * isz, src, g.shard));
+    const char* in = buf.data();
+    uint64_t k = 0;  // elements of this block done
+    if (skip > 0) {
+      char tmp[8];
+      format::convert(g.from, g.to, in, tmp, 1);
+      const uint64_t c = std::min(osz - skip, left);
+      std::memcpy(dst, tmp + skip, c);
+      dst += c;
+      left -= c;
+      skip = 0;
+      k = 1;
+    }
+    const uint64_t whole = std::min(n - k, left / osz);
+    format::convert(g.from, g.to, in + k * isz, dst, static_cast<size_t>(whole));
+    dst += whole * osz;
+    left -= whole * osz;
+    k += whole;
+    if (k < n && left > 0) {  // the partial last element
+      char tmp[8];
+      format::convert(g.from, g.to, in + k * isz, tmp, 1);
+      std::memcpy(dst, tmp, left);
+      dst += left;
+      left = 0;
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 std::string GatherSource::name_of(uint32_t shard) const {
@@ -71,6 +118,8 @@ Status gather(const GatherSource& src, std::span<const layout::Segment> segs, ch
     const auto& g = segs[i];
     if (g.is_memory()) {
       std::memcpy(dst + pos, src.header.data() + g.src, g.len);
+    } else if (g.is_cast()) {
+      CKPTFS_CHECK(gather_cast(src, g, dst + pos, s.cast));
     } else {
       s.order.push_back(i);
     }

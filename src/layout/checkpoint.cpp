@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "ckptfs/format/cast.hpp"
 #include "ckptfs/util/checked.hpp"
 
 namespace ckptfs::layout {
@@ -43,6 +44,7 @@ class Builder {
     check_output_counts();
     for (auto& tb : order_) finish_tensor(*tb);
     if (ck_->problems.empty()) assign_outputs();
+    if (ck_->problems.empty()) apply_dtypes();
     if (ck_->problems.empty()) synthesize();
     if (!ck_->problems.empty()) {
       ck_->outputs.clear();
@@ -271,6 +273,7 @@ class Builder {
     Tensor t;
     t.name = tb.name;
     t.dtype = tb.dtype;
+    t.src_dtype = tb.dtype;
     t.shape = shape;
     t.numel = *numel;
     t.nbytes = *nbytes;
@@ -533,6 +536,44 @@ class Builder {
     }
   }
 
+  // The served dtype of each tensor (BuildOptions::dtype_policy); sizes follow it.
+  void apply_dtypes() {
+    using P = BuildOptions::DtypePolicy;
+    if (opts_.dtype_policy == P::Stored) return;
+    if (opts_.dtype_policy == P::Mapping && !in_.dtypes) return;
+    std::unordered_map<std::string_view, DType> mapped;
+    if (opts_.dtype_policy == P::Mapping) {
+      // Entries naming no tensor of the checkpoint are ignored, as NeMo's consolidation does.
+      for (const auto& [fqn, d] : *in_.dtypes) mapped.emplace(fqn, d);
+    }
+    for (auto& t : ck_->tensors) {
+      if (!format::castable(t.src_dtype)) continue;
+      DType to = t.src_dtype;
+      if (opts_.dtype_policy == P::Cast) {
+        to = opts_.cast_to;
+      } else if (auto it = mapped.find(t.name);
+                 it != mapped.end() && format::castable(it->second)) {
+        to = it->second;
+      }
+      if (to == t.src_dtype || !format::castable(to)) continue;
+      auto nbytes = format::byte_size(to, t.numel);
+      if (!nbytes || *nbytes > (UINT64_MAX >> 4)) {
+        problem(tensor_files(t), t.name,
+                fmt::format("{} elements as {} overflow", t.numel, format::dtype_name(to)));
+        return;
+      }
+      t.dtype = to;
+      t.nbytes = *nbytes;
+    }
+  }
+
+  // A tensor served as stored again (outputs written through ckptfs keep their headers).
+  static void uncast(Tensor& t) {
+    if (!t.is_cast()) return;
+    t.dtype = t.src_dtype;
+    t.nbytes = *format::byte_size(t.dtype, t.numel);  // checked when the tensor was built
+  }
+
   // Output `f` takes the exact header of the file written through ckptfs: same tensors (name,
   // dtype, shape), data offsets from that header.
   bool apply_override(OutputFile& f, const OutputOverride& o, format::Index& index) {
@@ -547,6 +588,7 @@ class Builder {
     for (uint32_t ti : f.tensors) by_name.emplace(ck_->tensors[ti].name, ti);
     std::vector<uint32_t> order;
     std::set<uint32_t> shards;
+    for (uint32_t ti : f.tensors) uncast(ck_->tensors[ti]);
     for (const auto& e : h.tensors) {  // sorted by data offset
       auto it = by_name.find(e.name);
       if (it == by_name.end()) {
@@ -666,6 +708,27 @@ const OutputFile* Checkpoint::find_output(std::string_view name) const {
     if (f.name == name) return &f;
   }
   return nullptr;
+}
+
+Status set_dtype_policy(BuildOptions& opts, std::string_view v) {
+  using P = BuildOptions::DtypePolicy;
+  if (v == "auto") {
+    opts.dtype_policy = P::Mapping;
+  } else if (v == "stored") {
+    opts.dtype_policy = P::Stored;
+  } else if (v == "bf16" || v == "bfloat16") {
+    opts.dtype_policy = P::Cast;
+    opts.cast_to = DType::BF16;
+  } else if (v == "fp16" || v == "f16" || v == "float16") {
+    opts.dtype_policy = P::Cast;
+    opts.cast_to = DType::F16;
+  } else if (v == "fp32" || v == "f32" || v == "float32") {
+    opts.dtype_policy = P::Cast;
+    opts.cast_to = DType::F32;
+  } else {
+    return make_error(EINVAL, "dtype: expected auto, stored, bf16, fp16 or fp32, got '{}'", v);
+  }
+  return {};
 }
 
 std::shared_ptr<const Checkpoint> build_checkpoint(BuildInput in, const BuildOptions& opts) {

@@ -9,7 +9,7 @@ inline void emit(std::vector<Segment>& out, uint32_t shard, uint64_t src, uint64
   if (len == 0) return;
   if (!out.empty()) {
     auto& last = out.back();
-    if (last.shard == shard && last.src + last.len == src) {
+    if (last.shard == shard && !last.is_cast() && last.src + last.len == src) {
       last.len += len;
       return;
     }
@@ -42,8 +42,73 @@ inline RunPos run_at(const Tensor& t, const Chunk& c, const uint64_t* x) {
   return RunPos{out, in, c.sizes[k] * t.strides[k]};
 }
 
+inline void emit_cast(std::vector<Segment>& out, const Tensor& t, uint32_t shard, uint64_t src,
+                      uint64_t len, uint8_t skip) {
+  if (len == 0) return;
+  if (!out.empty()) {
+    auto& last = out.back();
+    const uint64_t osz = format::dtype_bits(t.dtype) / 8;
+    if (skip == 0 && last.shard == shard && last.from == t.src_dtype && last.to == t.dtype &&
+        (last.skip + last.len) % osz == 0 && last.src + last.src_len() == src) {
+      last.len += len;
+      return;
+    }
+  }
+  Segment g{shard, src, len};
+  g.from = t.src_dtype;
+  g.to = t.dtype;
+  g.skip = skip;
+  out.push_back(g);
+}
+
+// Maps bytes [a, b) of a cast tensor to runs of whole source elements: the elements that
+// hold output bytes [a, b), the first `a % osz` bytes of the first one skipped.
+void map_cast_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& out) {
+  const uint64_t osz = format::dtype_bits(t.dtype) / 8;
+  const uint64_t isz = format::dtype_bits(t.src_dtype) / 8;
+  const uint64_t ea = a / osz;
+  const uint64_t eb = (b + osz - 1) / osz;
+  if (whole_chunk(t)) {
+    const auto& c = t.chunks[0];
+    emit_cast(out, t, c.shard, c.file_offset + ea * isz, b - a, static_cast<uint8_t>(a % osz));
+    return;
+  }
+  const size_t r = t.shape.size();
+  uint64_t x[16];
+  std::vector<uint64_t> xbig;
+  uint64_t* coords = x;
+  if (r > 16) {
+    xbig.resize(r);
+    coords = xbig.data();
+  }
+  uint64_t p = ea;
+  while (p < eb) {
+    uint64_t e = p;
+    for (size_t d = 0; d < r; ++d) {
+      coords[d] = e / t.strides[d];
+      e -= coords[d] * t.strides[d];
+    }
+    uint32_t ci = find_chunk(t, coords);
+    if (ci == UINT32_MAX) return;  // unreachable for a validated tensor
+    const Chunk& c = t.chunks[ci];
+    RunPos rp = run_at(t, c, coords);
+    const uint64_t delta = p - rp.out_elem;
+    const uint64_t n = std::min(rp.elems - delta, eb - p);
+    // Output bytes of elements [p, p + n), clipped to [a, b).
+    const uint64_t lo = std::max(a, p * osz);
+    const uint64_t hi = std::min(b, (p + n) * osz);
+    emit_cast(out, t, c.shard, c.file_offset + (rp.chunk_elem + delta) * isz, hi - lo,
+              static_cast<uint8_t>(lo - p * osz));
+    p += n;
+  }
+}
+
 // Maps bytes [a, b) of tensor `t` (relative to its data start) to shard runs.
 void map_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& out) {
+  if (t.is_cast()) {
+    map_cast_tensor(t, a, b, out);
+    return;
+  }
   if (whole_chunk(t)) {
     const auto& c = t.chunks[0];
     emit(out, c.shard, c.file_offset + a, b - a);
@@ -135,7 +200,7 @@ void chunk_runs(const Checkpoint& ckpt, uint32_t ti, uint32_t ci, std::vector<Ru
   const Tensor& t = ckpt.tensors[ti];
   const Chunk& c = t.chunks[ci];
   const uint64_t bits = format::dtype_bits(t.dtype);
-  if (t.nbytes == 0) return;
+  if (t.nbytes == 0 || t.is_cast()) return;
   if (whole_chunk(t)) {
     out.push_back(Run{t.out_offset, c.file_offset, t.nbytes});
     return;

@@ -23,6 +23,8 @@ constexpr uint64_t kTrimAfterHeaderBytes = 8ull << 20;
 
 const std::string kMappingRel =
     std::string(format::kHfMetadataDir) + "/" + std::string(format::kFqnMappingFileName);
+const std::string kDtypeMappingRel =
+    std::string(format::kHfMetadataDir) + "/" + std::string(format::kFqnDtypeMappingFileName);
 
 }  // namespace
 
@@ -101,10 +103,12 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(st));
     sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(st), ctime_ns(st)});
   }
-  if (auto st = stat_beneath(dirfd, kMappingRel); st.ok()) {
-    sig.files.emplace_back(kMappingRel, stamp_of(*st));
-    sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(*st));
-    sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(*st), ctime_ns(*st)});
+  for (const auto* rel : {&kMappingRel, &kDtypeMappingRel}) {
+    if (auto st = stat_beneath(dirfd, *rel); st.ok()) {
+      sig.files.emplace_back(*rel, stamp_of(*st));
+      sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(*st));
+      sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(*st), ctime_ns(*st)});
+    }
   }
   return sig;
 }
@@ -245,6 +249,19 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
   } else if (mfd.error().code != ENOENT) {
     in.problems.push_back({kMappingRel, "", mfd.error().message});
   }
+  // NeMo's dtype mapping, read only when the view serves it (dtype=auto).
+  if (has_meta_dir && opts.dtype_policy == layout::BuildOptions::DtypePolicy::Mapping) {
+    auto text = read_small_file_beneath(dirfd, kDtypeMappingRel, format::kMaxSideFileSize);
+    if (text.ok()) {
+      if (auto m = format::parse_dtype_mapping(*text, kDtypeMappingRel); m.ok()) {
+        in.dtypes = std::move(m).value();
+      } else {
+        in.problems.push_back({"", "", m.error().message});
+      }
+    } else if (text.error().code != ENOENT) {
+      in.problems.push_back({"", "", text.error().message});
+    }
+  }
   read_records(dirfd, entries, display, in);
   return layout::build_checkpoint(std::move(in), opts);
 }
@@ -304,14 +321,15 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
   }
 }
 
-Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std::string& dir) {
+Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
+    const std::string& dir, const layout::BuildOptions& opts) {
   CKPTFS_TRY(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, list_dir(fd.get()));
   if (!has_shards(entries)) {
     return make_error(ENOENT, "{}: no rank shard files (shard-R-model-K-of-M.safetensors)", dir);
   }
   HeaderCache cache;
-  return load_checkpoint(fd.get(), entries, dir, cache);
+  return load_checkpoint(fd.get(), entries, dir, cache, opts);
 }
 
 namespace {

@@ -1,8 +1,9 @@
 // libFuzzer target: the other parsers of untrusted JSON, on the same bytes: NeMo's
-// fqn_to_file_index_mapping.json, model.safetensors.index.json, the DCP_SHARDING_INFO
-// string a shard's __metadata__ carries, the write path's commit records (.ckptfs/*.commit)
-// and the base_model_tp_plan of a config.json. None may crash, hang or recurse without bound
-// (100,000-deep nesting once overflowed the stack); what parses must hold its invariants.
+// fqn_to_file_index_mapping.json and fqn_to_dtype_mapping.json, model.safetensors.index.json, the
+// DCP_SHARDING_INFO string a shard's __metadata__ carries, the write path's commit records
+// (.ckptfs/*.commit) and the base_model_tp_plan of a config.json. None may crash, hang or recurse
+// without bound (100,000-deep nesting once overflowed the stack); what parses must hold its
+// invariants.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -16,6 +17,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto m = ckptfs::format::parse_fqn_mapping(text, "fuzz-mapping.json"); m.ok()) {
     for (const auto& [name, file] : *m) {
       if (file < 1 || file > 99999) __builtin_trap();
+    }
+  }
+  if (auto dm = ckptfs::format::parse_dtype_mapping(text, "fuzz-dtypes.json"); dm.ok()) {
+    // Every value is a dtype of the table, named as it was written.
+    for (const auto& [name, d] : *dm) {
+      if (ckptfs::format::parse_dtype(ckptfs::format::dtype_name(d)) != d) __builtin_trap();
     }
   }
   if (auto idx = ckptfs::format::parse_index(text, "fuzz-index.json"); idx.ok()) {

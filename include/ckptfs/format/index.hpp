@@ -1,4 +1,5 @@
-// model.safetensors.index.json and NeMo's .hf_metadata/fqn_to_file_index_mapping.json.
+// model.safetensors.index.json and NeMo's .hf_metadata/fqn_to_file_index_mapping.json and
+// fqn_to_dtype_mapping.json.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "ckptfs/format/dtype.hpp"
 #include "ckptfs/util/result.hpp"
 
 namespace ckptfs::format {
@@ -29,6 +31,12 @@ Result<Index> parse_index(std::string_view json, std::string_view what);
 using FqnMapping = std::vector<std::pair<std::string, uint32_t>>;
 Result<FqnMapping> parse_fqn_mapping(std::string_view json, std::string_view what);
 std::string serialize_fqn_mapping(const FqnMapping& mapping);
+
+// NeMo's .hf_metadata/fqn_to_dtype_mapping.json: {fqn: safetensors dtype name}, e.g.
+// {"lm_head.weight": "BF16"}. Every value must be a dtype name of the safetensors table
+// ("BF16", "F32", ...): anything else is an error naming the file and the tensor.
+using DtypeMapping = std::vector<std::pair<std::string, DType>>;
+Result<DtypeMapping> parse_dtype_mapping(std::string_view json, std::string_view what);
 
 // The `base_model_tp_plan` of a transformers config.json ({pattern: style}); empty when the
 // config has none. Entries whose style is not a string are refused.

@@ -16,6 +16,8 @@ inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json
 inline constexpr std::string_view kSingleFileName = "model.safetensors";
 inline constexpr std::string_view kHfMetadataDir = ".hf_metadata";
 inline constexpr std::string_view kFqnMappingFileName = "fqn_to_file_index_mapping.json";
+// NeMo AutoModel 0.7: the dtype each tensor had in the base model's HF checkpoint.
+inline constexpr std::string_view kFqnDtypeMappingFileName = "fqn_to_dtype_mapping.json";
 inline constexpr std::string_view kSafetensorsSuffix = ".safetensors";
 
 struct ShardName {

@@ -6,7 +6,8 @@
 //  - a directory holding rank shards (a checkpoint directory) shows, in place of its shards,
 //    the consolidated model-0000k-of-0000m.safetensors files and model.safetensors.index.json
 //    (only while the checkpoint validates and has settled), its other files, and the files of
-//    .hf_metadata/ except the mapping file; optionally a .shards/ folder with the hidden files.
+//    .hf_metadata/ except the mapping files (fqn_to_file_index_mapping.json and
+//    fqn_to_dtype_mapping.json); optionally a .shards/ folder with the hidden files.
 //
 // Consistency: each version of a checkpoint directory is an immutable View. A consolidated
 // file's inode belongs to one View; when the shards change a new View gets new inodes, the
@@ -17,6 +18,7 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -85,6 +87,13 @@ struct ReadPlan {
   // Set instead of segments for a file open for writing: execute() asks it for the bytes.
   const FileReader* direct = nullptr;
   uint64_t direct_off = 0;
+
+  // Some segment converts a dtype (layout::Segment::is_cast): its bytes exist only once
+  // gathered, so such a plan is never spliced.
+  [[nodiscard]] bool has_cast() const {
+    return std::any_of(segs.begin(), segs.end(),
+                       [](const layout::Segment& s) { return s.is_cast(); });
+  }
 
   // A plain file: one run of one fd, read like the file (short at its current end).
   [[nodiscard]] bool passthrough() const {

@@ -2,7 +2,8 @@
 //
 // Segments of the same shard are read with one preadv per shard span (runs separated by
 // small gaps are merged, the gap bytes going to a scratch sink), so a column-sharded range
-// costs one system call per shard rather than one per run.
+// costs one system call per shard rather than one per run. Cast segments are read in blocks
+// of kCastBlock source bytes and converted into place (format/cast.hpp).
 #pragma once
 
 #include <span>
@@ -21,6 +22,10 @@ struct GatherSource {
 
   [[nodiscard]] std::string name_of(uint32_t shard) const;
 };
+
+// Source bytes of a cast segment read and converted at a time (per thread): a cast read
+// holds no more than this beyond the reply buffer, whatever the tensor's size.
+inline constexpr uint64_t kCastBlock = 256 * 1024;
 
 // Largest gap between two runs of a shard that is read through rather than split.
 inline constexpr uint64_t kGatherMaxGap = 64 * 1024;

@@ -16,6 +16,7 @@
 #include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/util/result.hpp"
 
 namespace ckptfs::layout {
 
@@ -69,15 +70,20 @@ struct ChunkGrid {
 
 struct Tensor {
   std::string name;
+  // The dtype served (header, sizes, bytes) and the dtype its chunks hold in the shards. They
+  // differ only for a cast view (BuildOptions::dtype_policy); both are then format::castable.
   format::DType dtype = format::DType::U8;
+  format::DType src_dtype = format::DType::U8;
   std::vector<uint64_t> shape;
   std::vector<uint64_t> strides;  // row-major element strides of the full tensor
   std::vector<Chunk> chunks;
   ChunkGrid grid;
   uint32_t output = 0;      // index into Checkpoint::outputs
   uint64_t out_offset = 0;  // absolute offset of this tensor's bytes in its output file
-  uint64_t nbytes = 0;
+  uint64_t nbytes = 0;      // served bytes (numel elements of `dtype`)
   uint64_t numel = 0;
+
+  [[nodiscard]] bool is_cast() const { return dtype != src_dtype; }
 };
 
 struct OutputFile {
@@ -132,7 +138,19 @@ struct BuildOptions {
   std::map<std::string, std::string> output_metadata = {{"format", "pt"}};
   // Grid cells allowed per tensor before falling back to a scan.
   uint64_t max_grid_cells = 1u << 22;
+  // Which dtype each tensor is served in. Stored: as the shards hold it. Mapping: the dtype
+  // NeMo's fqn_to_dtype_mapping.json names (BuildInput::dtypes), where both it and the stored
+  // dtype are castable (F16, BF16, F32, F64); other tensors as stored. Cast: every tensor of
+  // a castable dtype as `cast_to`, the rest as stored. Outputs written through ckptfs (commit
+  // records) are never cast: their headers are the files written.
+  enum class DtypePolicy : uint8_t { Stored, Mapping, Cast };
+  DtypePolicy dtype_policy = DtypePolicy::Stored;
+  format::DType cast_to = format::DType::F32;  // for Cast; must be castable
 };
+
+// Sets the dtype policy from an option value: "auto" (NeMo's mapping), "stored", or a cast
+// to "bf16", "fp16" or "fp32" (also "bfloat16", "float16"/"f16", "float32"/"f32").
+Status set_dtype_policy(BuildOptions& opts, std::string_view value);
 
 // A consolidated file written through ckptfs: its exact name and header bytes replace the
 // synthesized ones for output k. The header must describe exactly that output's tensors.
@@ -147,8 +165,9 @@ struct OutputOverride {
 struct BuildInput {
   std::string dir;
   std::vector<ShardInput> shards;
-  std::optional<format::FqnMapping> mapping;  // .hf_metadata/fqn_to_file_index_mapping.json
-  std::vector<Problem> problems;              // found before building (unreadable mapping...)
+  std::optional<format::FqnMapping> mapping;   // .hf_metadata/fqn_to_file_index_mapping.json
+  std::optional<format::DtypeMapping> dtypes;  // .hf_metadata/fqn_to_dtype_mapping.json
+  std::vector<Problem> problems;               // found before building (unreadable mapping...)
   std::vector<OutputOverride> overrides;
 };
 

@@ -1,7 +1,8 @@
 // The extent map: which bytes produce a byte range of a consolidated file.
 //
 // Forward (reads): consolidated (file, offset, length) -> ordered segments, each either
-// header bytes from memory or a run of bytes in one shard file. Adjacent runs that are
+// header bytes from memory, a run of bytes in one shard file, or (a tensor served in another
+// dtype than stored) a run of elements in one shard file to convert. Adjacent runs that are
 // contiguous in the same shard are coalesced, so a row-sharded tensor is one run per chunk.
 //
 // Inverse (the write router): a run of one chunk -> where it lands in the consolidated file.
@@ -18,9 +19,24 @@ struct Segment {
   static constexpr uint32_t kMemory = UINT32_MAX;
   uint32_t shard = kMemory;  // index into Checkpoint::shards, or kMemory for header bytes
   uint64_t src = 0;          // byte offset in the shard file, or in OutputFile::header
-  uint64_t len = 0;
+  uint64_t len = 0;          // bytes this segment produces
+  // A cast segment (from != to): the elements of dtype `from` starting at `src` are
+  // converted to `to`, and the `len` bytes produced start `skip` bytes into the first
+  // converted element (a read need not start or end on an element boundary). Never spliced.
+  format::DType from = format::DType::U8;
+  format::DType to = format::DType::U8;
+  uint8_t skip = 0;
 
   [[nodiscard]] bool is_memory() const { return shard == kMemory; }
+  [[nodiscard]] bool is_cast() const { return from != to; }
+  // Elements converted (cast segments) and source bytes read (every shard segment).
+  [[nodiscard]] uint64_t elems() const {
+    const uint64_t osz = format::dtype_bits(to) / 8;
+    return (skip + len + osz - 1) / osz;
+  }
+  [[nodiscard]] uint64_t src_len() const {
+    return is_cast() ? elems() * (format::dtype_bits(from) / 8) : len;
+  }
   bool operator==(const Segment&) const = default;
 };
 
@@ -37,7 +53,8 @@ struct Run {
   uint64_t len = 0;
 };
 
-// The inverse map: every run of chunk `c` of tensor `t`, in chunk (shard file) order.
+// The inverse map: every run of chunk `c` of tensor `t`, in chunk (shard file) order. Empty
+// for a cast tensor (the write path never sees one: written outputs are never cast).
 void chunk_runs(const Checkpoint& ckpt, uint32_t t, uint32_t c, std::vector<Run>& out);
 
 // Which chunk of `t` holds the element at coordinates `coords` (full tensor coordinates).

@@ -109,7 +109,8 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
                                                           const layout::BuildOptions& opts = {});
 
 // The same from a path.
-Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(const std::string& dir);
+Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
+    const std::string& dir, const layout::BuildOptions& opts = {});
 
 // Directories searched below a root: at most this many levels down.
 inline constexpr int kMaxSearchDepth = 64;
