@@ -30,7 +30,6 @@ namespace {
 namespace stdfs = std::filesystem;
 
 constexpr uint64_t kCopyRangeMin = 256 << 10;  // average run length that uses copy_file_range
-constexpr uint64_t kDirectAlign = 4096;        // O_DIRECT offset/length/buffer alignment
 
 bool is_model_output_name(std::string_view n) {
   return n == format::kIndexFileName || format::parse_model_name(n).has_value();
@@ -71,25 +70,6 @@ Status copy_range(int in, uint64_t in_off, int out, uint64_t out_off, uint64_t l
   return {};
 }
 
-// A page-aligned buffer (O_DIRECT needs aligned memory), allocated at first use.
-class AlignedBuffer {
- public:
-  AlignedBuffer() = default;
-  ~AlignedBuffer() { std::free(p_); }
-  AlignedBuffer(const AlignedBuffer&) = delete;
-  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  char* get(size_t n) {
-    if (!p_) {
-      p_ = static_cast<char*>(std::aligned_alloc(kDirectAlign, n));
-      if (!p_) throw std::bad_alloc();
-    }
-    return p_;
-  }
-
- private:
-  char* p_ = nullptr;
-};
-
 struct Job {
   uint32_t file;
   uint64_t off;
@@ -128,11 +108,6 @@ class Copier {
         return make_error(e, "{}/{}: cannot size to {} bytes: {}", dir, f.name, f.size,
                           std::strerror(e));
       }
-      // A second descriptor with O_DIRECT for gathered windows: their bytes are already in
-      // our buffer, so writing them around the page cache saves a copy and the writeback.
-      // Not every file system has it (tmpfs does not): then the buffered fd is used.
-      auto direct = open_file(dir + "/" + f.name, O_WRONLY | O_DIRECT);
-      direct_.push_back(direct ? std::move(direct).value() : UniqueFd());
       outs_.push_back(std::move(fd));
       total_ += f.size;
     }
@@ -176,7 +151,7 @@ class Copier {
 
   void work() {
     std::vector<layout::Segment> segs;
-    AlignedBuffer buf;  // the window, allocated at the first gathered job
+    std::vector<char> buf;  // the window, allocated at the first gathered job
     std::vector<char> copybuf;
     while (!should_stop()) {
       size_t j = next_.fetch_add(1);
@@ -197,7 +172,7 @@ class Copier {
     cv_.notify_all();
   }
 
-  Status run_job(const Job& job, std::vector<layout::Segment>& segs, AlignedBuffer& buf,
+  Status run_job(const Job& job, std::vector<layout::Segment>& segs, std::vector<char>& buf,
                  std::vector<char>& copybuf) {
     const auto& f = ck_.outputs[job.file];
     layout::map_range(ck_, job.file, job.off, job.len, segs);
@@ -218,17 +193,21 @@ class Copier {
         }
         pos += s.len;
       }
-      return {};
+    } else {
+      // Short runs: one preadv per shard span into the window (fs::gather, where every
+      // segment kind is handled), then one buffered pwrite.
+      if (buf.size() < job.len) buf.resize(window_);
+      fs::GatherSource gs{&ck_, raw_, f.header, {}};
+      CKPTFS_CHECK(fs::gather(gs, segs, buf.data()));
+      CKPTFS_CHECK(pwrite_all(out, buf.data(), job.len, job.off, f.name));
     }
-    char* data = buf.get(window_);
-    fs::GatherSource gs{&ck_, raw_, f.header, {}};
-    CKPTFS_CHECK(fs::gather(gs, segs, data));
-    const int direct = direct_[job.file].get();
-    if (direct >= 0 && job.off % kDirectAlign == 0 && job.len % kDirectAlign == 0) {
-      auto st = pwrite_all(direct, data, job.len, job.off, f.name);
-      if (st.ok() || st.error().code != EINVAL) return st;
-    }
-    return pwrite_all(out, data, job.len, job.off, f.name);
+    // Start the writeback of this window now, without waiting for it: the disk writes while
+    // the next windows are read, and the fsync at the end only waits for the last ones. The
+    // block queue holds the writers back when the disk is the bottleneck, which bounds the
+    // dirty pages. Advisory: where it is not supported, the fsync does all the work.
+    (void)::sync_file_range(out, static_cast<off_t>(job.off), static_cast<off_t>(job.len),
+                            SYNC_FILE_RANGE_WRITE);
+    return {};
   }
 
   const layout::Checkpoint& ck_;
@@ -239,7 +218,6 @@ class Copier {
   std::vector<UniqueFd> fds_;
   std::vector<int> raw_;
   std::vector<UniqueFd> outs_;
-  std::vector<UniqueFd> direct_;  // O_DIRECT twins of outs_ (invalid where unsupported)
   std::vector<Job> jobs_;
   std::atomic<size_t> next_{0};
   std::atomic<uint64_t> done_{0};
@@ -343,9 +321,7 @@ class StagingGuard {
 
 }  // namespace
 
-unsigned default_threads() {
-  return std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
-}
+unsigned default_threads() { return std::clamp(std::thread::hardware_concurrency(), 2u, 8u); }
 
 Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::atomic<bool>* stop,
                                      const ProgressFn& progress) {

@@ -9,8 +9,10 @@
 // the staging directory is removed; staging left by a killed run is removed by the next.
 //
 // Bytes move with copy_file_range where a window's runs are long, and otherwise with
-// fs::gather (one preadv per shard per window) into a window buffer and one pwrite, with
-// O_DIRECT where the file system has it. Memory is bounded by threads x window.
+// fs::gather (one preadv per shard span) into a window buffer and one buffered pwrite.
+// Writeback of each window is started at once (sync_file_range), so the disk writes while
+// the next windows are read and the final fsync is short. Memory is bounded by
+// threads x window (plus the dirty pages the block queue lets through).
 #pragma once
 
 #include <atomic>
@@ -28,7 +30,8 @@ namespace ckptfs::engine {
 // Bytes per job (one window of one output file).
 inline constexpr uint64_t kDefaultWindow = 16ull << 20;
 
-// Copy threads when none is asked for: min(4, cores).
+// Copy threads when none is asked for: one per core, at least 2 (one gathers while another
+// waits on the disk's queue), at most 8.
 unsigned default_threads();
 
 struct ConsolidateOptions {
