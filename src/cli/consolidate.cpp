@@ -24,11 +24,13 @@
 namespace ckptfs::cli {
 namespace {
 
-constexpr std::string_view kUsage = R"(usage: ckptfs consolidate SRC DST [--threads N] [--force]
+constexpr std::string_view kUsage =
+    R"(usage: ckptfs consolidate SRC DST [--threads N] [--force] [--dtype D]
 
 Writes the consolidated HuggingFace checkpoint of the rank shards in SRC to DST:
 model-0000k-of-0000m.safetensors, model.safetensors.index.json, and the checkpoint's other
-files (config.json, tokenizer files, .hf_metadata/ content except the mapping file).
+files (config.json, tokenizer files, .hf_metadata/ content except the mapping files; NeMo's
+consolidate.sh is left out). The bytes are those the mount serves with the same --dtype.
 Everything is written to a hidden staging directory first. When DST does not exist the
 staging directory is renamed to DST at the end (atomic); when it exists, the files are moved
 in one by one with the index last. A failure or a kill before that point never leaves a
@@ -38,6 +40,9 @@ next run. Side files that are symlinks are not copied (a warning says so).
 options:
   --threads N  copy threads (default: {})
   --force      replace model*.safetensors / index files already in DST
+  --dtype D    auto (default: the dtypes of NeMo's .hf_metadata/fqn_to_dtype_mapping.json
+               where present, else as stored), stored, bf16, fp16 or fp32 (every floating
+               tensor cast, rounding as torch's .to() does)
   -h, --help   this text
 )";
 
@@ -117,7 +122,8 @@ class ProgressBar {
 }  // namespace
 
 int cmd_consolidate(std::span<char*> argv) {
-  static constexpr OptSpec spec[] = {{"threads", 'j', true}, {"force", 0, false}};
+  static constexpr OptSpec spec[] = {
+      {"threads", 'j', true}, {"force", 0, false}, {"dtype", 0, true}};
   const std::string usage = fmt::format(kUsage, engine::default_threads());
   auto parsed = parse_command(argv, spec, {"consolidate", usage, "SRC and DST", 2});
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
@@ -134,12 +140,16 @@ int cmd_consolidate(std::span<char*> argv) {
   opts.src = args->positional[0];
   opts.dst = args->positional[1];
   opts.force = args->has("force");
+  if (auto st = layout::set_dtype_policy(opts.build, args->get("dtype").value_or("auto")); !st) {
+    fmt::print(stderr, "ckptfs consolidate: {}\n", st.error().message);
+    return 2;
+  }
   opts.on_warning = [](std::string_view w) {
     fmt::print(stderr, "ckptfs consolidate: warning: {}\n", printable(w));
   };
 
   // Loaded here rather than in the engine to print what is wrong, one problem a line.
-  auto loaded = source::load_checkpoint_path(opts.src);
+  auto loaded = source::load_checkpoint_path(opts.src, opts.build);
   if (!loaded) {
     fmt::print(stderr, "ckptfs consolidate: {}\n", printable(loaded.error().message));
     if (auto below = source::find_checkpoint_dirs(opts.src); below && !below->dirs.empty()) {

@@ -178,11 +178,15 @@ class Copier {
     const auto& f = ck_.outputs[job.file];
     layout::map_range(ck_, job.file, job.off, job.len, segs);
     size_t shard_segs = 0;
-    for (const auto& s : segs) shard_segs += s.is_memory() ? 0 : 1;
+    bool cast = false;
+    for (const auto& s : segs) {
+      shard_segs += s.is_memory() ? 0 : 1;
+      cast = cast || s.is_cast();
+    }
     const int out = outs_[job.file].get();
-    if (shard_segs == 0 || job.len / shard_segs >= kCopyRangeMin) {
+    if (!cast && (shard_segs == 0 || job.len / shard_segs >= kCopyRangeMin)) {
       // Long runs: copy_file_range, in the kernel (and shared extents where the file
-      // system can). A cast segment would have to go through gather instead.
+      // system can). Cast segments are converted by fs::gather, below.
       if (copybuf.empty()) copybuf.resize(1 << 20);
       uint64_t pos = job.off;
       for (const auto& s : segs) {
@@ -246,7 +250,11 @@ std::vector<std::pair<std::string, std::string>> side_files(
   std::error_code ec;
   for (const auto& e : stdfs::directory_iterator(src, ec)) {
     auto name = e.path().filename().string();
-    if (format::looks_like_shard_name(name) || is_model_output_name(name)) continue;
+    // NeMo's consolidate.sh makes what this writes; its own export leaves it out (the view too).
+    if (format::looks_like_shard_name(name) || is_model_output_name(name) ||
+        name == "consolidate.sh") {
+      continue;
+    }
     if (e.is_symlink(ec)) {
       if (warn) warn(fmt::format("not copying symlink {}", e.path().string()));
       continue;
@@ -259,7 +267,8 @@ std::vector<std::pair<std::string, std::string>> side_files(
   for (const auto& e : stdfs::directory_iterator(meta, ec)) {
     auto name = e.path().filename().string();
     if (!e.is_regular_file(ec) || e.is_symlink(ec)) continue;
-    if (name == format::kFqnMappingFileName || seen.count(name) || is_model_output_name(name)) {
+    if (name == format::kFqnMappingFileName || name == format::kFqnDtypeMappingFileName ||
+        seen.count(name) || is_model_output_name(name)) {
       continue;
     }
     out.emplace_back(e.path().string(), name);
@@ -340,7 +349,7 @@ Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::
 
   std::shared_ptr<const layout::Checkpoint> loaded = opts.checkpoint;
   if (!loaded) {
-    CKPTFS_TRY(loaded, source::load_checkpoint_path(src));
+    CKPTFS_TRY(loaded, source::load_checkpoint_path(src, opts.build));
   }
   const auto& ck = *loaded;
   if (!ck.valid()) {

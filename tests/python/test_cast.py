@@ -188,3 +188,49 @@ def test_from_pretrained_bf16_through_mapping(tmp_path, mount_factory):
     for k, v in sd.items():
         assert got[k].dtype == torch.bfloat16, k
         assert torch.equal(got[k].view(torch.int16), v.to(torch.bfloat16).view(torch.int16)), k
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16", "stored"])
+def test_consolidate_writes_the_bytes_the_mount_serves(tmp_path, mount_factory, dtype):
+    """`ckptfs consolidate --dtype D` (default auto: NeMo's mapping) writes exactly what a mount
+    with `-o dtype=D` serves; the mapping files and consolidate.sh are not copied."""
+    src = tmp_path / "src" / "ckpt"
+    mapping = {"w_f32": "BF16", "w_f64": "F32", "w_f16": "F16", "w_bf16": "BF16", "ids": "I64"}
+    truth = make_ckpt(src, mapping)
+    (src / "consolidate.sh").write_text("#!/bin/sh\n")
+    r = run("consolidate", src, tmp_path / "out", *(["--dtype", dtype] if dtype else []), check=False)
+    assert r.returncode == 0, r.stderr
+    m = mount_factory(tmp_path / "src", opts=[f"dtype={dtype}"] if dtype else [])
+    view = os.path.join(m.mnt, "ckpt")
+    out = tmp_path / "out"
+    for name in (MODEL, INDEX):
+        assert (out / name).read_bytes() == open(os.path.join(view, name), "rb").read(), name
+    served = ({"w_f32": "BF16", "w_f64": "F32"} if dtype is None
+              else {} if dtype == "stored"
+              else {n: "BF16" for n, (dt, _) in truth.items() if dt in TORCH})
+    check_view(out / MODEL, truth, served)
+    left = set(os.listdir(out))
+    assert not left & {"fqn_to_dtype_mapping.json", "fqn_to_file_index_mapping.json", "consolidate.sh"}
+
+
+def test_consolidate_refuses_an_unknown_dtype(tmp_path):
+    src = tmp_path / "ckpt"
+    make_ckpt(src)
+    r = run("consolidate", src, tmp_path / "out", "--dtype", "int4", check=False)
+    assert r.returncode == 2 and "int4" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_consolidate_casts_long_row_sharded_runs(tmp_path, mount_factory):
+    """Row-sharded chunks of 1 MiB are long runs that consolidate copies in the kernel
+    (copy_file_range) when served as stored; cast, they must be converted like the view."""
+    src = tmp_path / "src" / "ckpt"
+    arr = bits_array("F32", 1 << 20, seed=9).reshape(1024, 1024)
+    ck = write_checkpoint(str(src), [TensorSpec("big", "F32", (1024, 1024), (4, 1), array=arr)],
+                          world=4)
+    truth = {t.name: (t.dtype, t.array.tobytes()) for t in ck.tensors}
+    r = run("consolidate", src, tmp_path / "out", "--dtype", "bf16", check=False)
+    assert r.returncode == 0, r.stderr
+    check_view(tmp_path / "out" / MODEL, truth, {"big": "BF16"})
+    m = mount_factory(tmp_path / "src", opts=["dtype=bf16"])
+    assert (tmp_path / "out" / MODEL).read_bytes() == open(os.path.join(m.mnt, "ckpt", MODEL), "rb").read()

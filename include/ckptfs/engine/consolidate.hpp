@@ -40,6 +40,9 @@ struct ConsolidateOptions {
   unsigned threads = 0;  // copy threads; 0: default_threads()
   uint64_t window = 0;   // bytes per job; 0: kDefaultWindow
   bool force = false;    // replace model*.safetensors / index files already in DST
+  // How the model is built when it is loaded here: dtypes served (layout::set_dtype_policy;
+  // the CLI passes "auto", as the mount does: NeMo's fqn_to_dtype_mapping.json applies).
+  layout::BuildOptions build;
   // The model of `src` when the caller has loaded it already (the CLI does, to print its
   // problems); null: it is loaded here.
   std::shared_ptr<const layout::Checkpoint> checkpoint;
