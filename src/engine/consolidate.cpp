@@ -188,6 +188,11 @@ class Copier {
       // Long runs: copy_file_range, in the kernel (and shared extents where the file
       // system can). Cast segments are converted by fs::gather, below.
       if (copybuf.empty()) copybuf.resize(1 << 20);
+      // One kernel copy at a time: it needs no CPU from other threads, and several at once
+      // interleave their reads and writebacks on the disk (row-sharded, 1 GiB: 0.74x cp cold
+      // with 2 concurrent copies, 0.83x with one; docs/benchmarks.md). Gather jobs of other
+      // threads still overlap it.
+      std::lock_guard copying(copy_mu_);
       uint64_t pos = job.off;
       for (const auto& s : segs) {
         if (s.is_memory()) {
@@ -235,7 +240,8 @@ class Copier {
   std::atomic<uint64_t> done_{0};
   std::atomic<bool> failed_{false};  // a worker failed: the others stop
   uint64_t total_ = 0;
-  std::mutex mu_;  // guards first_error_ and finished_
+  std::mutex mu_;       // guards first_error_ and finished_
+  std::mutex copy_mu_;  // held by the one thread running a copy_file_range job (guards no data)
   std::condition_variable cv_;
   Status first_error_;
   unsigned finished_ = 0;  // workers returned
