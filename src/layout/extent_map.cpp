@@ -42,6 +42,33 @@ inline RunPos run_at(const Tensor& t, const Chunk& c, const uint64_t* x) {
   return RunPos{out, in, c.sizes[k] * t.strides[k]};
 }
 
+// Finds the chunk and run holding an element (a row-major index into the full tensor),
+// without allocating for tensors of up to 16 dims.
+class RunFinder {
+ public:
+  explicit RunFinder(const Tensor& t) : t_(t) {
+    if (t.shape.size() > 16) big_.resize(t.shape.size());
+  }
+  // Null when no chunk holds it (never for a validated tensor).
+  const Chunk* at(uint64_t elem, RunPos& rp) {
+    uint64_t* coords = big_.empty() ? small_ : big_.data();
+    for (size_t d = 0; d < t_.shape.size(); ++d) {
+      coords[d] = elem / t_.strides[d];
+      elem -= coords[d] * t_.strides[d];
+    }
+    const uint32_t ci = find_chunk(t_, coords);
+    if (ci == UINT32_MAX) return nullptr;
+    const Chunk& c = t_.chunks[ci];
+    rp = run_at(t_, c, coords);
+    return &c;
+  }
+
+ private:
+  const Tensor& t_;
+  uint64_t small_[16];
+  std::vector<uint64_t> big_;
+};
+
 inline void emit_cast(std::vector<Segment>& out, const Tensor& t, uint32_t shard, uint64_t src,
                       uint64_t len, uint8_t skip) {
   if (len == 0) return;
@@ -73,31 +100,18 @@ void map_cast_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segmen
     emit_cast(out, t, c.shard, c.file_offset + ea * isz, b - a, static_cast<uint8_t>(a % osz));
     return;
   }
-  const size_t r = t.shape.size();
-  uint64_t x[16];
-  std::vector<uint64_t> xbig;
-  uint64_t* coords = x;
-  if (r > 16) {
-    xbig.resize(r);
-    coords = xbig.data();
-  }
+  RunFinder runs(t);
   uint64_t p = ea;
   while (p < eb) {
-    uint64_t e = p;
-    for (size_t d = 0; d < r; ++d) {
-      coords[d] = e / t.strides[d];
-      e -= coords[d] * t.strides[d];
-    }
-    uint32_t ci = find_chunk(t, coords);
-    if (ci == UINT32_MAX) return;  // unreachable for a validated tensor
-    const Chunk& c = t.chunks[ci];
-    RunPos rp = run_at(t, c, coords);
+    RunPos rp{};
+    const Chunk* c = runs.at(p, rp);
+    if (!c) return;  // unreachable for a validated tensor
     const uint64_t delta = p - rp.out_elem;
     const uint64_t n = std::min(rp.elems - delta, eb - p);
     // Output bytes of elements [p, p + n), clipped to [a, b).
     const uint64_t lo = std::max(a, p * osz);
     const uint64_t hi = std::min(b, (p + n) * osz);
-    emit_cast(out, t, c.shard, c.file_offset + (rp.chunk_elem + delta) * isz, hi - lo,
+    emit_cast(out, t, c->shard, c->file_offset + (rp.chunk_elem + delta) * isz, hi - lo,
               static_cast<uint8_t>(lo - p * osz));
     p += n;
   }
@@ -115,30 +129,17 @@ void map_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& o
     return;
   }
   const uint64_t bits = format::dtype_bits(t.dtype);
-  const size_t r = t.shape.size();
-  uint64_t x[16];
-  std::vector<uint64_t> xbig;
-  uint64_t* coords = x;
-  if (r > 16) {
-    xbig.resize(r);
-    coords = xbig.data();
-  }
+  RunFinder runs(t);
   uint64_t p = a;
   while (p < b) {
-    uint64_t e = (p * 8) / bits;
-    for (size_t d = 0; d < r; ++d) {
-      coords[d] = e / t.strides[d];
-      e -= coords[d] * t.strides[d];
-    }
-    uint32_t ci = find_chunk(t, coords);
-    if (ci == UINT32_MAX) return;  // unreachable for a validated tensor
-    const Chunk& c = t.chunks[ci];
-    RunPos rp = run_at(t, c, coords);
+    RunPos rp{};
+    const Chunk* c = runs.at((p * 8) / bits, rp);
+    if (!c) return;  // unreachable for a validated tensor
     const uint64_t run_start = rp.out_elem * bits / 8;
     const uint64_t run_bytes = rp.elems * bits / 8;
     const uint64_t delta = p - run_start;
     const uint64_t n = std::min(run_bytes - delta, b - p);
-    emit(out, c.shard, c.file_offset + rp.chunk_elem * bits / 8 + delta, n);
+    emit(out, c->shard, c->file_offset + rp.chunk_elem * bits / 8 + delta, n);
     p += n;
   }
 }
