@@ -1422,6 +1422,9 @@ struct Filesystem::Impl {
       // one was cut short and stays hidden behind it): the kernel's entry still holds the file
       // as it was being written.
       for (const auto& [parent, link] : n->links) notifier->inval_entry(parent, link);
+      // Before close() returns: an open of the name right after it must not find the entry
+      // of the file as it was being written (its placeholder is gone: ENOENT).
+      notifier->sync(std::chrono::seconds(2));
     }
     return result;
   }
@@ -1725,7 +1728,13 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
         break;
       }
       struct stat st {};
-      CKPTFS_TRY(UniqueFd fd, open_regular_beneath(impl_->root.get(), n->rel, Resolve::Auto, &st));
+      auto opened = open_regular_beneath(impl_->root.get(), n->rel, Resolve::Auto, &st);
+      if (!opened && opened.error().code == ENOENT) {
+        // The name the kernel holds is stale (the file went, or its name now shows a
+        // consolidated file): ESTALE makes it look the name up again.
+        return make_error(ESTALE, "{}: gone", n->rel);
+      }
+      CKPTFS_TRY(UniqueFd fd, std::move(opened));
       if (!(Impl::real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
       auto stamp = source::stamp_of(st);
       out.keep_cache = impl_->swap_cached_stamp(n->ino, stamp);

@@ -43,6 +43,15 @@ class NotifyQueue final : public fs::Notifier {
   }
   void inval_entry(fs::Ino parent, const std::string& name) override { push({parent, name}); }
   void inval_inode(fs::Ino ino) override { push({ino, std::nullopt}); }
+  // The kernel has processed a notification once its write to /dev/fuse returned, so waiting
+  // for the thread to get past what is queued now is waiting for the kernel to have dropped it.
+  void sync(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(mu_);
+    const uint64_t want = pushed_;
+    if (!done_cv_.wait_for(lock, timeout, [&] { return stop_ || done_ >= want; })) {
+      spdlog::debug("kernel invalidations still queued after {} ms", timeout.count());
+    }
+  }
 
  private:
   struct Item {
@@ -53,6 +62,7 @@ class NotifyQueue final : public fs::Notifier {
     {
       std::lock_guard lock(mu_);
       q_.push_back(std::move(it));
+      ++pushed_;
     }
     cv_.notify_one();
   }
@@ -60,7 +70,7 @@ class NotifyQueue final : public fs::Notifier {
     std::unique_lock lock(mu_);
     while (true) {
       cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
-      if (stop_) return;
+      if (stop_) break;
       Item it = std::move(q_.front());
       q_.pop_front();
       lock.unlock();
@@ -71,13 +81,19 @@ class NotifyQueue final : public fs::Notifier {
         spdlog::debug("invalidation of inode {} failed: {}", it.ino, std::strerror(-rc));
       }
       lock.lock();
+      ++done_;
+      done_cv_.notify_all();
     }
+    done_cv_.notify_all();  // stop_: nobody waits for what will never be sent
   }
 
   fuse_session* se_;
-  std::mutex mu_;  // guards q_ and stop_
-  std::condition_variable cv_;
+  std::mutex mu_;                    // guards q_, stop_, pushed_ and done_
+  std::condition_variable cv_;       // an item queued, or stopping
+  std::condition_variable done_cv_;  // an item sent (done_ advanced), or stopping
   std::deque<Item> q_;
+  uint64_t pushed_ = 0;  // items queued since start
+  uint64_t done_ = 0;    // items whose notification returned
   bool stop_ = false;
   std::thread thread_;
 };

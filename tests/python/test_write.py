@@ -813,6 +813,25 @@ def test_written_files_visible_without_settle(mount_factory, tmp_path):
     assert tensor_bytes(str(mnt / "b" / DCP1)) == ck.truth()
 
 
+def test_written_file_opens_the_moment_close_returns(mount_factory, tmp_path):
+    """Written under its final name (torch.save style) or renamed there while open
+    (save_pretrained style), a consolidated file opens and reads back the moment close()
+    returns, every time: the kernel's entry for the file being written is dropped before
+    close() returns, not some time after (once seen as ENOENT in about 1 close in 20)."""
+    m = mount_factory(mkdir(tmp_path / "src"), settle=30)
+    mnt = pathlib.Path(m.mnt)
+    for i in range(24):
+        d = mkdir(mnt / f"s{i}")
+        if i % 2:
+            want = blob(100 + i, 16)
+            with open(d / ".tmpX", "wb") as f:
+                f.write(want)
+                os.rename(d / ".tmpX", d / "model.safetensors")
+        else:
+            want = save_file_to(d / "model.safetensors", 100 + i, 16)
+        assert read(d / "model.safetensors") == want, f"round {i}"
+
+
 # =============================================================================================
 # 4. POSIX through the mount
 # =============================================================================================

@@ -63,6 +63,10 @@ class Notifier {
   virtual ~Notifier() = default;
   virtual void inval_entry(Ino parent, const std::string& name) = 0;
   virtual void inval_inode(Ino ino) = 0;
+  // Returns once everything queued before the call reached the kernel, or after `timeout`.
+  // Only from a thread that holds no lock of the filesystem and answers a request during
+  // which the kernel holds no directory lock (FLUSH, FSYNC).
+  virtual void sync(std::chrono::milliseconds /*timeout*/) {}
 };
 
 struct EntryOut {
