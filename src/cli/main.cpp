@@ -24,6 +24,8 @@ commands:
   inspect DIR          list checkpoints, tensors, chunk grids, output files and problems
   verify DIR           exit non-zero with one line per problem (--data checks replicas)
   consolidate SRC DST  write the consolidated checkpoint to DST (a real copy)
+  status MNT           what the daemon serving MNT is doing (--json for monitoring)
+  version              version, libraries and optional features (also --version)
 
 Run 'ckptfs <command> --help' for a command's options.
 )";
@@ -47,9 +49,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd == "--version" || cmd == "-V") {
-    fmt::print("ckptfs {}\n", CKPTFS_VERSION);
+    fmt::print("{}", ckptfs::cli::version_text());
     return 0;
   }
+  if (cmd == "version") return ckptfs::cli::cmd_version(rest);
+  if (cmd == "status") return ckptfs::cli::cmd_status(rest);
   if (cmd == "inspect") return ckptfs::cli::cmd_inspect(rest);
   if (cmd == "verify") return ckptfs::cli::cmd_verify(rest);
   if (cmd == "consolidate") return ckptfs::cli::cmd_consolidate(rest);
