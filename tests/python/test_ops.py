@@ -209,3 +209,215 @@ def test_status_through_a_real_mount(tmp_path):
         assert "reads:" in human and "errors: 0" in human, human
     r = run("status", tmp_path, check=False)
     assert r.returncode == 1 and "not a ckptfs mount" in r.stderr, r.stderr
+
+
+# --- systemd ------------------------------------------------------------------------------
+
+UNIT_IN = ROOT / "systemd" / "ckptfs@.service.in"
+
+
+def unit_lines(text: str) -> dict[str, list[str]]:
+    """Key -> values of a unit file (all sections; continuation lines are not used here)."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;[":
+            continue
+        k, _, v = line.partition("=")
+        out.setdefault(k.strip(), []).append(v.strip())
+    return out
+
+
+def read_env_file(path) -> dict[str, str]:
+    """An EnvironmentFile= as systemd reads it: KEY=VALUE lines, # comments, quotes removed."""
+    env = {}
+    for line in pathlib.Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        k, _, v = line.partition("=")
+        v = v.strip()
+        if len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'":
+            v = v[1:-1]
+        env[k.strip()] = v
+    return env
+
+
+def expand_exec(line: str, env: dict[str, str]) -> list[str]:
+    """systemd's ExecStart= expansion: words split as a shell would (quotes honoured, no
+    globbing), then ${VAR} replaced as one word and $VAR split on white space."""
+    import shlex
+    argv = []
+    for word in shlex.split(line):
+        if (m := re.fullmatch(r"\$\{(\w+)\}", word)):
+            argv.append(env.get(m.group(1), ""))
+        elif (m := re.fullmatch(r"\$(\w+)", word)):
+            argv.extend(env.get(m.group(1), "").split())
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda x: env.get(x.group(1), ""), word))
+    return argv
+
+
+def configured_unit(tmp_path, bindir) -> pathlib.Path:
+    unit = tmp_path / "units" / "ckptfs@test.service"
+    unit.parent.mkdir(exist_ok=True)
+    unit.write_text(UNIT_IN.read_text().replace("@BINDIR@", str(bindir)))
+    return unit
+
+
+def test_unit_settings():
+    u = unit_lines(UNIT_IN.read_text())
+    assert u["Type"] == ["notify"]
+    assert u["EnvironmentFile"] == ["/etc/ckptfs/%i.conf"]
+    assert u["Restart"] == ["on-failure"]
+    assert u["DeviceAllow"] == ["/dev/fuse rw"]
+    assert "CAP_SYS_ADMIN" in u["CapabilityBoundingSet"][0]
+    # Nothing that gives the service its own mount namespace: the mount would be invisible.
+    for k in ("ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "ReadOnlyPaths",
+              "ProtectKernelTunables", "ProtectControlGroups", "PrivateMounts", "TemporaryFileSystem",
+              "ProtectClock", "ProtectKernelModules", "ProtectKernelLogs", "BindPaths"):
+        assert k not in u, k
+    assert " -f " in u["ExecStart"][0]
+    assert u["ExecStop"][0].split()[1:] == ["-u", "${MNT}"]
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/systemd-analyze"), reason="no systemd-analyze")
+def test_systemd_analyze_verify(tmp_path):
+    unit = configured_unit(tmp_path, pathlib.Path(BIN).parent)
+    mnt_unit = tmp_path / "units" / "mnt-checkpoints.mount"
+    mnt_unit.write_text((ROOT / "systemd" / "mnt-checkpoints.mount").read_text())
+    for u in (unit, mnt_unit):
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(u)],
+                           capture_output=True, text=True)
+        # Complaints about other units on this machine (none of ours) are not ours to fix.
+        ours = [l for l in r.stderr.splitlines() if u.name in l or "ckptfs" in l]
+        assert r.returncode == 0 and not ours, r.stderr
+
+
+@requires_fuse
+def test_unit_execstart_and_execstop_as_systemd_runs_them(tmp_path):
+    """Runs the unit's ExecStart= with its EnvironmentFile= expanded as systemd does, with a
+    NOTIFY_SOCKET: READY=1 comes once the mount serves; ExecStop= unmounts, STOPPING=1."""
+    import socket
+    src = tmp_path / "src dir"  # a space: ${SRC} must stay one word
+    (src / "step1").mkdir(parents=True)
+    write_checkpoint(str(src / "step1"), llama_like(layers=1, files=1, world=2), world=2)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    conf = tmp_path / "test.conf"
+    conf.write_text(f'# written by the test\nSRC="{src}"\nMNT={mnt}\nOPTIONS=ro,settle=0\n')
+    unit = unit_lines(configured_unit(tmp_path, pathlib.Path(BIN).parent).read_text())
+    env = {}
+    for e in unit.get("Environment", []):
+        k, _, v = e.partition("=")
+        env[k] = v
+    env.update(read_env_file(conf))
+    start = expand_exec(unit["ExecStart"][0], env)
+    stop = expand_exec(unit["ExecStop"][0], env)
+    assert start[:5] == [BIN, "mount", "-f", str(src), str(mnt)], start
+    assert stop == ["/usr/bin/fusermount3", "-u", str(mnt)], stop
+
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(20)
+    log = open(tmp_path / "daemon.log", "w")
+    proc = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "NOTIFY_SOCKET": sock_path})
+    try:
+        ready = sock.recv(4096).decode()
+        assert "READY=1" in ready.splitlines(), ready
+        assert f"STATUS=serving {src} at {mnt}" in ready, ready
+        assert os.path.ismount(mnt)  # READY=1 comes once the mount is in place
+        assert os.listdir(mnt / "step1") == ["model-00001-of-00001.safetensors",
+                                             "model.safetensors.index.json"]
+        with pytest.raises(OSError):
+            (mnt / "x").write_text("read-only")
+        assert json.loads(run("status", mnt, "--json").stdout)["read_only"] is True
+        subprocess.run(stop, check=True, capture_output=True)
+        stopping = sock.recv(4096).decode()
+        assert "STOPPING=1" in stopping.splitlines(), stopping
+        assert proc.wait(timeout=20) == 0
+        assert not os.path.ismount(mnt)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            proc.kill()
+            proc.wait()
+        sock.close()
+        log.close()
+
+
+# --- install and the mount helpers ----------------------------------------------------------
+
+def test_meson_install_into_destdir(tmp_path):
+    build = pathlib.Path(BIN).parents[1]
+    if not (build / "meson-info").exists():
+        pytest.skip("CKPTFS_BIN is not in a meson build directory")
+    info = json.loads((build / "meson-info" / "intro-buildoptions.json").read_text())
+    opt = {o["name"]: o["value"] for o in info}
+    prefix, bindir = opt["prefix"], opt["bindir"]
+    dest = tmp_path / "dest"
+    r = subprocess.run(["meson", "install", "-C", str(build), "--no-rebuild", "--destdir",
+                        str(dest)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    root = dest / prefix.lstrip("/")
+    exe = root / bindir / "ckptfs"
+    assert os.access(exe, os.X_OK)
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("ckptfs ")
+    unitdir = opt["systemdunitdir"] or f"{prefix}/lib/systemd/system"
+    unit = dest / unitdir.lstrip("/") / "ckptfs@.service"
+    u = unit_lines(unit.read_text())
+    assert u["ExecStart"][0].split()[0] == f"{prefix}/{bindir}/ckptfs", u["ExecStart"]
+    assert "@BINDIR@" not in unit.read_text()
+    man = root / opt["mandir"] / "man1" / "ckptfs.1"
+    assert man.read_text() == MAN.read_text()
+    for name in ("mount.ckptfs", "mount.fuse.ckptfs"):
+        helper = dest / opt["mount_helper_dir"].lstrip("/") / name
+        assert helper.is_symlink() and os.readlink(helper) == f"{prefix}/{bindir}/ckptfs"
+    examples = root / opt["datadir"] / "doc" / "ckptfs" / "examples"
+    assert sorted(p.name for p in examples.iterdir()) == [
+        "ckptfs.conf.example", "fstab.example", "mnt-checkpoints.mount"]
+
+
+@requires_fuse
+def test_mount_helpers(tmp_path):
+    """`mount -t ckptfs` runs /sbin/mount.ckptfs SRC MNT -n -o opts, `mount -t fuse.ckptfs`
+    /sbin/mount.fuse.ckptfs (both the binary under that name: run here as mount(8) would, the
+    host's /sbin is left alone) or, without it, mount.fuse3, which finds ckptfs in PATH."""
+    src = tmp_path / "src"
+    (src / "step1").mkdir(parents=True)
+    write_checkpoint(str(src / "step1"), llama_like(layers=1, files=1, world=2), world=2)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    helper = bindir / "mount.ckptfs"
+    helper.symlink_to(BIN)
+    (bindir / "mount.fuse.ckptfs").symlink_to(BIN)
+    (bindir / "ckptfs").symlink_to(BIN)
+    want = ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    for i, argv in enumerate([
+            [str(helper), str(src), "{mnt}", "-n", "-o", "ro,settle=0"],
+            [str(bindir / "mount.fuse.ckptfs"), str(src), "{mnt}", "-o", "ro,settle=0", "-t",
+             "fuse.ckptfs"],
+            ["mount.fuse3", str(src), "{mnt}", "-t", "ckptfs", "-o", "ro,settle=0"]]):
+        mnt = tmp_path / f"mnt{i}"
+        mnt.mkdir()
+        argv = [a.replace("{mnt}", str(mnt)) for a in argv]
+        env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        try:
+            assert r.returncode == 0, r.stderr
+            assert os.path.ismount(mnt)
+            assert sorted(os.listdir(mnt / "step1")) == want
+            fstype = [l.split()[2] for l in open("/proc/mounts") if l.split()[1] == str(mnt)]
+            assert fstype == ["fuse.ckptfs"], fstype
+        finally:
+            subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+        wait_for(lambda: not os.path.ismount(mnt), "unmount")
+    # mount -f (fake) passes -f on: nothing is mounted
+    mnt = tmp_path / "mnt-fake"
+    mnt.mkdir()
+    r = subprocess.run([str(helper), str(src), str(mnt), "-f", "-o", "ro"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and not os.path.ismount(mnt), r.stderr
