@@ -421,3 +421,47 @@ def test_mount_helpers(tmp_path):
     r = subprocess.run([str(helper), str(src), str(mnt), "-f", "-o", "ro"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and not os.path.ismount(mnt), r.stderr
+
+
+# --- progress -------------------------------------------------------------------------------
+
+def run_with_tty_stderr(argv) -> tuple[int, str, str]:
+    """Runs argv with stderr on a pseudo-terminal (stdout a pipe); returns rc, stdout, tty."""
+    import pty
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=False)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the other side is closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    out = proc.stdout.read().decode()
+    return proc.wait(timeout=60), out, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_on_a_tty_only(tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    write_checkpoint(str(src), llama_like(layers=2, files=2, world=2, hidden=128, inter=256),
+                     world=2, files=2)
+    bar = re.compile(r"\r\S.* \[#* *\] \d+\.\d/\d+\.\d GB +\d+ MB/s +ETA \d+s")
+    rc, out, tty = run_with_tty_stderr([BIN, "consolidate", str(src), str(tmp_path / "out1")])
+    assert rc == 0, tty
+    assert bar.search(tty) and "consolidate [" in tty, repr(tty)
+    assert re.search(r"\[#{30}\] ", tty), repr(tty)  # ends full
+    rc, out, tty = run_with_tty_stderr([BIN, "verify", "--data", str(src)])
+    assert rc == 0 and out.startswith("ok:"), tty
+    assert bar.search(tty) and "verify --data [" in tty, repr(tty)
+    # Not a terminal: nothing but the command's own output.
+    r = run("consolidate", src, tmp_path / "out2")
+    assert r.stderr == "" and r.stdout == ""
+    r = run("verify", "--data", src)
+    assert r.stderr == "" and r.stdout.startswith("ok:")
+    rc, out, tty = run_with_tty_stderr([BIN, "verify", str(src)])  # no --data: no bar
+    assert rc == 0 and "[" not in tty, repr(tty)
