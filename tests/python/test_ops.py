@@ -312,6 +312,9 @@ def test_unit_execstart_and_execstop_as_systemd_runs_them(tmp_path):
         k, _, v = e.partition("=")
         env[k] = v
     env.update(read_env_file(conf))
+    pre = expand_exec(unit["ExecStartPre"][0].lstrip("-"), env)
+    assert pre == ["/usr/bin/fusermount3", "-u", "-z", str(mnt)], pre
+    subprocess.run(pre, capture_output=True)  # "-": its failure (nothing mounted) is ignored
     start = expand_exec(unit["ExecStart"][0], env)
     stop = expand_exec(unit["ExecStop"][0], env)
     assert start[:5] == [BIN, "mount", "-f", str(src), str(mnt)], start
