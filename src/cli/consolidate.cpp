@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "ckptfs/cli/args.hpp"
+#include "ckptfs/cli/progress.hpp"
 #include "ckptfs/engine/consolidate.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -96,29 +97,6 @@ class StopOnSignal {
   std::thread watcher_;
 };
 
-// The progress bar on a terminal: [#####     ] 1.2/3.4 GB  850 MB/s  ETA 3s
-class ProgressBar {
- public:
-  void operator()(const engine::Progress& p) {
-    if (!shown_) t0_ = std::chrono::steady_clock::now();
-    shown_ = true;
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    double rate = secs > 0 ? p.done / secs : 0;
-    double eta = rate > 0 ? (p.total - p.done) / rate : 0;
-    int width = 30;
-    int fill = p.total ? static_cast<int>(width * static_cast<double>(p.done) / p.total) : width;
-    fmt::print(stderr, "\r[{:<{}}] {:.1f}/{:.1f} GB  {:.0f} MB/s  ETA {:.0f}s   ",
-               std::string(fill, '#'), width, p.done / 1e9, p.total / 1e9, rate / 1e6, eta);
-  }
-  void end() {
-    if (shown_) fmt::print(stderr, "\n");
-  }
-
- private:
-  bool shown_ = false;
-  std::chrono::steady_clock::time_point t0_;
-};
-
 }  // namespace
 
 int cmd_consolidate(std::span<char*> argv) {
@@ -169,10 +147,10 @@ int cmd_consolidate(std::span<char*> argv) {
   opts.checkpoint = *loaded;
 
   StopOnSignal stop;
-  ProgressBar bar;
-  const bool tty = ::isatty(STDERR_FILENO);
+  ProgressBar bar("consolidate");
+  const bool tty = bar.enabled();
   engine::ProgressFn progress;
-  if (tty) progress = [&bar](const engine::Progress& p) { bar(p); };
+  if (tty) progress = [&bar](const engine::Progress& p) { bar.update(p.done, p.total); };
   auto r = engine::consolidate(opts, stop.flag(), progress);
   bar.end();
   if (!r) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/cli/args.hpp"
+#include "ckptfs/cli/progress.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -191,7 +192,8 @@ void report_too_deep(std::string_view cmd, const Loaded& l) {
 }
 
 // Compares every replica of every chunk with the primary copy, block by block.
-void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& problems) {
+void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& problems,
+                     ProgressBar& bar, uint64_t& done, uint64_t total) {
   std::vector<UniqueFd> fds(c.shards.size());
   auto fd_of = [&](uint32_t s) -> int {
     if (!fds[s].valid()) {
@@ -214,6 +216,8 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
                                 c.dir + "/" + c.shards[ch.shard].name);
           auto rb = pread_exact(fd_of(rep.shard), b.data(), n, rep.file_offset + off,
                                 c.dir + "/" + c.shards[rep.shard].name);
+          done += 2 * n;
+          bar.update(done, total);
           if (!ra || !rb) {
             problems.push_back(!ra ? ra.error().message : rb.error().message);
             break;
@@ -270,13 +274,26 @@ int cmd_verify(std::span<char*> argv) {
     return 1;
   }
   std::vector<std::string> problems;
+  // --data: a bar of the bytes compared (each replica and its primary copy).
+  ProgressBar bar("verify --data", args->has("data") && ::isatty(STDERR_FILENO) == 1);
+  uint64_t done = 0, total = 0;
+  for (const auto& c : all->ckpts) {
+    if (!bar.enabled() || !c->valid()) continue;
+    for (const auto& t : c->tensors) {
+      for (const auto& ch : t.chunks) {
+        if (ch.replicas.empty()) continue;
+        total += 2 * ch.replicas.size() * *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));
+      }
+    }
+  }
   for (const auto& c : all->ckpts) {
     for (const auto& p : c->problems) {
       problems.push_back(p.file.empty() ? fmt::format("{}: {}", c->dir, p.to_string())
                                         : fmt::format("{}/{}", c->dir, p.to_string()));
     }
-    if (c->valid() && args->has("data")) verify_replicas(*c, problems);
+    if (c->valid() && args->has("data")) verify_replicas(*c, problems, bar, done, total);
   }
+  bar.end();
   for (const auto& p : problems) fmt::print(stderr, "{}\n", printable(p));
   report_too_deep("verify", *all);
   if (problems.empty() && all->too_deep.empty()) {

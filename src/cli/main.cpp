@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include <fmt/core.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -24,6 +25,8 @@ commands:
   inspect DIR          list checkpoints, tensors, chunk grids, output files and problems
   verify DIR           exit non-zero with one line per problem (--data checks replicas)
   consolidate SRC DST  write the consolidated checkpoint to DST (a real copy)
+  status MNT           what the daemon serving MNT is doing (--json for monitoring)
+  version              version, libraries and optional features (also --version)
 
 Run 'ckptfs <command> --help' for a command's options.
 )";
@@ -36,6 +39,26 @@ int main(int argc, char** argv) {
   logger->set_formatter(ckptfs::safe_log_formatter());  // names from headers never go out raw
   spdlog::set_default_logger(std::move(logger));
   std::span<char*> args(argv, static_cast<size_t>(argc));
+  // As /sbin/mount.ckptfs, mount(8) runs us as `mount.ckptfs SRC MNT [-sfnv] [-o opts]
+  // [-t type]`: keep SRC, MNT and -o; drop what only concerns mount(8) itself.
+  std::string_view self = argv[0];
+  self = self.substr(self.rfind('/') == std::string_view::npos ? 0 : self.rfind('/') + 1);
+  if (self == "mount.ckptfs" || self == "mount.fuse.ckptfs") {
+    std::vector<char*> kept;
+    bool fake = false;
+    for (int i = 1; i < argc; ++i) {
+      std::string_view a = argv[i];
+      if ((a == "-o" || a == "-t" || a == "-N") && i + 1 < argc) {
+        if (a == "-o") kept.insert(kept.end(), {argv[i], argv[i + 1]});
+        ++i;
+      } else if (a.size() < 2 || a[0] != '-' || a.starts_with("-o")) {
+        kept.push_back(argv[i]);
+      } else if (a.find('f') != std::string_view::npos) {
+        fake = true;  // mount -f: everything but the mount itself
+      }
+    }
+    return fake ? 0 : ckptfs::cli::cmd_mount(kept, true);
+  }
   if (argc < 2) {
     fmt::print(stderr, "{}", kUsage);
     return 2;
@@ -47,9 +70,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd == "--version" || cmd == "-V") {
-    fmt::print("ckptfs {}\n", CKPTFS_VERSION);
+    fmt::print("{}", ckptfs::cli::version_text());
     return 0;
   }
+  if (cmd == "version") return ckptfs::cli::cmd_version(rest);
+  if (cmd == "status") return ckptfs::cli::cmd_status(rest);
   if (cmd == "inspect") return ckptfs::cli::cmd_inspect(rest);
   if (cmd == "verify") return ckptfs::cli::cmd_verify(rest);
   if (cmd == "consolidate") return ckptfs::cli::cmd_consolidate(rest);

@@ -12,10 +12,12 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
@@ -255,15 +257,27 @@ class OutputReader final : public FileReader {
   uint32_t output_;
 };
 
-enum class Kind : uint8_t { Dir, File, Symlink, Other, Output, Index, ShardsDir, Pending };
+// StatusDir, StatusFile: .ckptfs/ at the root of the mount and its status.json.
+enum class Kind : uint8_t {
+  Dir,
+  File,
+  Symlink,
+  Other,
+  Output,
+  Index,
+  ShardsDir,
+  Pending,
+  StatusDir,
+  StatusFile
+};
 
 // What a FUSE inode number stands for. Numbers are handed out on lookup and retired when the
 // kernel forgets them, so the table holds only what the kernel holds.
 struct Key {
-  uint8_t type;  // 0 real, 1 virtual file, 2 .shards
-  uint32_t fmt;  // S_IFMT of a real node: a backing number reused for another type is another
-                 // node (ext4 gives a deleted file's number to the next directory)
-  uint64_t dev, ino, gen;
+  uint8_t type = 0;  // 0 real, 1 virtual file, 2 .shards, 3 the status directory and file
+  uint32_t fmt = 0;  // S_IFMT of a real node: a backing number reused for another type is another
+                     // node (ext4 gives a deleted file's number to the next directory)
+  uint64_t dev = 0, ino = 0, gen = 0;
   std::string name;
   auto operator<=>(const Key&) const = default;
 };
@@ -422,6 +436,15 @@ struct Filesystem::Impl {
   std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
   Notifier* notifier = nullptr;
   std::shared_ptr<flush::Flusher> flusher;
+
+  // What .ckptfs/status.json reports beyond the current state of each directory.
+  const int64_t started_ns = now_realtime_ns();
+  std::atomic<uint64_t> reads{0}, bytes_read{0};  // read requests, and the bytes they return
+  std::atomic<uint64_t> builds{0}, refusals{0};   // checkpoint models read; of those invalid
+  std::atomic<uint64_t> errors{0};                // operations failed with an unexpected errno
+  std::mutex status_mu_;  // guards status_extra_ and errors_by_errno_; a leaf
+  StatusExtra status_extra_;
+  std::map<int, uint64_t> errors_by_errno_;
 
   // Files open for writing, by backing identity (the state of a file is keyed by its inode:
   // its final name only arrives with a rename), and when this daemon last changed each
@@ -614,6 +637,7 @@ struct Filesystem::Impl {
   // st_ino of a directory node as stat shows it.
   uint64_t dir_ino_shown(const Node& n) const {
     if (n.kind == Kind::ShardsDir) return virtual_ino(n.dev, n.bino, 0, kShardsDirName);
+    if (n.kind == Kind::StatusDir) return status_attr(n).st_ino;
     return shown_ino(n.dev, n.bino);
   }
 
@@ -765,7 +789,9 @@ struct Filesystem::Impl {
     if (auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY); dirfd) {
       auto ck =
           source::load_checkpoint(dirfd->get(), entries, source_path(rel), headers, opts.build);
+      builds.fetch_add(1, std::memory_order_relaxed);
       if (!ck->valid()) {
+        refusals.fetch_add(1, std::memory_order_relaxed);
         for (const auto& p : ck->problems) {
           spdlog::error("{}: checkpoint not shown: {}", source_path(rel), p.to_string());
         }
@@ -978,6 +1004,37 @@ struct Filesystem::Impl {
     return st;
   }
 
+  // --- the status directory --------------------------------------------------------------
+
+  static constexpr std::string_view kStatusKeyDir = "dir";
+
+  struct stat status_attr(const Node& n) const {
+    struct stat st {};
+    st.st_ino = virtual_ino(0, 0, 0, n.key.name) | (1ull << 62);
+    st.st_uid = ::geteuid();
+    st.st_gid = ::getegid();
+    set_times(st, started_ns);
+    st.st_blksize = 4096;
+    if (n.kind == Kind::StatusDir) {
+      st.st_mode = S_IFDIR | 0555;
+      st.st_nlink = 2;
+    } else {
+      st.st_mode = S_IFREG | 0444;  // size 0: made at open, read with direct I/O
+      st.st_nlink = 1;
+    }
+    return st;
+  }
+
+  Result<EntryOut> lookup_status(Ino parent, Kind kind, std::string_view name) {
+    Node proto;
+    proto.kind = kind;
+    const std::string key_name(kind == Kind::StatusDir ? kStatusKeyDir : kStatusFileName);
+    Node n = remember(Key{3, 0, 0, 0, 0, key_name}, std::move(proto), parent, name);
+    return EntryOut{n.ino, status_attr(n)};
+  }
+
+  std::string status_json();
+
   // --- lookups ---------------------------------------------------------------------------
 
   Result<EntryOut> lookup_real(const std::string& rel, Ino parent, std::string_view name) {
@@ -1021,6 +1078,9 @@ struct Filesystem::Impl {
   Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv) {
     std::string name(name_sv);
     if (name == hidden_child(dir.rel)) return make_error(ENOENT, "the mount point itself");
+    if (dir.ino == kRootIno && name == kStatusDirName) {
+      return lookup_status(dir.ino, Kind::StatusDir, name);
+    }
     if (is_state_name(name)) return make_error(ENOENT, "{}: the write path's own state", name);
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     const bool consolidated_name = is_model_output_name(name);
@@ -1231,7 +1291,8 @@ struct Filesystem::Impl {
     auto n = get(parent);
     if (!n) return make_error(ESTALE, "unknown inode {}", parent);
     if (n->kind != Kind::Dir) {
-      return make_error(n->kind == Kind::ShardsDir ? EPERM : ENOTDIR, "not a writable directory");
+      return make_error(n->kind == Kind::ShardsDir || n->kind == Kind::StatusDir ? EPERM : ENOTDIR,
+                        "not a writable directory");
     }
     if (is_state_name(name)) {
       return make_error(reserved, "{}: the name {} is reserved for ckptfs", source_path(n->rel),
@@ -1324,10 +1385,10 @@ struct Filesystem::Impl {
       // Replacing a consolidated file: a new file under its name, committed at close.
       dir_rel = n.rel;
       name = n.key.name;
-    } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir) {
+    } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir || n.kind == Kind::StatusDir) {
       return make_error(EISDIR, "is a directory");
-    } else if (n.kind == Kind::Pending) {
-      return make_error(EACCES, "{}: written by ckptfs only", kPendingName);
+    } else if (n.kind == Kind::Pending || n.kind == Kind::StatusFile) {
+      return make_error(EACCES, "{}: written by ckptfs only", n.key.name);
     } else if (n.kind == Kind::Output || n.kind == Kind::Index) {
       return make_error(EPERM,
                         "{}: a consolidated file is not changed in place; write it anew (O_TRUNC) "
@@ -1575,6 +1636,10 @@ Result<EntryOut> Filesystem::lookup(Ino parent, std::string_view name) {
   if (!dir) return make_error(ESTALE, "unknown inode {}", parent);
   if (dir->kind == Kind::Dir) return impl_->lookup_in_dir(*dir, name);
   if (dir->kind == Kind::ShardsDir) return impl_->lookup_in_shards(*dir, name);
+  if (dir->kind == Kind::StatusDir) {
+    if (name != kStatusFileName) return make_error(ENOENT, "no such status file");
+    return impl_->lookup_status(parent, Kind::StatusFile, name);
+  }
   return make_error(ENOTDIR, "inode {} is not a directory", parent);
 }
 
@@ -1626,6 +1691,9 @@ Result<struct stat> Filesystem::getattr(Ino ino) {
     case Kind::Index:
     case Kind::Pending:
       return impl_->virtual_attr(*n);
+    case Kind::StatusDir:
+    case Kind::StatusFile:
+      return impl_->status_attr(*n);
     case Kind::ShardsDir: {
       CKPTFS_TRY(struct stat st, stat_beneath(impl_->root.get(), n->rel));
       st.st_ino = Impl::virtual_ino(n->dev, n->bino, 0, kShardsDirName);
@@ -1654,11 +1722,19 @@ Result<std::string> Filesystem::readlink(Ino ino) {
 Result<uint64_t> Filesystem::opendir(Ino ino) {
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
-  if (n->kind != Kind::Dir && n->kind != Kind::ShardsDir) {
+  if (n->kind != Kind::Dir && n->kind != Kind::ShardsDir && n->kind != Kind::StatusDir) {
     return make_error(ENOTDIR, "not a directory");
   }
   if (n->kind == Kind::Dir) CKPTFS_CHECK(impl_->real_attr(*n));
-  CKPTFS_TRY(auto entries, impl_->list(*n));
+  std::vector<DirEntryOut> entries;
+  if (n->kind == Kind::StatusDir) {
+    Node file;
+    file.kind = Kind::StatusFile;
+    file.key.name = std::string(kStatusFileName);
+    entries.push_back({file.key.name, impl_->status_attr(file).st_ino, S_IFREG});
+  } else {
+    CKPTFS_TRY(entries, impl_->list(*n));
+  }
   auto h = std::make_unique<DirHandle>();
   // "." and ".." first, as a real directory lists them (d_ino as stat shows them).
   const uint64_t self = impl_->dir_ino_shown(*n);
@@ -1720,6 +1796,12 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
     case Kind::Pending:
       h->reader = std::make_shared<MemoryReader>(n->view, n->view->pending);
       break;
+    case Kind::StatusFile: {
+      auto text = std::make_shared<const std::string>(impl_->status_json());
+      h->reader = std::make_shared<MemoryReader>(text, *text);
+      out.direct_io = true;
+      break;
+    }
     case Kind::File: {
       if (auto wf = impl_->writing(n->dev, n->bino)) {  // being written: what it holds now
         h->reader = std::make_shared<WriteFileReader>(wf);
@@ -1744,6 +1826,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
     }
     case Kind::Dir:
     case Kind::ShardsDir:
+    case Kind::StatusDir:
       return make_error(EISDIR, "is a directory");
     default:
       return make_error(EACCES, "special files cannot be opened through the view");
@@ -1755,6 +1838,13 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
 Status Filesystem::read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan) {
   auto* h = reinterpret_cast<FileHandle*>(fh);
   h->reader->plan(off, len, plan);
+  uint64_t n = plan.size;
+  if (plan.passthrough()) {  // planned as asked: what the file held at open is what counts
+    const uint64_t size = h->reader->size();
+    n = off >= size ? 0 : std::min<uint64_t>(len, size - off);
+  }
+  impl_->reads.fetch_add(1, std::memory_order_relaxed);
+  impl_->bytes_read.fetch_add(n, std::memory_order_relaxed);
   return {};
 }
 
@@ -2012,7 +2102,7 @@ Result<struct stat> Filesystem::setattr(Ino ino, const SetAttr& a, std::optional
     }
   }
   if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir ||
-      n->kind == Kind::Pending) {
+      n->kind == Kind::Pending || n->kind == Kind::StatusDir || n->kind == Kind::StatusFile) {
     return make_error(EPERM, "{}: a consolidated file's attributes follow its shards", n->rel);
   }
   std::shared_ptr<write::WriteFile> wf;
@@ -2121,6 +2211,107 @@ void Filesystem::invalidate_all() {
   for (auto& s : all) {
     std::lock_guard lock(s->mu);
     s->next_check = Clock::now();
+  }
+}
+
+std::string Filesystem::Impl::status_json() {
+  using nlohmann::json;
+  json out;
+  out["version"] = CKPTFS_VERSION;
+  out["source"] = source;
+  out["pid"] = ::getpid();
+  out["uptime_s"] = (now_realtime_ns() - started_ns) / kNsPerSec;
+  out["read_only"] = opts.read_only;
+
+  // Checkpoint directories the daemon tracks now (those the kernel holds an inode of).
+  std::vector<std::shared_ptr<DirState>> dirs;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [k, v] : dirs_) dirs.push_back(v);
+  }
+  json list = json::array();
+  std::map<std::string, uint64_t> by_state;
+  for (auto& d : dirs) {
+    std::shared_ptr<const View> v;
+    bool unread = false;
+    {
+      std::lock_guard lock(d->mu);
+      v = d->view;
+      unread = d->needs_build || d->building;
+    }
+    if (!v) continue;  // not a checkpoint directory
+    json c;
+    c["path"] = source_path(v->rel);
+    std::string state = v->complete ? "serving" : v->settling ? "settling" : "refused";
+    if (state == "refused" && unread) state = "unread";  // shards' headers not read (yet)
+    c["state"] = state;
+    if (state == "serving") {
+      c["files"] = v->ckpt->outputs.size();
+      c["tensors"] = v->ckpt->tensors.size();
+      uint64_t bytes = 0;
+      for (const auto& o : v->ckpt->outputs) bytes += o.size;
+      c["bytes"] = bytes;
+    }
+    if (state == "refused") {
+      json problems = json::array();
+      for (const auto& p : v->ckpt->problems) {
+        if (problems.size() == 16) break;
+        problems.push_back(p.to_string());
+      }
+      c["problems"] = std::move(problems);
+      c["problem_count"] = v->ckpt->problems.size();
+    }
+    by_state[state]++;
+    list.push_back(std::move(c));
+  }
+  std::sort(list.begin(), list.end(),
+            [](const json& a, const json& b) { return a["path"] < b["path"]; });
+  json ck;
+  ck["tracked"] = list.size();
+  for (const char* st : {"serving", "settling", "refused", "unread"}) ck[st] = by_state[st];
+  ck["built_total"] = builds.load();
+  ck["refused_total"] = refusals.load();
+  ck["list"] = std::move(list);
+  out["checkpoints"] = std::move(ck);
+
+  out["reads"] = {{"requests", reads.load()}, {"bytes", bytes_read.load()}};
+  size_t writing = 0;
+  {
+    std::lock_guard lock(writes_mu_);
+    for (const auto& [k, w] : writes_) writing += w.wf.expired() ? 0 : 1;
+  }
+  out["writes"] = {{"open_files", writing}};
+
+  json extra = json::object();
+  json errs = json::object();
+  {
+    std::lock_guard lock(status_mu_);
+    if (status_extra_) {
+      for (auto& [k, v] : status_extra_()) extra[k] = v;
+    }
+    for (auto& [e, n] : errors_by_errno_) {
+      const char* name = ::strerrorname_np(e);
+      errs[name ? std::string(name) : std::to_string(e)] = n;
+    }
+  }
+  out["prefetch"] = std::move(extra);
+  out["errors"] = {{"total", errors.load()}, {"by_errno", std::move(errs)}};
+  out["cache"] = {{"header_bytes", headers.bytes()}, {"shard_fds_open", open_shard_fds.load()}};
+  return out.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+std::string Filesystem::status_json() const { return impl_->status_json(); }
+
+void Filesystem::set_status_extra(StatusExtra extra) {
+  std::lock_guard lock(impl_->status_mu_);
+  impl_->status_extra_ = std::move(extra);
+}
+
+void Filesystem::note_error(int err) {
+  impl_->errors.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard lock(impl_->status_mu_);
+  if (impl_->errors_by_errno_.size() < 64 || impl_->errors_by_errno_.count(err)) {
+    impl_->errors_by_errno_[err]++;
   }
 }
 

@@ -214,4 +214,13 @@ Machine probe_machine() {
   return m;
 }
 
+std::vector<std::pair<std::string, uint64_t>> Prefetcher::figures() const {
+  const Stats s = stats();
+  return {{"pushes", s.pushes},
+          {"dropped", s.dropped},
+          {"stores", s.stores},
+          {"bytes", s.bytes},
+          {"overtaken", s.overtaken}};
+}
+
 }  // namespace ckptfs::fs

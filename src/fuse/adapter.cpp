@@ -21,6 +21,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/fs/prefetch.hpp"
+#include "ckptfs/util/sd_notify.hpp"
 #include "ckptfs/util/text.hpp"
 
 namespace ckptfs::fuse {
@@ -139,6 +140,7 @@ void reply_error(fuse_req_t req, const Error& e, std::string_view op) {
                                    EXDEV,  EPERM, ENOTDIR, EISDIR, EINVAL, ENOTSUP};
   if (std::find(std::begin(kQuiet), std::end(kQuiet), e.code) == std::end(kQuiet)) {
     spdlog::error("{}: {}", op, e.message);
+    ctx(req).fs->note_error(e.code);  // for .ckptfs/status.json
   }
   fuse_reply_err(req, e.code);
 }
@@ -252,6 +254,7 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   if (!r) return reply_error(req, r.error(), "open");
   fi->fh = r->fh;
   fi->keep_cache = r->keep_cache;
+  fi->direct_io = r->direct_io;
   // Take what the prefetcher needs before replying: once the reply is out, the kernel may
   // send RELEASE on another thread and the handle is gone.
   std::shared_ptr<const fs::FileReader> reader;
@@ -602,6 +605,7 @@ int run_mount(const MountOptions& given) {
     setup_background_logging(o);
   }
   spdlog::info("mounted {} at {}", o.source, o.mountpoint);
+  sd_notify(fmt::format("READY=1\nSTATUS=serving {} at {}", o.source, o.mountpoint));
   spdlog::info(
       "read path: {} cores, {} MiB available: threads={} prefetch={} (threads {}) splice={}",
       machine.cores, machine.mem_available >> 20, *o.threads, *o.prefetch ? "on" : "off",
@@ -621,6 +625,7 @@ int run_mount(const MountOptions& given) {
       pf = std::make_unique<fs::Prefetcher>(pusher, pc);
     }
     c.prefetch = pf.get();
+    if (pf) fsys.set_status_extra([p = pf.get()] { return p->figures(); });
     fuse_loop_config* cfg = fuse_loop_cfg_create();
     fuse_loop_cfg_set_clone_fd(cfg, 1);
     fuse_loop_cfg_set_max_threads(cfg, o.threads.value_or(8));
@@ -630,10 +635,12 @@ int run_mount(const MountOptions& given) {
     rc = fuse_session_loop_mt(se.get(), cfg);
     fuse_loop_cfg_destroy(cfg);
     c.prefetch = nullptr;
+    fsys.set_status_extra({});
     pf.reset();
     fsys.set_notifier(nullptr);
   }
   spdlog::info("unmounting {}", o.mountpoint);
+  sd_notify("STOPPING=1\nSTATUS=unmounting");
   // libfuse returns the number of the signal that ended the loop (SIGTERM, SIGINT, SIGHUP):
   // that is a clean unmount too. Only a negative value is an error.
   return rc >= 0 ? 0 : 1;

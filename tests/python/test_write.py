@@ -1188,9 +1188,15 @@ def test_ckptfs_name_is_reserved(px):
     save_file_to(d / "model.safetensors", 49, 64)
     assert ".ckptfs" not in names(d)
     expect_errno(lambda: os.stat(d / ".ckptfs"), errno.ENOENT)
-    for where in (px.mnt, d):
+    for where in (px.mnt / "reserved-sub", d):
+        os.makedirs(where, exist_ok=True)
         expect_errno(lambda: os.mkdir(where / ".ckptfs"), errno.EPERM)
         expect_errno(lambda: os.open(where / ".ckptfs", os.O_CREAT | os.O_WRONLY, 0o644), errno.EPERM)
+    # At the root of the mount .ckptfs exists: the daemon's read-only status directory.
+    expect_errno(lambda: os.mkdir(px.mnt / ".ckptfs"), errno.EEXIST)
+    expect_errno(lambda: os.open(px.mnt / ".ckptfs", os.O_CREAT | os.O_WRONLY, 0o644), errno.EISDIR)
+    expect_errno(lambda: os.mkdir(px.mnt / ".ckptfs" / "x"), errno.EPERM)
+    assert ".ckptfs" not in os.listdir(px.mnt)
     assert not (px.src / ".ckptfs").exists()
     assert read(d / "model.safetensors") == blob(49, 64)
 

@@ -12,6 +12,8 @@
 #include <map>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/fs/filesystem.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -778,4 +780,68 @@ TEST(Fs, NemoConsolidateScriptIsHiddenInACheckpointDirectory) {
   fs::Ino run = t.walk({"run"});
   auto outside = names(*t.f, run);
   EXPECT_EQ(std::count(outside.begin(), outside.end(), "consolidate.sh"), 1);
+}
+
+TEST(Fs, StatusFileAtTheRootOnly) {
+  Fs t;
+  // Never listed, at the root or below; found by name at the root only.
+  EXPECT_EQ(names(*t.f, fs::kRootIno), (std::vector<std::string>{"run"}));
+  fs::Ino run = t.walk({"run"});
+  EXPECT_EQ(t.f->lookup(run, ".ckptfs").error().code, ENOENT);
+  auto dir = t.f->lookup(fs::kRootIno, ".ckptfs");
+  ASSERT_TRUE(dir.ok()) << dir.error().message;
+  EXPECT_TRUE(S_ISDIR(dir->attr.st_mode));
+  EXPECT_EQ(dir->attr.st_mode & 07777, 0555u);
+  EXPECT_EQ(names(*t.f, dir->ino), (std::vector<std::string>{"status.json"}));
+  EXPECT_EQ(t.f->lookup(dir->ino, "other").error().code, ENOENT);
+  auto file = t.f->lookup(dir->ino, "status.json");
+  ASSERT_TRUE(file.ok());
+  EXPECT_TRUE(S_ISREG(file->attr.st_mode));
+  EXPECT_EQ(file->attr.st_mode & 07777, 0444u);
+  // Read-only, and nothing is made in the directory.
+  EXPECT_EQ(t.f->open(file->ino, O_WRONLY).error().code, EACCES);
+  EXPECT_EQ(t.f->create(dir->ino, "x", 0644, O_WRONLY).error().code, EPERM);
+  EXPECT_EQ(t.f->mkdir(fs::kRootIno, ".ckptfs", 0755).error().code, EPERM);
+  fs::SetAttr chmod;
+  chmod.mode = 0644;
+  EXPECT_EQ(t.f->setattr(file->ino, chmod).error().code, EPERM);
+  auto o = t.f->open(file->ino, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o->direct_io);
+  t.f->release(o->fh);
+
+  // Its content: a checkpoint serving, then one refused with its reason; reads counted.
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  names(*t.f, model);
+  std::string before = read_all(*t.f, file->ino);
+  auto j = nlohmann::json::parse(before);
+  EXPECT_EQ(j["source"], t.dir.path());
+  ASSERT_EQ(j["checkpoints"]["list"].size(), 1u);
+  EXPECT_EQ(j["checkpoints"]["list"][0]["state"], "serving");
+  EXPECT_EQ(j["checkpoints"]["list"][0]["path"], t.dir.path() + "/run/step_1/model");
+  EXPECT_EQ(j["checkpoints"]["serving"], 1);
+  const uint64_t bytes = j["reads"]["bytes"];
+  // Counted in Filesystem::read (the adapter's path), as much as the file holds.
+  auto notes = t.f->open(t.walk({"run", "notes.txt"}), O_RDONLY);
+  ASSERT_TRUE(notes.ok());
+  fs::ReadPlan plan;
+  ASSERT_TRUE(t.f->read(notes->fh, 0, 4096, plan).ok());
+  ASSERT_TRUE(t.f->read(notes->fh, 4096, 4096, plan).ok());
+  t.f->release(notes->fh);
+  j = nlohmann::json::parse(read_all(*t.f, file->ino));
+  EXPECT_EQ(j["reads"]["bytes"].get<uint64_t>(), bytes + 5);
+  EXPECT_EQ(j["reads"]["requests"].get<uint64_t>(), 2u);
+
+  auto m = t.dir.path() + "/run/step_1/model";
+  test::write_file(m + "/" + format::shard_file_name(1, 1, 1), "not a shard at all");
+  names(*t.f, model);
+  j = nlohmann::json::parse(read_all(*t.f, file->ino));
+  ASSERT_EQ(j["checkpoints"]["list"].size(), 1u);
+  EXPECT_EQ(j["checkpoints"]["list"][0]["state"], "refused") << j.dump();
+  EXPECT_FALSE(j["checkpoints"]["list"][0]["problems"].empty());
+  EXPECT_EQ(j["checkpoints"]["refused_total"], 1);
+  t.f->note_error(EIO);
+  j = nlohmann::json::parse(read_all(*t.f, file->ino));
+  EXPECT_EQ(j["errors"]["total"], 1);
+  EXPECT_EQ(j["errors"]["by_errno"]["EIO"], 1);
 }

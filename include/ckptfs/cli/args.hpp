@@ -51,5 +51,10 @@ int cmd_inspect(std::span<char*> argv);
 int cmd_verify(std::span<char*> argv);
 int cmd_consolidate(std::span<char*> argv);
 int cmd_mount(std::span<char*> argv, bool mount_helper_form);
+int cmd_status(std::span<char*> argv);
+int cmd_version(std::span<char*> argv);
+
+// What `ckptfs --version` prints.
+std::string version_text();
 
 }  // namespace ckptfs::cli

@@ -39,6 +39,14 @@ namespace ckptfs::fs {
 using Ino = uint64_t;
 inline constexpr Ino kRootIno = 1;
 inline constexpr std::string_view kShardsDirName = ".shards";
+// The daemon's status: a read-only virtual directory at the root of the mount, never listed,
+// holding kStatusFileName (JSON, generated at each open). Elsewhere the name stays reserved.
+inline constexpr std::string_view kStatusDirName = ".ckptfs";
+inline constexpr std::string_view kStatusFileName = "status.json";
+
+// Figures of the layers above the Filesystem (the FUSE adapter's prefetcher), for the status
+// file: (name, value) pairs under "prefetch".
+using StatusExtra = std::function<std::vector<std::pair<std::string, uint64_t>>()>;
 
 struct Options {
   bool show_shards = false;                    // expose hidden files under .shards/
@@ -136,6 +144,7 @@ struct OpenOut {
   uint64_t fh = 0;
   bool keep_cache = false;  // page cache still matches this file's bytes
   bool is_virtual = false;  // a synthesized consolidated file or index
+  bool direct_io = false;   // content made at open (the status file): stat's size means nothing
 };
 
 // Attribute changes of a setattr; unset fields stay. A time with tv_nsec == UTIME_NOW is now.
@@ -218,6 +227,14 @@ class Filesystem {
     uint64_t header_bytes = 0;  // estimate held by the header cache
   };
   [[nodiscard]] Counts counts() const;
+
+  // The content of .ckptfs/status.json: checkpoints tracked (serving, settling, refused and
+  // why), reads, writes in flight, errors and the StatusExtra figures, as one JSON object.
+  [[nodiscard]] std::string status_json() const;
+  // Installs (or, with an empty function, removes) the source of the "prefetch" figures.
+  void set_status_extra(StatusExtra extra);
+  // Counts an operation that failed with an unexpected errno (the adapter logs it too).
+  void note_error(int err);
 
   // Forces every cached directory view to revalidate on next access.
   void invalidate_all();

@@ -14,7 +14,9 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "ckptfs/fs/filesystem.hpp"
@@ -76,6 +78,8 @@ class Prefetcher {
     uint64_t overtaken = 0;  // pushes given up because a reader overtook them
   };
   [[nodiscard]] Stats stats() const;
+  // stats() as (name, value) pairs, for .ckptfs/status.json.
+  [[nodiscard]] std::vector<std::pair<std::string, uint64_t>> figures() const;
   // Blocks until no push is queued or running (tests, and an orderly shutdown).
   void drain();
 
