@@ -1,0 +1,262 @@
+"""Tier 4: the parallel flush with a real mpirun (issue 10; docs/architecture.md, "Parallel flush").
+
+`mpirun -np 3 ckptfs mount SRC MNT` on this one machine, over TCP on the loopback interface
+(--mca btl self,tcp --mca btl_tcp_if_include lo): rank 0 serves the mount, ranks 1 and 2 write
+the shards they own (shard i+1 is owned by rank i % 3) into the shared SRC. Why not one network
+namespace per simulated node: see docs/semantics.md ("Parallel flush: failure contract") and
+docs/benchmarks.md; it is the next step, and it changes nothing the flusher sees (a TCP peer).
+
+  1. save_pretrained of a small Llama (2 files + index) into the head's mount: every file reads
+     back byte-exact through the mount, SRC holds shard-00001..3 of each file, each written by
+     its owner (the ranks' logs), and a plain (non-MPI) remount of SRC reads the same bytes.
+  2. a rank killed (-9) mid-flush while a slow writer replaces model.safetensors: under plain
+     mpirun the job is aborted (the writer sees an error or the mount disappears); with
+     --enable-recovery the job lives and the writer's close fails with EIO after -o
+     mpi_timeout. Either way nothing is committed: a plain remount cleans the staging and the
+     previous checkpoint reads back byte-exact.
+  3. a rank whose target does not hold SRC (-o target=...%r): its staging cannot be opened, so
+     the file is stored whole (never split into a set that misses a shard) and reads back exact.
+
+Each mpirun lasts a few seconds; the whole file stays well under a minute. Skipped (never
+faked) without root, /dev/fuse, fusermount3, mpirun, or a ckptfs built with OpenMPI.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import BIN, Mount, requires_fuse, unmount, wait_for
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_write import (  # noqa: E402  (after the importorskips, as test_write needs them)
+    MIB, MODEL_RE, SHARD_RE, Writer, blob, make_model, max_shard_size_for, mkdir, names, read,
+    save_file_to)
+
+
+def built_with_mpi() -> bool:
+    try:
+        out = subprocess.run(["ldd", BIN], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "libmpi" in out
+
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = [
+    requires_fuse,
+    pytest.mark.skipif(MPIRUN is None, reason="needs mpirun (OpenMPI)"),
+    pytest.mark.skipif(not built_with_mpi(), reason="ckptfs was built without OpenMPI (-Dmpi)"),
+]
+
+NP = 3
+RANK_RE = re.compile(r"mpi rank (\d+) of (\d+) on \S+ \(pid (\d+)\)")
+
+
+class MpiMount:
+    """`mpirun -np N ckptfs mount SRC MNT` in the background; rank 0 serves MNT."""
+
+    def __init__(self, src, mnt, opts=(), np=NP, recovery=False):
+        self.src, self.mnt = str(src), str(mnt)
+        self.opts = ["settle=0", *opts]
+        self.np = np
+        self.recovery = recovery
+        self.log = str(mnt) + ".log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self):
+        os.makedirs(self.mnt, exist_ok=True)
+        self.logf = open(self.log, "w")
+        cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(self.np),
+               "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+        if self.recovery:
+            cmd.append("--enable-recovery")
+        cmd += [BIN, "mount", self.src, self.mnt, "-o", ",".join(self.opts)]
+        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not (os.path.ismount(self.mnt) and len(self.rank_pids()) == self.np - 1):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mpirun exited with {self.proc.returncode}: {self.read_log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("MPI mount did not appear: " + self.read_log())
+            time.sleep(0.05)
+        return self
+
+    def read_log(self) -> str:
+        try:
+            return pathlib.Path(self.log).read_text()
+        except OSError:
+            return ""
+
+    def rank_pids(self) -> dict[int, int]:
+        return {int(m[1]): int(m[3]) for m in RANK_RE.finditer(self.read_log())}
+
+    def wait(self, timeout=60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # mpirun and the ranks it started
+            self.proc.wait()
+            raise AssertionError("mpirun did not exit: " + self.read_log()[-3000:])
+
+    def stop(self, check=True) -> int | None:
+        if self.proc is None:
+            return None
+        unmount(self.mnt)
+        rc = self.wait()
+        self.logf.close()
+        self.proc = None
+        if check:
+            assert rc == 0, f"mpirun exited {rc}: {self.read_log()[-3000:]}"
+        return rc
+
+
+@pytest.fixture
+def mpi_mounts():
+    made = []
+
+    def make(*a, **kw):
+        m = MpiMount(*a, **kw).start()
+        made.append(m)
+        return m
+
+    yield make
+    gc.collect()
+    for m in made:
+        if m.proc is not None:
+            m.stop(check=False)
+
+
+def shards_by_file(d) -> dict[tuple[int, int], list[int]]:
+    out: dict[tuple[int, int], list[int]] = {}
+    for n in os.listdir(d):
+        if m := SHARD_RE.match(n):
+            out.setdefault((int(m[2]), int(m[3])), []).append(int(m[1]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def staging_left(d) -> list[str]:
+    st = pathlib.Path(d) / ".ckptfs"
+    return sorted(n for n in os.listdir(st) if n.startswith("tx-")) if st.is_dir() else []
+
+
+def test_save_pretrained_shared_target(mpi_mounts, tmp_path):
+    """save_pretrained (2 files + index) into the head's mount reads back byte-exact; SRC holds
+    the 3 shards of each file (ranks default to the world size) and nothing else by a model
+    name; the ranks served the writes (their commands arrived: the files exist only through
+    them); a plain remount of SRC without MPI reads the same bytes."""
+    model = make_model(7, torch.float32)
+    size = max_shard_size_for(model, 2)
+    ref = tmp_path / "ref"
+    model.save_pretrained(str(ref), max_shard_size=size)
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt")
+    view = pathlib.Path(m.mnt) / "ck"
+    model.save_pretrained(str(view), max_shard_size=size)
+    assert names(view) == names(ref)
+    for n in names(ref):
+        assert read(view / n) == read(ref / n), n
+    files = shards_by_file(src / "ck")
+    assert files == {(1, 2): [1, 2, 3], (2, 2): [1, 2, 3]}, files
+    assert not [n for n in os.listdir(src / "ck") if MODEL_RE.match(n)]
+    assert not staging_left(src / "ck")
+    assert "stored as 3 rank shard(s)" in m.read_log()
+    m.stop()
+    assert "mpi rank 1: done" in m.read_log() and "mpi rank 2: done" in m.read_log()
+    with Mount(src, tmp_path / "plain") as p:
+        for n in names(ref):
+            assert read(pathlib.Path(p.mnt) / "ck" / n) == read(ref / n), n
+
+
+def test_mpi_off_keeps_local_flusher(mpi_mounts, tmp_path):
+    """-o mpi=off under mpirun -np 1: the local flusher (one shard, as without mpirun)."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("mpi=off",), np=1)
+    mkdir(pathlib.Path(m.mnt) / "d")
+    want = save_file_to(pathlib.Path(m.mnt) / "d" / "model.safetensors", 3, 512)
+    assert read(pathlib.Path(m.mnt) / "d" / "model.safetensors") == want
+    assert shards_by_file(src / "d") == {(1, 1): [1]}
+    assert "mpi: head" not in m.read_log()
+    m.stop()
+
+
+@pytest.mark.parametrize("recovery", [False, True], ids=["abort", "enable-recovery"])
+def test_rank_killed_mid_flush(mpi_mounts, tmp_path, recovery):
+    """kill -9 of rank 2 while a slow writer replaces D/model.safetensors (save_pretrained
+    style: .tmpXXXXXX, ftruncate, writes, rename, close). The writer sees an error (EIO from
+    close after mpi_timeout, or the mount's connection aborted when mpirun ends the job) and
+    never a hang; nothing is committed: after a plain remount (whose recovery removes the
+    staging and the empty placeholder) D/model.safetensors is the previous file, byte-exact."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("mpi_timeout=3",), recovery=recovery)
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "D")
+    old = save_file_to(mnt / "D" / "model.safetensors", 60, 512)
+    assert shards_by_file(src / "D") == {(1, 1): [1, 2, 3]}
+    new = blob(61, 4096)
+    w = Writer(new, mnt / "D" / "model.safetensors", tmp_path, mode="tmp", chunk=128 * 1024,
+               sleep=0.02)
+    try:
+        w.wait_written(MIB)
+        os.kill(m.rank_pids()[2], signal.SIGKILL)
+        t0 = time.monotonic()
+        out, err = w.proc.communicate(timeout=60)  # never a hang
+        took = time.monotonic() - t0
+    finally:
+        if w.proc.poll() is None:
+            w.kill()
+    err = err.decode(errors="replace")
+    assert w.proc.returncode != 0, f"the writer saw no error: {out[-500:]!r}"
+    assert ("Input/output error" in err or "connection abort" in err.lower()
+            or "Transport endpoint" in err), err[-2000:]
+    print(f"\nwriter failed after {took:.1f} s: {err.strip().splitlines()[-1]}")
+    if recovery:
+        # The job lives on: the mount still serves the previous file.
+        assert os.path.ismount(m.mnt)
+        assert read(mnt / "D" / "model.safetensors") == old
+        assert "did not answer within 3 s" in m.read_log()
+        m.stop(check=False)
+    else:
+        rc = m.wait(timeout=60)
+        assert rc != 0
+        wait_for(lambda: not os.path.ismount(m.mnt), "the mount to go", timeout=30)
+        unmount(m.mnt)
+        m.logf.close()
+        m.proc = None
+    # Nothing committed: the record still names the previous file's shards.
+    with Mount(src, tmp_path / "plain") as p:
+        got = pathlib.Path(p.mnt) / "D"
+        assert read(got / "model.safetensors") == old
+        assert names(got) == ["model.safetensors"], names(got)
+        assert not staging_left(src / "D")
+    assert shards_by_file(src / "D") == {(1, 1): [1, 2, 3]}
+
+
+def test_rank_without_src_stores_whole(mpi_mounts, tmp_path):
+    """-o target=T%r with empty T1, T2 (node-local storage, not supported yet): ranks 1 and 2
+    cannot open the staging the head made in SRC, so the head keeps the file whole rather than
+    split it into a set missing shards; it reads back byte-exact, and the error (naming the rank
+    and its host) is in the log."""
+    src = mkdir(tmp_path / "src")
+    for r in range(NP):
+        mkdir(tmp_path / f"t{r}")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=(f"target={tmp_path}/t%r",))
+    mkdir(pathlib.Path(m.mnt) / "d")
+    want = save_file_to(pathlib.Path(m.mnt) / "d" / "model.safetensors", 4, 512)
+    assert read(pathlib.Path(m.mnt) / "d" / "model.safetensors") == want
+    assert not shards_by_file(src / "d")
+    assert read(src / "d" / "model.safetensors") == want
+    log = m.read_log()
+    assert "stored whole, not split" in log and "rank 1 (" in log, log[-3000:]
+    m.stop()
