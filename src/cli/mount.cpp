@@ -227,7 +227,7 @@ int mount_mpi(fuse::MountOptions& o, flush::mpi::MpiOptions mo) {
     o.fs.flusher = *fl;
     rc = check_and_mount(o);
     o.fs.flusher.reset();
-    (*fl)->shutdown();
+    if (!(*fl)->shutdown()) (*rt)->abort_at_exit(rc != 0 ? rc : 1);
   }
   return rc;
 }

@@ -33,6 +33,7 @@ struct Runtime::Impl {
   int rank = 0;
   int size = 1;
   int provided = 0;
+  int abort_code = 0;  // nonzero: the destructor calls MPI_Abort with it, not MPI_Finalize
   std::vector<std::string> hosts;
 };
 
@@ -86,6 +87,8 @@ class Comm {
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
   [[nodiscard]] MPI_Comm get() const { return comm_; }
+  // Forgets the communicator without freeing it: after a rank was lost, a free may wait on it.
+  void leak() { comm_ = MPI_COMM_NULL; }
 
  private:
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -116,6 +119,7 @@ class Link {
     if (budgeted) {
       if (!budget_.acquire(p->buf.size(), timeout_)) {
         if (auto e = broken()) return std::move(*e).context(what);
+        lost_ = true;
         return make_error(EIO, "{}: {} took no data for {} s ({} MiB in flight, the bound)", what,
                           who(dest), timeout_.count() / 1000.0, budget_.in_flight() >> 20);
       }
@@ -172,6 +176,7 @@ class Link {
     waiters_.erase(it);
     if (!s.done) {
       if (broken_) return Error(*broken_).context(what);
+      lost_ = true;
       return make_error(EIO, "{}: {} did not answer within {} s (-o mpi_timeout)", what,
                         who(s.dest), timeout_.count() / 1000.0);
     }
@@ -184,6 +189,16 @@ class Link {
     CKPTFS_TRY(uint64_t id, start(dest, c, payload, what));
     return wait(id, std::chrono::steady_clock::now() + timeout_, what);
   }
+
+  // Whether every rank answered and every send completed so far: false once a rank was
+  // lost (a timeout), the link broke, or the shutdown left sends that never completed. Then
+  // MPI_Comm_free and MPI_Finalize may wait forever for the lost rank (seen with
+  // --enable-recovery), so the caller ends the job with MPI_Abort instead.
+  [[nodiscard]] bool clean() {
+    std::lock_guard lock(mu_);
+    return !lost_ && !broken_ && !abandoned_;
+  }
+  void leak_comm() { comm_.leak(); }
 
   // Tells every rank to leave serve_rank, waits (bounded) for the sends, stops the thread.
   void shutdown() {
@@ -276,6 +291,7 @@ class Link {
         if (stop_deadline && std::chrono::steady_clock::now() > *stop_deadline) {
           spdlog::warn("mpi: {} send(s) never completed; leaving them", active.size());
           for (auto& p : active) p.release();  // MPI may still read the buffer: never free it
+          abandoned_ = true;
           break;
         }
       }
@@ -339,6 +355,8 @@ class Link {
   std::map<uint64_t, Slot> waiters_;
   std::optional<Error> broken_;
   bool stop_ = false;
+  bool abandoned_ = false;         // the shutdown left sends that never completed
+  std::atomic<bool> lost_{false};  // some rank did not answer, or took no data, in time
   std::thread thread_;
 };
 
@@ -511,11 +529,14 @@ class MpiFlusherImpl final : public MpiFlusher {
         link_(std::make_unique<Link>(rt, std::move(comm), o)) {}
   ~MpiFlusherImpl() override { shutdown(); }
 
-  void shutdown() override {
-    if (stopped_.exchange(true)) return;
+  bool shutdown() override {
+    if (stopped_.exchange(true)) return clean_;
     spdlog::info("mpi: telling {} rank(s) to stop; peak in flight {} MiB", rt_.size() - 1,
                  link_->budget().peak() >> 20);
     link_->shutdown();
+    clean_ = link_->clean();
+    if (!clean_) link_->leak_comm();
+    return clean_;
   }
 
   uint32_t default_ranks() const override { return static_cast<uint32_t>(rt_.size()); }
@@ -546,6 +567,7 @@ class MpiFlusherImpl final : public MpiFlusher {
   std::unique_ptr<Link> link_;
   std::atomic<uint64_t> next_tx_{0};
   std::atomic<bool> stopped_{false};
+  bool clean_ = true;  // set by the first shutdown()
 };
 
 // --- ranks >= 1 ------------------------------------------------------------------------------
@@ -727,8 +749,15 @@ Result<std::unique_ptr<Runtime>> Runtime::init() {
 }
 
 Runtime::~Runtime() {
-  if (impl_) MPI_Finalize();
+  if (!impl_) return;
+  if (impl_->abort_code != 0) {
+    spdlog::error("mpi: a rank was lost; ending the job (MPI_Abort) instead of finalizing");
+    MPI_Abort(MPI_COMM_WORLD, impl_->abort_code);
+  }
+  MPI_Finalize();
 }
+
+void Runtime::abort_at_exit(int code) { impl_->abort_code = code; }
 
 int Runtime::rank() const { return impl_->rank; }
 int Runtime::size() const { return impl_->size; }

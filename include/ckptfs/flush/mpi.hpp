@@ -152,6 +152,9 @@ class Runtime {
   // The thread level MPI provided; below MPI_THREAD_MULTIPLE every MPI call of the head is
   // serialized behind one mutex anyway (see mpi.cpp), so any level from SERIALIZED works.
   [[nodiscard]] std::string_view thread_level() const;
+  // The destructor ends the job with MPI_Abort(code) instead of MPI_Finalize, which may wait
+  // forever for a rank that was lost (OpenMPI 4.1 with --enable-recovery).
+  void abort_at_exit(int code);
 
   struct Impl;
   Impl& impl() { return *impl_; }
@@ -162,10 +165,11 @@ class Runtime {
 };
 
 // The head's flusher. shutdown() (also run by the destructor) tells every rank to leave
-// serve_rank; call it after the mount ended.
+// serve_rank; call it after the mount ended. It returns false when some rank was lost on the
+// way (did not answer in time, or its sends never completed): the job cannot finalize.
 class MpiFlusher : public Flusher {
  public:
-  virtual void shutdown() = 0;
+  virtual bool shutdown() = 0;
 };
 Result<std::shared_ptr<MpiFlusher>> make_mpi_flusher(Runtime& rt, const MpiOptions& o);
 
