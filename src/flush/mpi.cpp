@@ -402,7 +402,7 @@ class MpiTransaction final : public Transaction {
       }
       ids.emplace_back(*id, i);
     }
-    CKPTFS_CHECK(wait_all(ids));
+    CKPTFS_CHECK(wait_all(ids, "open"));
     return first;
   }
 
@@ -432,7 +432,8 @@ class MpiTransaction final : public Transaction {
       c.shard = shard;
       c.offset = off + done;
       c.length = len;
-      CKPTFS_TRY(std::string got, link_.call(owners_[shard], c, {}, shard_what(shard)));
+      CKPTFS_TRY(std::string got,
+                 link_.call(owners_[shard], c, {}, shard_what(shard) + " (read back)"));
       if (got.size() != len) {
         return make_error(EIO, "{}: {} sent {} bytes, not {}", shard_what(shard),
                           link_.who(owners_[shard]), got.size(), len);
@@ -472,11 +473,12 @@ class MpiTransaction final : public Transaction {
  private:
   std::string shard_what(uint32_t i) const { return fmt::format("{}: shard {}", what_, i + 1); }
 
-  Status wait_all(const std::vector<std::pair<uint64_t, uint32_t>>& ids) {
+  // `step` names the request in messages ("open", "sync").
+  Status wait_all(const std::vector<std::pair<uint64_t, uint32_t>>& ids, std::string_view step) {
     const auto deadline = std::chrono::steady_clock::now() + link_.timeout();
     Status first;
     for (const auto& [id, shard] : ids) {
-      auto r = link_.wait(id, deadline, shard_what(shard));
+      auto r = link_.wait(id, deadline, fmt::format("{} ({})", shard_what(shard), step));
       if (!r && first) first = std::move(r).error();
     }
     return first;
@@ -493,7 +495,7 @@ class MpiTransaction final : public Transaction {
       CKPTFS_TRY(uint64_t id, link_.start(r, c, {}, shard_what(shard)));
       ids.emplace_back(id, shard);
     }
-    return wait_all(ids);
+    return wait_all(ids, "sync");
   }
 
   void close_remote() {

@@ -353,3 +353,27 @@ def test_rank_without_src_stores_whole(mpi_mounts, tmp_path):
     log = m.read_log()
     assert "stored whole, not split" in log and "rank 1 (" in log, log[-3000:]
     m.stop()
+
+
+def test_more_shards_than_ranks_target_elsewhere_fsync(mpi_mounts, tmp_path):
+    """-o ranks=5 with 3 ranks (shards 1..5 owned by ranks 0,1,2,0,1: a rank with two open
+    shards), every rank reaching SRC through its own path (-o target=.../view%r, a symlink to
+    SRC: a shared file system mounted elsewhere), and an fsync in the middle of the file (the
+    owners' Sync before all bytes came): the file reads back byte-exact, as 5 shards."""
+    src = mkdir(tmp_path / "src")
+    for r in range(NP):
+        os.symlink(src, tmp_path / f"view{r}")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("ranks=5", f"target={tmp_path}/view%r"))
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "d")
+    want = blob(8, 2048)
+    with open(mnt / "d" / ".tmpA1b2C3", "wb") as f:
+        f.write(want[:len(want) // 3])
+        f.flush()
+        os.fsync(f.fileno())
+        f.write(want[len(want) // 3:])
+        os.rename(mnt / "d" / ".tmpA1b2C3", mnt / "d" / "model.safetensors")
+    assert read(mnt / "d" / "model.safetensors") == want
+    assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3, 4, 5]}
+    assert "stored as 5 rank shard(s)" in m.read_log()
+    m.stop()
