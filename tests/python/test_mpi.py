@@ -377,3 +377,31 @@ def test_more_shards_than_ranks_target_elsewhere_fsync(mpi_mounts, tmp_path):
     assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3, 4, 5]}
     assert "stored as 5 rank shard(s)" in m.read_log()
     m.stop()
+
+
+def test_read_during_write_and_rewrite_read_back_from_ranks(mpi_mounts, tmp_path):
+    """Bytes of shards the ranks own are read back from them over MPI (the Read request) while
+    the file is being written: a second descriptor reads what was written so far, exact; then
+    a rewrite of an earlier byte (not in stream order) makes the head fall back to staging the
+    whole file, which reads every routed byte back from the owners; at close the file is split
+    again. It reads back with the rewrite, as 3 shards."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt")
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "d")
+    data = bytearray(blob(9, 1024))
+    p = mnt / "d" / "model.safetensors"
+    half = len(data) // 2
+    with open(p, "wb", buffering=0) as w:
+        w.write(data[:half])
+        with open(p, "rb", buffering=0) as r:
+            assert r.read(half) == bytes(data[:half])
+        at = len(data) - (len(data) - half) // 2  # a data byte far into the file's data
+        w.write(data[half:])
+        w.seek(at)
+        w.write(b"\x7f")
+        data[at] = 0x7F
+    wait_for(p.exists, "the name after close (see test_mpi_off_keeps_local_flusher)")
+    assert read(p) == bytes(data)
+    assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3]}
+    m.stop()
