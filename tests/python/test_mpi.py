@@ -22,6 +22,10 @@ simulate the nodes (the `fabric` parameter):
      previous checkpoint reads back byte-exact.
   3. a rank whose target does not hold SRC (-o target=...%r): its staging cannot be opened, so
      the file is stored whole (never split into a set that misses a shard) and reads back exact.
+  4. more shards than ranks (-o ranks=5), targets reaching SRC by other paths, an fsync in the
+     middle of the file; reads of remote shards over MPI (a reader during the write, a rewrite
+     that makes the head stage the whole file); the in-flight bound holding against ranks
+     slower than the writer (-o mpi_inflight_mb=2, target_rate_mb=20); -o mpi=off.
 
 Each mpirun lasts a few seconds; the whole file stays well under a minute. Skipped (never
 faked) without root, /dev/fuse, fusermount3, mpirun, or a ckptfs built with OpenMPI.
@@ -405,3 +409,21 @@ def test_read_during_write_and_rewrite_read_back_from_ranks(mpi_mounts, tmp_path
     assert read(p) == bytes(data)
     assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3]}
     m.stop()
+
+
+def test_backpressure_bounds_bytes_in_flight(mpi_mounts, tmp_path):
+    """A writer faster than the ranks' storage (-o target_rate_mb=20 caps every rank's writes)
+    with -o mpi_inflight_mb=2: the bytes sent and not yet delivered never exceed the bound
+    (the head logs its peak at unmount; without the bound it would hold rank 1's whole 8 MiB
+    chunk), the writer is held back instead, and the file reads back byte-exact."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("mpi_inflight_mb=2", "target_rate_mb=20"), np=2)
+    mkdir(pathlib.Path(m.mnt) / "d")
+    p = pathlib.Path(m.mnt) / "d" / "model.safetensors"
+    want = save_file_to(p, 10, 16 * 1024)
+    wait_for(p.exists, "the name after close (see test_mpi_off_keeps_local_flusher)")
+    assert read(p) == want
+    assert shards_by_file(src / "d") == {(1, 1): [1, 2]}
+    m.stop()
+    peak = re.search(r"peak in flight (\d+) MiB", m.read_log())
+    assert peak and int(peak[1]) <= 2, m.read_log()[-2000:]
