@@ -114,6 +114,13 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, const std::string& opt) {
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "mpi_inflight_mb"));
     if (n < 1 || n > 65536) return make_error(EINVAL, "mpi_inflight_mb: must be 1..65536");
     m.opts.inflight_bytes = uint64_t{n} << 20;
+  } else if (key == "mpi_fault") {  // hidden: R:MB, rank R's writes fail after MB MiB (tests)
+    auto colon = val.find(':');
+    if (colon == std::string::npos) return make_error(EINVAL, "mpi_fault: expected RANK:MB");
+    CKPTFS_TRY(unsigned r, parse_unsigned(val.substr(0, colon), "mpi_fault rank"));
+    CKPTFS_TRY(unsigned mb, parse_unsigned(val.substr(colon + 1), "mpi_fault MB"));
+    m.opts.fault_rank = static_cast<int>(r);
+    m.opts.fault_after_bytes = uint64_t{mb} << 20;
   } else if (key == "target_rate_mb") {  // hidden: caps each rank's writes (benchmark)
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "target_rate_mb"));
     m.opts.target_rate_mb = n;

@@ -587,7 +587,9 @@ class RankServer {
         comm_(comm),
         root_(std::move(root)),
         root_path_(std::move(root_path)),
-        rate_(o.target_rate_mb * 1e6) {}
+        rate_(o.target_rate_mb * 1e6),
+        fault_(rt.rank() == o.fault_rank),
+        fault_after_(o.fault_after_bytes) {}
 
   int run() {
     std::string buf;
@@ -665,6 +667,12 @@ class RankServer {
         if (it == held_.end()) return {};  // aborted meanwhile (Close came first): dropped
         if (it->second.err) return {};
         rate_.throttle(payload.size());
+        written_ += payload.size();
+        if (fault_ && written_ > fault_after_) {
+          it->second.err =
+              make_error(ENOSPC, "{}: No space left on device (-o mpi_fault)", it->second.path);
+          return {};
+        }
         if (auto st = pwrite_all(it->second.fd.get(), payload.data(), payload.size(), c.offset,
                                  it->second.path);
             !st) {
@@ -710,6 +718,9 @@ class RankServer {
   UniqueFd root_;
   std::string root_path_;
   RateLimiter rate_;
+  const bool fault_;            // -o mpi_fault names this rank
+  const uint64_t fault_after_;  // ... and the bytes it writes before its writes fail
+  uint64_t written_ = 0;        // shard bytes this rank has been sent
   std::map<std::pair<uint64_t, uint32_t>, Held> held_;  // (tx, shard) -> its staged file
 };
 

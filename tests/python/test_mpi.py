@@ -33,6 +33,7 @@ faked) without root, /dev/fuse, fusermount3, mpirun, or a ckptfs built with Open
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import pathlib
@@ -427,3 +428,29 @@ def test_backpressure_bounds_bytes_in_flight(mpi_mounts, tmp_path):
     m.stop()
     peak = re.search(r"peak in flight (\d+) MiB", m.read_log())
     assert peak and int(peak[1]) <= 2, m.read_log()[-2000:]
+
+
+def test_rank_write_error_reaches_the_writer(mpi_mounts, tmp_path):
+    """A rank whose storage fills up (hidden -o mpi_fault=2:1: rank 2's writes fail with ENOSPC
+    after 1 MiB): the writer's close() fails with ENOSPC, the message (in the log) names the
+    file, the shard, the rank and its host; nothing is committed (the previous file stays, no
+    staging is left), and the mount keeps serving."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("mpi_fault=2:1",))
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "d")
+    old = save_file_to(mnt / "d" / "model.safetensors", 11, 256)  # rank 2 gets < 1 MiB
+    new = blob(12, 8 * 1024)
+    tmp = mnt / "d" / ".tmpQwErTy"
+    f = open(tmp, "wb")
+    f.write(new)
+    os.rename(tmp, mnt / "d" / "model.safetensors")
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.ENOSPC, e.value
+    log = m.read_log()
+    assert re.search(r"\.tmpQwErTy: shard 3 \(sync\): rank 2 \(\S+\): .*No space left on device", log), log[-2000:]
+    assert read(mnt / "d" / "model.safetensors") == old
+    assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3]}
+    assert not staging_left(src / "d")
+    m.stop()

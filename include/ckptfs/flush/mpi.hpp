@@ -133,6 +133,10 @@ struct MpiOptions {
   std::chrono::milliseconds timeout{60'000};      // -o mpi_timeout: longest wait for an ack
   uint64_t inflight_bytes = uint64_t{256} << 20;  // -o mpi_inflight_mb: the send budget
   double target_rate_mb = 0;  // hidden -o target_rate_mb: cap each rank's writes (benchmark)
+  // Hidden -o mpi_fault=R:MB (tests): rank R's shard writes fail with ENOSPC once it has
+  // written MB MiB, as a rank whose storage filled up.
+  int fault_rank = -1;
+  uint64_t fault_after_bytes = 0;
 };
 
 #if CKPTFS_HAVE_MPI
