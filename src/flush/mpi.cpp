@@ -696,6 +696,8 @@ class RankServer {
           return reply_error(c.id, make_error(EIO, "shard {} of transaction {} is not open here",
                                               c.shard + 1, c.tx));
         }
+        // A shard whose write failed has holes: never hand them out as its bytes.
+        if (it->second.err) return reply_error(c.id, *it->second.err);
         std::string data(static_cast<size_t>(c.length), '\0');
         if (auto st = pread_exact(it->second.fd.get(), data.data(), data.size(), c.offset,
                                   it->second.path);

@@ -454,3 +454,25 @@ def test_rank_write_error_reaches_the_writer(mpi_mounts, tmp_path):
     assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3]}
     assert not staging_left(src / "d")
     m.stop()
+
+
+def test_rank_write_error_never_reads_back_as_zeros(mpi_mounts, tmp_path):
+    """A consolidated file under a name that is not a model file's (weights.safetensors) is
+    routed while written and stored whole at close: the head reads every routed byte back from
+    the owners. When rank 2's writes failed (-o mpi_fault=2:1), that read fails too: close()
+    reports the error instead of storing a file with zeros where rank 2's bytes were lost."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("mpi_fault=2:1",))
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "d")
+    new = blob(13, 8 * 1024)
+    f = open(mnt / "d" / "weights.safetensors", "wb")
+    f.write(new)
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.ENOSPC, e.value
+    # What is stored is what could be read back before the failure: a prefix of the file,
+    # cut short (so never mistaken for a complete one), with no zeros standing in for lost bytes.
+    got = read(mnt / "d" / "weights.safetensors")
+    assert len(got) < len(new) and got == new[:len(got)], (len(got), len(new))
+    m.stop()
