@@ -275,9 +275,10 @@ def test_mpi_off_keeps_local_flusher(mpi_mounts, tmp_path):
     m = mpi_mounts(src, tmp_path / "mnt", opts=("mpi=off",), np=1)
     mkdir(pathlib.Path(m.mnt) / "d")
     want = save_file_to(pathlib.Path(m.mnt) / "d" / "model.safetensors", 3, 512)
-    # A file written under its final name can be missing for a moment right after its close
-    # (seen with the local flusher alone, ~2 in 30 closes: a read-path race, not the flush's);
-    # wait for the name, then check the bytes.
+    # A consolidated file can be missing (ENOENT) for a moment right after its close returned,
+    # whether written under its final name or renamed there while open (seen with the local
+    # flusher alone, about 1 close in 15-30: a read-path race, not the flush's); wait for the
+    # name, then check the bytes.
     wait_for(lambda: (pathlib.Path(m.mnt) / "d" / "model.safetensors").exists(), "the name")
     assert read(pathlib.Path(m.mnt) / "d" / "model.safetensors") == want
     assert shards_by_file(src / "d") == {(1, 1): [1]}
@@ -378,6 +379,8 @@ def test_more_shards_than_ranks_target_elsewhere_fsync(mpi_mounts, tmp_path):
         os.fsync(f.fileno())
         f.write(want[len(want) // 3:])
         os.rename(mnt / "d" / ".tmpA1b2C3", mnt / "d" / "model.safetensors")
+    wait_for((mnt / "d" / "model.safetensors").exists,
+             "the name after close (see test_mpi_off_keeps_local_flusher)")
     assert read(mnt / "d" / "model.safetensors") == want
     assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3, 4, 5]}
     assert "stored as 5 rank shard(s)" in m.read_log()
