@@ -652,7 +652,7 @@ class RankServer {
         const std::string rel(payload);
         auto fd = open_beneath(root_.get(), rel, O_RDWR | O_NOFOLLOW);
         if (!fd) {
-          return reply_error(c.id, std::move(fd).error().context(root_path_ + "/" + rel));
+          return reply_error(c.id, std::move(fd).error().context(root_path_));
         }
         struct stat st {};
         if (::fstat(fd->get(), &st) != 0 || !S_ISREG(st.st_mode)) {

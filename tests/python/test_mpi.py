@@ -187,6 +187,15 @@ class MpiMount:
         except OSError:
             return ""
 
+    def wait_log(self, pattern: str, timeout=10.0) -> None:
+        """Waits until the job's output matches `pattern` (a regex): mpirun forwards the
+        processes' output asynchronously, so a line may land a moment after the fact."""
+        rx = re.compile(pattern)
+        try:
+            wait_for(lambda: rx.search(self.read_log()), f"{pattern!r} in the log", timeout=timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {self.read_log()[-3000:]}") from None
+
     def rank_pids(self) -> dict[int, int]:
         return {int(m[1]): int(m[3]) for m in RANK_RE.finditer(self.read_log())}
 
@@ -261,7 +270,7 @@ def test_save_pretrained_shared_target(mpi_mounts, tmp_path, fabric):
     assert files == {(1, 2): [1, 2, 3], (2, 2): [1, 2, 3]}, files
     assert not [n for n in os.listdir(src / "ck") if MODEL_RE.match(n)]
     assert not staging_left(src / "ck")
-    assert "stored as 3 rank shard(s)" in m.read_log()
+    m.wait_log(r"stored as 3 rank shard\(s\)")
     m.stop()
     assert "mpi rank 1: done" in m.read_log() and "mpi rank 2: done" in m.read_log()
     with Mount(src, tmp_path / "plain") as p:
@@ -323,7 +332,7 @@ def test_rank_killed_mid_flush(mpi_mounts, tmp_path, recovery, fabric):
         # fails unless mpirun exits (its status is 0 under --enable-recovery, even so).
         assert os.path.ismount(m.mnt)
         assert read(mnt / "D" / "model.safetensors") == old
-        assert "did not answer within 3 s" in m.read_log()
+        m.wait_log("did not answer within 3 s")
         m.stop(check=False)
         assert "ending the job (MPI_Abort)" in pathlib.Path(m.log).read_text()
     else:
@@ -356,8 +365,7 @@ def test_rank_without_src_stores_whole(mpi_mounts, tmp_path):
     assert read(pathlib.Path(m.mnt) / "d" / "model.safetensors") == want
     assert not shards_by_file(src / "d")
     assert read(src / "d" / "model.safetensors") == want
-    log = m.read_log()
-    assert "stored whole, not split" in log and "rank 1 (" in log, log[-3000:]
+    m.wait_log(r"stored whole, not split: .*rank 1 \(")
     m.stop()
 
 
@@ -383,7 +391,7 @@ def test_more_shards_than_ranks_target_elsewhere_fsync(mpi_mounts, tmp_path):
              "the name after close (see test_mpi_off_keeps_local_flusher)")
     assert read(mnt / "d" / "model.safetensors") == want
     assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3, 4, 5]}
-    assert "stored as 5 rank shard(s)" in m.read_log()
+    m.wait_log(r"stored as 5 rank shard\(s\)")
     m.stop()
 
 
@@ -451,8 +459,7 @@ def test_rank_write_error_reaches_the_writer(mpi_mounts, tmp_path):
     with pytest.raises(OSError) as e:
         f.close()
     assert e.value.errno == errno.ENOSPC, e.value
-    log = m.read_log()
-    assert re.search(r"\.tmpQwErTy: shard 3 \(sync\): rank 2 \(\S+\): .*No space left on device", log), log[-2000:]
+    m.wait_log(r"\.tmpQwErTy: shard 3 \(sync\): rank 2 \(\S+\): .*No space left on device")
     assert read(mnt / "d" / "model.safetensors") == old
     assert shards_by_file(src / "d") == {(1, 1): [1, 2, 3]}
     assert not staging_left(src / "d")
