@@ -6,8 +6,8 @@
 #   4. formatting (clang-format --dry-run -Werror)
 #   5. bounded libFuzzer runs of the parsers (clang)  build-fuzz/
 #   6. real-mount, hostile-source, CLI, write-path and ecosystem tests (pytest)
-#   7. the real-mount, hostile-source, CLI and write-path tests again, against the ASan+UBSan
-#      binary
+#   7. the real-mount, hostile-source, CLI, write-path and parallel-flush (mpirun) tests again,
+#      against the ASan+UBSan binary
 # Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_MOUNT_FUZZ_SECONDS (default
 # 60, the randomized mount test), CKPTFS_PYTEST_ARGS.
 set -euo pipefail
@@ -66,3 +66,12 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print
   "$VENV/bin/python" -m pytest tests/python/test_mount.py tests/python/test_hostile.py \
   tests/python/test_mount_fuzz.py tests/python/test_cli.py tests/python/test_write.py -q \
   -p no:cacheprovider
+# The parallel flush under mpirun: OpenMPI keeps allocations past MPI_Finalize and unloads its
+# components (so their frames cannot be named): components stay loaded, and leaks whose stack
+# is in the OpenMPI libraries only are suppressed (tests/support/lsan_mpi.supp).
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0 \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  LSAN_OPTIONS="suppressions=$ROOT/tests/support/lsan_mpi.supp" \
+  OMPI_MCA_mca_base_component_disable_dlclose=1 \
+  CKPTFS_BIN="$ROOT/build-asan/src/ckptfs" CKPTFS_ASAN=1 \
+  "$VENV/bin/python" -m pytest tests/python/test_mpi.py -q -p no:cacheprovider

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/cli/args.hpp"
+#include "ckptfs/flush/mpi.hpp"
 #include "ckptfs/fuse/adapter.hpp"
 
 namespace ckptfs::cli {
@@ -57,6 +58,18 @@ ckptfs -o options:
   attr_timeout=SECONDS, entry_timeout=SECONDS   kernel cache timeouts (default 1)
   threads=N, log_level=L, log_file=PATH          as the flags above
   no_auto_unmount        do not unmount automatically if the daemon dies
+
+parallel flush (mpirun -np N ckptfs mount SRC MNT ..., one process per node):
+  mpi=auto|on|off        MPI mode: on when started by mpirun (auto, the default); off: the
+                         local flusher even under mpirun. In MPI mode -f is implied (never
+                         daemonized after MPI_Init), rank 0 serves MNT and ranks 1..N-1 write
+                         the shards they own; ranks default to N, shard i+1 owned by rank i % N
+  target=PATH            SRC as rank r sees it (%r: the rank; default SRC): a shared directory
+                         (Lustre, NFS) mounted at another path. Node-local storage is not
+                         supported yet (the rank cannot open the staging: files stay whole)
+  mpi_timeout=SECONDS    longest wait for a rank's acknowledgement or for send credit before
+                         the write fails with EIO (default 60)
+  mpi_inflight_mb=N      bound on bytes sent to ranks and not yet delivered (default 256)
 )";
 
 Result<double> parse_seconds(std::string_view v, std::string_view what) {
@@ -79,12 +92,44 @@ std::chrono::milliseconds ms(double secs) {
   return std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
 }
 
+// The parallel-flush options (only meaningful in MPI mode).
+struct MpiCli {
+  std::optional<bool> mode;  // -o mpi=on|off; unset: on when started by mpirun
+  flush::mpi::MpiOptions opts;
+};
+
 // Applies one -o option; unknown ones are passed to libfuse, which refuses what it can't use.
-Status apply_option(fuse::MountOptions& o, const std::string& opt) {
+Status apply_option(fuse::MountOptions& o, MpiCli& m, const std::string& opt) {
   auto eq = opt.find('=');
   std::string key = opt.substr(0, eq);
   std::string val = eq == std::string::npos ? "" : opt.substr(eq + 1);
-  if (key == "show_shards") {
+  if (key == "mpi") {
+    if (val != "auto") {
+      CKPTFS_TRY(m.mode, parse_onoff(val, "mpi"));
+    }
+  } else if (key == "target") {
+    if (val.empty()) return make_error(EINVAL, "target: empty path");
+    CKPTFS_CHECK(flush::mpi::expand_target(val, 0));
+    m.opts.target = val;
+  } else if (key == "mpi_timeout") {
+    CKPTFS_TRY(double s, parse_seconds(val, "mpi_timeout"));
+    if (s <= 0) return make_error(EINVAL, "mpi_timeout: must be more than 0");
+    m.opts.timeout = ms(s);
+  } else if (key == "mpi_inflight_mb") {
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "mpi_inflight_mb"));
+    if (n < 1 || n > 65536) return make_error(EINVAL, "mpi_inflight_mb: must be 1..65536");
+    m.opts.inflight_bytes = uint64_t{n} << 20;
+  } else if (key == "mpi_fault") {  // hidden: R:MB, rank R's writes fail after MB MiB (tests)
+    auto colon = val.find(':');
+    if (colon == std::string::npos) return make_error(EINVAL, "mpi_fault: expected RANK:MB");
+    CKPTFS_TRY(unsigned r, parse_unsigned(val.substr(0, colon), "mpi_fault rank"));
+    CKPTFS_TRY(unsigned mb, parse_unsigned(val.substr(colon + 1), "mpi_fault MB"));
+    m.opts.fault_rank = static_cast<int>(r);
+    m.opts.fault_after_bytes = uint64_t{mb} << 20;
+  } else if (key == "target_rate_mb") {  // hidden: caps each rank's writes (benchmark)
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "target_rate_mb"));
+    m.opts.target_rate_mb = n;
+  } else if (key == "show_shards") {
     o.fs.show_shards = true;
   } else if (key == "prefetch") {
     CKPTFS_TRY(o.prefetch, parse_onoff(val, "prefetch"));
@@ -146,49 +191,8 @@ Status apply_option(fuse::MountOptions& o, const std::string& opt) {
   return {};
 }
 
-}  // namespace
-
-int cmd_mount(std::span<char*> argv, bool helper_form) {
-  static constexpr OptSpec spec[] = {{"foreground", 'f', false}, {"threads", 0, true},
-                                     {"log-level", 0, true},     {"log-file", 0, true},
-                                     {"options", 'o', true},     {"debug", 'd', false}};
-  auto parsed = parse_command(argv, spec,
-                              {helper_form ? "(mount helper)" : "mount", kUsage, "SRC and MNT", 2});
-  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
-  auto* args = &std::get<Args>(parsed);
-  fuse::MountOptions o;
-  o.fs.build.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;  // dtype=auto
-  o.source = args->positional[0];
-  o.mountpoint = args->positional[1];
-  while (o.source.size() > 1 && o.source.back() == '/') o.source.pop_back();
-  o.foreground = args->has("foreground") || args->has("debug");
-  if (auto t = args->get("threads")) {
-    auto v = parse_unsigned(*t, "--threads");
-    if (!v || *v == 0 || *v > 1024) {
-      fmt::print(stderr, "ckptfs mount: --threads must be 1..1024\n");
-      return 2;
-    }
-    o.threads = *v;
-  }
-  if (auto l = args->get("log-level")) o.log_level = *l;
-  if (auto l = args->get("log-file")) o.log_file = *l;
-  for (const auto& group : args->all("options")) {
-    std::stringstream ss(group);
-    std::string opt;
-    while (std::getline(ss, opt, ',')) {
-      if (opt.empty()) continue;
-      if (auto st = apply_option(o, opt); !st) {
-        fmt::print(stderr, "ckptfs mount: {}\n", st.error().message);
-        return 2;
-      }
-    }
-  }
-  auto level = spdlog::level::from_str(o.log_level);
-  if (level == spdlog::level::off && o.log_level != "off") {
-    fmt::print(stderr, "ckptfs mount: unknown log level '{}'\n", o.log_level);
-    return 2;
-  }
-  spdlog::set_level(args->has("debug") ? spdlog::level::debug : level);
+// Checks SRC and MNT, hides a mount point inside the source, mounts and serves.
+int check_and_mount(fuse::MountOptions& o) {
   struct stat st {};
   if (::stat(o.source.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     fmt::print(stderr, "ckptfs mount: {}: not a directory\n", o.source);
@@ -209,6 +213,98 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
     }
   }
   return fuse::run_mount(o);
+}
+
+#if CKPTFS_HAVE_MPI
+// `mpirun -np N ckptfs mount SRC MNT`: rank 0 mounts with the MPI flusher (in the foreground:
+// never fork after MPI_Init), the other ranks serve its shard writes until it shuts them down
+// at unmount. MPI_Init and MPI_Finalize belong to `rt`; the flusher (and with it the
+// communicator) is gone before `rt` finalizes.
+int mount_mpi(fuse::MountOptions& o, flush::mpi::MpiOptions mo) {
+  auto rt = flush::mpi::Runtime::init();
+  if (!rt) {
+    fmt::print(stderr, "ckptfs mount: {}\n", rt.error().message);
+    return 1;
+  }
+  mo.source = o.source;
+  if ((*rt)->rank() != 0) return flush::mpi::serve_rank(**rt, mo);
+  int rc = 1;
+  {
+    auto fl = flush::mpi::make_mpi_flusher(**rt, mo);
+    if (!fl) {
+      fmt::print(stderr, "ckptfs mount: {}\n", fl.error().message);
+      return 1;
+    }
+    spdlog::info("mpi: head of {} rank(s) on {} (thread level {}); {} MiB in flight at most",
+                 (*rt)->size(), (*rt)->host(0), (*rt)->thread_level(), mo.inflight_bytes >> 20);
+    o.foreground = true;
+    o.fs.flusher = *fl;
+    rc = check_and_mount(o);
+    o.fs.flusher.reset();
+    if (!(*fl)->shutdown()) (*rt)->abort_at_exit(rc != 0 ? rc : 1);
+  }
+  return rc;
+}
+#endif
+
+}  // namespace
+
+int cmd_mount(std::span<char*> argv, bool helper_form) {
+  static constexpr OptSpec spec[] = {{"foreground", 'f', false}, {"threads", 0, true},
+                                     {"log-level", 0, true},     {"log-file", 0, true},
+                                     {"options", 'o', true},     {"debug", 'd', false}};
+  auto parsed = parse_command(argv, spec,
+                              {helper_form ? "(mount helper)" : "mount", kUsage, "SRC and MNT", 2});
+  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
+  auto* args = &std::get<Args>(parsed);
+  fuse::MountOptions o;
+  o.fs.build.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;  // dtype=auto
+  MpiCli mpi;
+  o.source = args->positional[0];
+  o.mountpoint = args->positional[1];
+  while (o.source.size() > 1 && o.source.back() == '/') o.source.pop_back();
+  o.foreground = args->has("foreground") || args->has("debug");
+  if (auto t = args->get("threads")) {
+    auto v = parse_unsigned(*t, "--threads");
+    if (!v || *v == 0 || *v > 1024) {
+      fmt::print(stderr, "ckptfs mount: --threads must be 1..1024\n");
+      return 2;
+    }
+    o.threads = *v;
+  }
+  if (auto l = args->get("log-level")) o.log_level = *l;
+  if (auto l = args->get("log-file")) o.log_file = *l;
+  for (const auto& group : args->all("options")) {
+    std::stringstream ss(group);
+    std::string opt;
+    while (std::getline(ss, opt, ',')) {
+      if (opt.empty()) continue;
+      if (auto st = apply_option(o, mpi, opt); !st) {
+        fmt::print(stderr, "ckptfs mount: {}\n", st.error().message);
+        return 2;
+      }
+    }
+  }
+  auto level = spdlog::level::from_str(o.log_level);
+  if (level == spdlog::level::off && o.log_level != "off") {
+    fmt::print(stderr, "ckptfs mount: unknown log level '{}'\n", o.log_level);
+    return 2;
+  }
+  spdlog::set_level(args->has("debug") ? spdlog::level::debug : level);
+  const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  if (mpi.mode.value_or(under_mpirun)) {
+#if CKPTFS_HAVE_MPI
+    return mount_mpi(o, mpi.opts);
+#else
+    fmt::print(stderr, "ckptfs mount: MPI mode, but this ckptfs was built without OpenMPI\n");
+    return 2;
+#endif
+  }
+  if (!mpi.opts.target.empty()) {
+    fmt::print(stderr, "ckptfs mount: target= is for MPI mode (mpirun, or -o mpi=on)\n");
+    return 2;
+  }
+  return check_and_mount(o);
 }
 
 }  // namespace ckptfs::cli

@@ -256,6 +256,8 @@ class LocalTransaction final : public Transaction {
     return {};
   }
 
+  std::string staging_name() const override { return name_; }
+
   void abort() override {
     if (committed_ || !created_) return;
     fds_.clear();

@@ -1,7 +1,8 @@
 // The flusher: where the shard bytes of a file written through the mount go, and how they
 // become its stored form. The write router (write/) only produces (rank, offset, bytes); a
 // Flusher decides where each rank's file lives: in the local directory from this process
-// (LocalFlusher), or on the node that owns the rank (the OpenMPI flusher).
+// (LocalFlusher), or on the node that owns the rank (the OpenMPI flusher, flush/mpi.hpp, which
+// wraps a LocalFlusher for the staging and the commit and moves only the bytes).
 //
 // Stored form of a file `name` in directory D (see format/record.hpp):
 //   D/shard-{r:05d}-model-{k:05d}-of-{m:05d}.safetensors   one per rank
@@ -62,6 +63,10 @@ class Transaction : public write::ShardSink {
   // Removes the staged shards (nothing is committed). Idempotent; the destructor aborts an
   // uncommitted transaction.
   virtual void abort() = 0;
+  // The staging directory's name under D/.ckptfs (tx-...), where the staged shards are
+  // rank-00001...: for a flusher whose shard bytes are written by other processes (the
+  // OpenMPI flusher opens them by this path on the owning rank). Empty where there is none.
+  [[nodiscard]] virtual std::string staging_name() const { return {}; }
 };
 
 class Flusher {
