@@ -113,6 +113,11 @@ if ((status == 0)); then
   "$PY" tools/demo_write.py --reference "$REF" --out "$MNT/run/step_2000/model" \
     --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" || status=$?
 fi
+if ((status == 0)); then
+  echo
+  echo "what the daemon says it is doing (ckptfs status $MNT):"
+  "$BIN" status "$MNT" || status=$?
+fi
 
 step "7/7 unmount"
 exit "$status"
