@@ -184,8 +184,13 @@ Status WriteFile::enter_routed_locked(const format::Header& h) {
 // byte received (a consolidated file cut short must not read as complete).
 Status WriteFile::to_plain_locked(bool keep_all) {
   uint64_t received = 0;
+  // A failure here fails the file for good (fail_locked): the bytes routed so far are not
+  // all in the file, and a retry at the next write or at release would only fail again (or,
+  // with the MPI flusher, wait out another timeout).
   if (state_ == State::Sniffing) {
-    CKPTFS_CHECK(pwrite_all(backing_.get(), prefix_.data(), prefix_.size(), 0, what_));
+    if (auto st = pwrite_all(backing_.get(), prefix_.data(), prefix_.size(), 0, what_); !st) {
+      return fail_locked(std::move(st).error());
+    }
     received = prefix_.size();
     prefix_.clear();
     prefix_.shrink_to_fit();
@@ -197,8 +202,11 @@ Status WriteFile::to_plain_locked(bool keep_all) {
     };
     for (uint64_t x = 0; x < received; x += buf.size()) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), received - x));
-      CKPTFS_TRY(size_t got, router_->read(x, n, buf.data(), pread));
-      CKPTFS_CHECK(pwrite_all(backing_.get(), buf.data(), got, x, what_));
+      auto got = router_->read(x, n, buf.data(), pread);
+      if (!got) return fail_locked(std::move(got).error());
+      if (auto st = pwrite_all(backing_.get(), buf.data(), *got, x, what_); !st) {
+        return fail_locked(std::move(st).error());
+      }
     }
     tx_->abort();
     tx_.reset();

@@ -419,3 +419,43 @@ TEST(WriteFile, RewritingAConsolidatedFileWithOTruncAndFtruncate) {
   ASSERT_EQ(::stat(s.path("ckpt/" + format::shard_file_name(1, 1, 1)).c_str(), &sh), 0);
   EXPECT_EQ(sh.st_mode & 07777, 0640u);
 }
+
+TEST(WriteFile, AFailedCopyBackToStagingFailsTheFileForGood) {
+  // The staged shards lose their bytes under the writer (a real fault: truncated behind its
+  // back), then an out-of-order write makes it copy what it routed back into one file. That
+  // copy fails; the file must stay failed: a later write and the close report the error, and
+  // nothing is committed (no shard holding zeros where the lost bytes were).
+  Src s(2);
+  const std::string bytes = consolidated(21);
+  fs::Ino d = s.ckpt();
+  auto c = s.f->create(d, ".tmpabc123", 0600, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  fs::SetAttr a;
+  a.size = bytes.size();
+  ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
+  const size_t half = bytes.size() / 2;
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, std::string_view(bytes).substr(0, half)).ok());
+  size_t truncated = 0;
+  for (const auto& tx : stdfs::directory_iterator(s.path("ckpt/.ckptfs"))) {
+    if (!tx.is_directory()) continue;
+    for (const auto& f : stdfs::directory_iterator(tx.path())) {
+      if (f.path().filename().string().starts_with("rank-")) {
+        stdfs::resize_file(f.path(), 0);
+        ++truncated;
+      }
+    }
+  }
+  ASSERT_GT(truncated, 0u) << "no staged shard found";
+  const uint64_t last = bytes.size() - 4096;
+  auto w = s.f->write(c->open.fh, last, std::string_view(bytes).substr(last));
+  ASSERT_FALSE(w.ok()) << "the copy back from truncated staging did not fail";
+  EXPECT_FALSE(s.f->write(c->open.fh, half, std::string_view(bytes).substr(half, 4096)).ok())
+      << "a write after the failure was accepted";
+  ASSERT_TRUE(s.f->rename(d, ".tmpabc123", d, "model.safetensors", 0).ok());
+  EXPECT_FALSE(s.f->flush(c->open.fh).ok()) << "the close did not report the failure";
+  s.f->release(c->open.fh);
+  EXPECT_FALSE(has_prefix(s.src_names(), "shard-")) << "a failed file was committed";
+  // What a failed write leaves, as on a plain file system: the file, holding nothing that
+  // could pass for the model (not the full size in zeros).
+  EXPECT_EQ(stdfs::file_size(s.path("ckpt/model.safetensors")), 0u);
+}
