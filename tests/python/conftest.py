@@ -75,17 +75,28 @@ class Mount:
         self.log = log or (str(mnt) + ".log")
         self.proc: subprocess.Popen | None = None
 
+    # What start() runs and waits for; test_mpi.py's MpiMount (mpirun) overrides these.
+    what = "ckptfs"
+    start_timeout = 20.0
+    new_session = False
+
+    def command(self) -> list[str]:
+        return [BIN, "mount", self.src, self.mnt, "-f", "-o", ",".join(self.opts), *self.args]
+
+    def ready(self) -> bool:
+        return os.path.ismount(self.mnt)
+
     def start(self):
         os.makedirs(self.mnt, exist_ok=True)
         self.logf = open(self.log, "w")
-        cmd = [BIN, "mount", self.src, self.mnt, "-f", "-o", ",".join(self.opts), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT)
-        deadline = time.time() + 20
-        while not os.path.ismount(self.mnt):
+        self.proc = subprocess.Popen(self.command(), stdout=self.logf, stderr=subprocess.STDOUT,
+                                     start_new_session=self.new_session)
+        deadline = time.monotonic() + self.start_timeout
+        while not self.ready():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptfs exited with {self.proc.returncode}: {self.read_log()}")
-            if time.time() > deadline:
-                raise TimeoutError("mount did not appear: " + self.read_log())
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}: {self.read_log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.what} mount did not appear: " + self.read_log())
             time.sleep(0.02)
         return self
 

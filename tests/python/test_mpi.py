@@ -150,42 +150,28 @@ def fabric(request):
     return request.getfixturevalue("netns")
 
 
-class MpiMount:
+class MpiMount(Mount):
     """`mpirun -np N ckptfs mount SRC MNT` in the background; rank 0 serves MNT."""
 
+    what = "mpirun"
+    start_timeout = 30.0
+    new_session = True  # stop() kills mpirun and the ranks it started as one group
+
     def __init__(self, src, mnt, opts=(), np=NP, recovery=False, fabric=None):
+        super().__init__(src, mnt, opts=opts)
         self.fabric = LO_ARGS if fabric is None else fabric
-        self.src, self.mnt = str(src), str(mnt)
-        self.opts = ["settle=0", *opts]
         self.np = np
         self.recovery = recovery
-        self.log = str(mnt) + ".log"
-        self.proc: subprocess.Popen | None = None
 
-    def start(self):
-        os.makedirs(self.mnt, exist_ok=True)
-        self.logf = open(self.log, "w")
+    def command(self) -> list[str]:
         cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(self.np), *COMMON_ARGS,
                *self.fabric]
         if self.recovery:
             cmd.append("--enable-recovery")
-        cmd += [BIN, "mount", self.src, self.mnt, "-o", ",".join(self.opts)]
-        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 30
-        while not (os.path.ismount(self.mnt) and len(self.rank_pids()) == self.np - 1):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mpirun exited with {self.proc.returncode}: {self.read_log()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("MPI mount did not appear: " + self.read_log())
-            time.sleep(0.05)
-        return self
+        return cmd + [BIN, "mount", self.src, self.mnt, "-o", ",".join(self.opts)]
 
-    def read_log(self) -> str:
-        try:
-            return pathlib.Path(self.log).read_text()
-        except OSError:
-            return ""
+    def ready(self) -> bool:
+        return os.path.ismount(self.mnt) and len(self.rank_pids()) == self.np - 1
 
     def wait_log(self, pattern: str, timeout=10.0) -> None:
         """Waits until the job's output matches `pattern` (a regex): mpirun forwards the

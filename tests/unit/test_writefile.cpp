@@ -65,6 +65,15 @@ struct Src {
   }
   fs::Ino ckpt() { return lookup(fs::kRootIno, "ckpt"); }
 
+  // Creates `name` in ckpt/ and sizes it (as safetensors does before any data).
+  Result<fs::CreateOut> start(const std::string& name, uint64_t size, mode_t mode, int flags) {
+    CKPTFS_TRY(auto c, f->create(ckpt(), name, mode, flags));
+    fs::SetAttr a;
+    a.size = size;
+    CKPTFS_CHECK(f->setattr(c.entry.ino, a, c.open.fh));
+    return c;
+  }
+
   // As save_pretrained: .tmp name, ftruncate, sequential writes of `chunk`, rename while
   // open, close. Returns the status of the close (FLUSH).
   Status save(const std::string& bytes, const std::string& final_name, size_t chunk = 1 << 20,
@@ -188,12 +197,8 @@ TEST(WriteFile, OtherNamesAndOtherContentAreStoredAsWritten) {
 TEST(WriteFile, FileCutShortUnderAModelNameNeverReadsComplete) {
   Src s;
   const std::string bytes = consolidated(4);
-  fs::Ino d = s.ckpt();
-  auto c = s.f->create(d, "model.safetensors", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  auto c = s.start("model.safetensors", bytes.size(), 0644, O_WRONLY | O_CREAT | O_TRUNC);
   ASSERT_TRUE(c.ok());
-  fs::SetAttr a;
-  a.size = bytes.size();
-  ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
   const size_t half = bytes.size() / 2;
   ASSERT_TRUE(s.f->write(c->open.fh, 0, std::string_view(bytes).substr(0, half)).ok());
   // A reader meanwhile sees what was written so far, and zeros after.
@@ -428,11 +433,8 @@ TEST(WriteFile, AFailedCopyBackToStagingFailsTheFileForGood) {
   Src s(2);
   const std::string bytes = consolidated(21);
   fs::Ino d = s.ckpt();
-  auto c = s.f->create(d, ".tmpabc123", 0600, O_RDWR | O_CREAT | O_EXCL);
+  auto c = s.start(".tmpabc123", bytes.size(), 0600, O_RDWR | O_CREAT | O_EXCL);
   ASSERT_TRUE(c.ok());
-  fs::SetAttr a;
-  a.size = bytes.size();
-  ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
   const size_t half = bytes.size() / 2;
   ASSERT_TRUE(s.f->write(c->open.fh, 0, std::string_view(bytes).substr(0, half)).ok());
   size_t truncated = 0;
