@@ -655,8 +655,11 @@ asan_skip = pytest.mark.skipif(ASAN, reason="RSS is meaningless under ASan (CKPT
 
 @asan_skip
 def test_d4_rewritten_big_header_memory(tmp_path, mounts, prober):
-    """A shard with a ~30 MB header rewritten 8 times (new file + rename): RSS grows < 80 MB
-    between after the first and after the eighth rewrite."""
+    """A shard with a ~30 MB header rewritten 8 times (new file + rename): the RSS peak of the
+    last four rewrites is < 80 MB above that of the first four. (Peaks, not single samples:
+    freed parse memory stays in malloc's arenas, so one sample after a rewrite can sit 90 MB
+    above another on a busy machine without anything growing; a leak of one header per
+    rewrite still adds 4 x 30 MB.)"""
     src = tmp_path / "src"
     d = src / "ck"
     d.mkdir(parents=True)
@@ -687,8 +690,8 @@ def test_d4_rewritten_big_header_memory(tmp_path, mounts, prober):
         assert np.frombuffer(body, np.float32)[0] == gen * 10, "the view shows an old version"
         prober.read(f.parent / INDEX)
         rss[gen] = m.rss_kb()
-    growth = (rss[8] - rss[1]) / 1024
-    assert growth < 80, f"RSS grew {growth:.0f} MB over 7 rewrites of a 30 MB header: {rss}"
+    growth = (max(rss[g] for g in range(5, 9)) - max(rss[g] for g in range(1, 5))) / 1024
+    assert growth < 80, f"RSS peak grew {growth:.0f} MB over 4 more rewrites of a 30 MB header: {rss}"
 
 
 def read_safetensors_bytes(blob: bytes):
