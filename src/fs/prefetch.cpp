@@ -55,7 +55,9 @@ Prefetcher::~Prefetcher() {
 void Prefetcher::on_open(Ino ino, std::shared_ptr<const FileReader> reader) {
   {
     std::lock_guard lock(mu_);
-    if (!opened_.insert(ino).second) return;
+    if (opened_.count(ino)) return;
+    if (opened_.size() >= cfg_.max_remembered) opened_.clear();
+    opened_.insert(ino);
   }
   request(ino, std::move(reader), 0);
 }
@@ -76,6 +78,7 @@ void Prefetcher::on_miss(Ino ino, const std::shared_ptr<const FileReader>& reade
       if (front > p.start && off >= std::max(front, floor - floor % cfg_.chunk) &&
           ++p.overtakes >= cfg_.max_overtakes) {
         p.stop = true;
+        if (outrun_.size() >= cfg_.max_remembered) outrun_.clear();
         outrun_.insert(ino);
         ++stats_.overtaken;
         spdlog::debug("prefetch of inode {} given up at {}: the reader is ahead", ino, front);

@@ -175,6 +175,25 @@ TEST(Prefetch, FirstOpenPushesTheWholeFileOnce) {
   EXPECT_EQ(pf.stats().bytes, 3 * kMiB + 123);
 }
 
+TEST(Prefetch, WhatItRemembersOfOpenedInodesIsBounded) {
+  FakePusher pusher;
+  auto cfg = config(1);
+  cfg.max_remembered = 4;
+  Prefetcher pf(pusher, cfg);
+  auto r = std::make_shared<FakeReader>(kMiB);
+  for (Ino ino = 1; ino <= 4; ++ino) pf.on_open(ino, r);
+  pf.drain();
+  pf.on_open(2, r);  // remembered: nothing pushed
+  pf.drain();
+  EXPECT_EQ(pf.stats().pushes, 4u);
+  pf.on_open(5, r);  // the fifth forgets the first four
+  pf.drain();
+  pf.on_open(2, r);  // forgotten: pushed once more, which costs a copy and nothing else
+  pf.drain();
+  EXPECT_EQ(pf.stats().pushes, 6u);
+  EXPECT_EQ(pusher.offsets(2), (std::vector<uint64_t>{0, 0}));
+}
+
 TEST(Prefetch, MissStartsAPushPastTheReadAhead) {
   FakePusher pusher;
   Prefetcher pf(pusher, config(1));

@@ -46,6 +46,9 @@ struct PrefetchConfig {
   uint64_t check_every = 256ull << 20;  // bytes pushed between two memory probes
   size_t max_pushes = 64;               // pushes queued or running at once; more are dropped
   unsigned max_overtakes = 4;           // misses past the push front before the push gives up
+  // Inodes remembered as opened (pushed once) or outrun; past this many the memory is
+  // forgotten (a forgotten inode may be pushed once more), so it never grows with the mount.
+  size_t max_remembered = 1 << 16;
 };
 
 // Pushes files in offset order. Triggers: the first open of an inode (from offset 0), and a
@@ -97,8 +100,9 @@ class Prefetcher {
   std::condition_variable idle_cv_;  // a push finished (drain)
   std::deque<std::shared_ptr<Push>> queue_;       // tickets: one per thread that may join a push
   std::map<Ino, std::shared_ptr<Push>> running_;  // pushes queued or running, by inode
-  std::set<Ino> opened_;  // inodes whose first open already triggered a push
+  std::set<Ino> opened_;  // inodes whose first open already triggered a push (bounded)
   std::set<Ino> outrun_;  // inodes whose reader overtook their push: not pushed on misses
+                          // (bounded)
   Stats stats_;
   bool stop_ = false;
   std::atomic<bool> halt_{false};  // stop_, readable without the lock by pushing threads
