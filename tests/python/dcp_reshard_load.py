@@ -79,14 +79,21 @@ def _worker(rank, world, init_method, jobs, result_path):
             local_shapes = {k: list(state[k].to_local().shape) for k in list(ref)[:3]}
             results.append(dict(rank=rank, shard_dir=shard_dir, placement=kind, tensors=len(ref),
                                 bad_local=bad_local, bad_full=bad_full, local_shapes=local_shapes))
-        # Both ranks done before either tears gloo down: once, in a fresh-clone CI run on a
-        # busy machine, rank 0 aborted in teardown ("terminate called without an active
-        # exception") while rank 1's last collective was still closing its connection.
+        # Both ranks done before either writes its result and leaves.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
     with open(f"{result_path}.{rank}", "w") as f:
         json.dump(results, f)
+    # Gloo's teardown (destroy_process_group, or its threads' destructors at exit) aborted a
+    # rank now and then in fresh-clone CI runs ("terminate called without an active
+    # exception"; 2 runs in 4 on 2026-11-22, with the barrier above), after every check had
+    # passed. What is tested here is the load, not gloo's teardown: the result is on disk, so
+    # leave without running any destructor.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None):
