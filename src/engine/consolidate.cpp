@@ -32,9 +32,7 @@ namespace stdfs = std::filesystem;
 constexpr uint64_t kCopyRangeMin = 256 << 10;  // average run length that uses copy_file_range
 constexpr uint64_t kGatherBlock = 512 << 10;   // bytes gathered and written at a time
 
-bool is_model_output_name(std::string_view n) {
-  return n == format::kIndexFileName || format::parse_model_name(n).has_value();
-}
+using format::is_model_output_name;
 
 bool stopped(const std::atomic<bool>* stop) { return stop && stop->load(); }
 

@@ -62,9 +62,7 @@ void set_times(struct stat& st, int64_t ns) {
   st.st_mtim = st.st_ctim = st.st_atim = to_timespec(ns);
 }
 
-bool is_model_output_name(std::string_view n) {
-  return n == format::kIndexFileName || format::parse_model_name(n).has_value();
-}
+using format::is_model_output_name;
 
 // Names a checkpoint directory hides: its shards, .hf_metadata, real files that the
 // synthesized ones replace, and, with show_shards, a real entry named like the .shards folder

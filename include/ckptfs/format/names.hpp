@@ -34,6 +34,10 @@ struct ModelName {
 
 std::optional<ShardName> parse_shard_name(std::string_view name);
 std::optional<ModelName> parse_model_name(std::string_view name);
+// A name the consolidated output uses: model-K-of-M / model.safetensors, or the index.
+inline bool is_model_output_name(std::string_view name) {
+  return name == kIndexFileName || parse_model_name(name).has_value();
+}
 bool is_safetensors_name(std::string_view name);
 // "shard-*.safetensors": treated as part of the checkpoint (and refused when it is not a
 // well-formed, regular rank shard) rather than silently ignored.
