@@ -64,9 +64,12 @@ parallel flush (mpirun -np N ckptfs mount SRC MNT ..., one process per node):
                          local flusher even under mpirun. In MPI mode -f is implied (never
                          daemonized after MPI_Init), rank 0 serves MNT and ranks 1..N-1 write
                          the shards they own; ranks default to N, shard i+1 owned by rank i % N
-  target=PATH            SRC as rank r sees it (%r: the rank; default SRC): a shared directory
-                         (Lustre, NFS) mounted at another path. Node-local storage is not
-                         supported yet (the rank cannot open the staging: files stay whole)
+  target=PATH            node-local targets: rank r (the head too) stores the shards it owns
+                         under PATH (%r: the rank; made if missing), and SRC holds only the
+                         commit records; the head reads the other ranks' shards over MPI.
+                         Default: shared mode, every shard in SRC (one file system for all)
+  rank_src=PATH          shared mode: SRC as rank r sees it (%r: the rank; default SRC), a
+                         shared directory (Lustre, NFS) mounted at another path on its node
   mpi_timeout=SECONDS    longest wait for a rank's acknowledgement or for send credit before
                          the write fails with EIO (default 60)
   mpi_inflight_mb=N      bound on bytes sent to ranks and not yet delivered (default 256)
@@ -107,10 +110,10 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, const std::string& opt) {
     if (val != "auto") {
       CKPTFS_TRY(m.mode, parse_onoff(val, "mpi"));
     }
-  } else if (key == "target") {
-    if (val.empty()) return make_error(EINVAL, "target: empty path");
+  } else if (key == "target" || key == "rank_src") {
+    if (val.empty()) return make_error(EINVAL, "{}: empty path", key);
     CKPTFS_CHECK(flush::mpi::expand_target(val, 0));
-    m.opts.target = val;
+    (key == "target" ? m.opts.target : m.opts.rank_src) = val;
   } else if (key == "mpi_timeout") {
     CKPTFS_TRY(double s, parse_seconds(val, "mpi_timeout"));
     if (s <= 0) return make_error(EINVAL, "mpi_timeout: must be more than 0");
@@ -300,8 +303,9 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
     return 2;
 #endif
   }
-  if (!mpi.opts.target.empty()) {
-    fmt::print(stderr, "ckptfs mount: target= is for MPI mode (mpirun, or -o mpi=on)\n");
+  if (!mpi.opts.target.empty() || !mpi.opts.rank_src.empty()) {
+    fmt::print(stderr,
+               "ckptfs mount: target= and rank_src= are for MPI mode (mpirun, or -o mpi=on)\n");
     return 2;
   }
   return check_and_mount(o);

@@ -86,6 +86,12 @@ class Copier {
   Status open_shards() {
     fds_.reserve(ck_.shards.size());
     for (const auto& s : ck_.shards) {
+      if (s.remote()) {
+        return make_error(EIO,
+                          "{}/{}: stored on the node-local target of MPI rank {} ({}); consolidate "
+                          "through the mount of its `mpirun ckptfs mount -o target=...` job",
+                          src_, s.name, s.owner, s.remote_path);
+      }
       const std::string path = src_ + "/" + s.name;
       struct stat st {};
       CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path, &st));

@@ -78,6 +78,7 @@ bool stale(int txfd) {
 Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
                     const std::string& display, bool recovering) {
   for (const auto& s : rec.shards) {
+    if (s.remote()) continue;  // on a node-local target: nothing staged here
     auto p = format::parse_shard_name(s.name);
     if (::renameat(txfd, staged_name(p->shard).c_str(), dirfd, s.name.c_str()) != 0 &&
         (errno != ENOENT || !recovering)) {
@@ -90,8 +91,9 @@ Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
   for (const auto& e : *entries) {
     auto p = format::parse_shard_name(e.name);
     if (!p || p->k != rec.k || p->m != rec.m) continue;
-    bool ours = std::any_of(rec.shards.begin(), rec.shards.end(),
-                            [&](const format::RecordShard& s) { return s.name == e.name; });
+    bool ours =
+        std::any_of(rec.shards.begin(), rec.shards.end(),
+                    [&](const format::RecordShard& s) { return !s.remote() && s.name == e.name; });
     if (!ours && ::unlinkat(dirfd, e.name.c_str(), 0) != 0 && errno != ENOENT) {
       return errno_error(fmt::format("{}/{}: cannot remove an older shard", display, e.name));
     }
@@ -232,8 +234,17 @@ class LocalTransaction final : public Transaction {
     rec.size = info.size;
     rec.header = info.header;
     rec.tx = name_;
-    for (uint32_t r = 0; r < fds_.size(); ++r) {
-      rec.shards.push_back({format::shard_file_name(r + 1, info.k, info.m), sizes_[r]});
+    if (!info.remote_shards.empty()) {
+      // Node-local shards (the OpenMPI flusher): the record names them on their owners'
+      // targets; nothing of theirs is staged here.
+      rec.shards = info.remote_shards;
+    } else {
+      for (uint32_t r = 0; r < fds_.size(); ++r) {
+        format::RecordShard sh;
+        sh.name = format::shard_file_name(r + 1, info.k, info.m);
+        sh.size = sizes_[r];
+        rec.shards.push_back(std::move(sh));
+      }
     }
     const std::string text = format::serialize_record(rec);
     const std::string rec_display = fmt::format("{}/{}/{}/record", display_, kState, name_);

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <list>
 #include <map>
+#include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -23,7 +25,10 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/flush/mpi.hpp"
+#include "ckptfs/flush/store.hpp"
+#include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 
@@ -108,6 +113,7 @@ class Link {
     return fmt::format("rank {} ({})", rank, rt_.host(rank));
   }
   [[nodiscard]] std::chrono::milliseconds timeout() const { return timeout_; }
+  [[nodiscard]] int size() const { return rt_.size(); }
   [[nodiscard]] const InflightBudget& budget() const { return budget_; }
 
   // Sends a command with no reply. `budgeted`: its bytes count against the in-flight bound,
@@ -521,14 +527,429 @@ class MpiTransaction final : public Transaction {
   bool closed_ = false;  // the owners were told to forget the transaction
 };
 
+// --- node-local targets (-o target=) ----------------------------------------------------------
+
+// Where a shard lives: rank 0's own ShardStore, or another rank's over the Link.
+class Owners {
+ public:
+  Owners(Link& link, ShardStore& self) : link_(link), self_(self) {}
+  Link& link() { return link_; }
+  ShardStore& self() { return self_; }
+
+  // A command to `rank` (not 0) with a reply, awaited.
+  Result<std::string> call(int rank, const Command& c, std::string_view payload,
+                           std::string_view what) {
+    return link_.call(rank, c, payload, what);
+  }
+
+ private:
+  Link& link_;
+  ShardStore& self_;
+};
+
+// The directory of a record's shard path (<rel>/.ckptfs/nl-...), and its last component.
+std::string tx_dir_of(std::string_view path) {
+  const size_t slash = path.rfind('/');
+  return std::string(slash == std::string_view::npos ? std::string_view() : path.substr(0, slash));
+}
+std::string base_name(std::string_view path) {
+  const size_t slash = path.rfind('/');
+  return std::string(slash == std::string_view::npos ? path : path.substr(slash + 1));
+}
+
+// The node-local directories of the record of file k of m in `dirfd`'s .ckptfs, if it is a
+// version 2 record: (owner, directory) pairs, each once.
+std::vector<std::pair<int, std::string>> remote_dirs(int dirfd, uint32_t k, uint32_t m,
+                                                     const std::string& display) {
+  std::vector<std::pair<int, std::string>> out;
+  auto state =
+      open_at(dirfd, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  if (!state) return out;
+  auto list = source::list_dir(state->get());
+  if (!list) return out;
+  for (const auto& e : *list) {
+    if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
+    auto mn = format::parse_model_name(
+        std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
+    if (!mn || mn->k != k || mn->m != m) continue;
+    auto text = read_small_file_beneath(state->get(), e.name, format::kMaxSideFileSize);
+    if (!text) continue;
+    auto rec = format::parse_record(*text, display + "/" + e.name);
+    if (!rec || !rec->remote()) continue;
+    for (const auto& sh : rec->shards) {
+      std::pair<int, std::string> d{sh.owner, tx_dir_of(sh.path)};
+      if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(std::move(d));
+    }
+  }
+  return out;
+}
+
+// Removes node-local directories of a replaced or removed file. Best effort: what is left is
+// garbage no record names, which the next mount's sweep removes; the commit stands either way.
+void drop_dirs(Owners& owners, const std::vector<std::pair<int, std::string>>& dirs,
+               std::string_view what) {
+  for (const auto& [rank, dir] : dirs) {
+    Status st;
+    if (rank == 0) {
+      st = owners.self().drop(dir);
+    } else {
+      Command c;
+      c.op = Op::Drop;
+      auto r = owners.call(rank, c, dir, fmt::format("{}: removing {}", what, dir));
+      if (!r) st = std::move(r).error();
+    }
+    if (!st) spdlog::warn("{} (left for the next mount's sweep)", st.error().message);
+  }
+}
+
+class NodeLocalTransaction final : public Transaction {
+ public:
+  NodeLocalTransaction(std::unique_ptr<Transaction> local, Owners& owners, uint64_t tx,
+                       std::string txname, std::string rel, UniqueFd dir, std::string display,
+                       const write::ShardSet& set, int nranks, std::string what, RateLimiter& rate)
+      : local_(std::move(local)),
+        owners_(owners),
+        tx_(tx),
+        txname_(std::move(txname)),
+        rel_(std::move(rel)),
+        dir_(std::move(dir)),
+        display_(std::move(display)),
+        what_(std::move(what)),
+        rate_(rate) {
+    for (size_t i = 0; i < set.shards.size(); ++i) {
+      owner_.push_back(static_cast<int>(i % static_cast<size_t>(nranks)));
+      headers_.push_back(set.shards[i].header);
+      sizes_.push_back(set.shards[i].file_size());
+    }
+  }
+  ~NodeLocalTransaction() override { abort(); }
+
+  // Makes every shard on its owner; all or nothing (the destructor removes what was made).
+  Status create() {
+    std::vector<std::pair<uint64_t, uint32_t>> ids;
+    Status first;
+    std::string payload = rel_;
+    payload.push_back('\0');
+    payload += txname_;
+    for (uint32_t i = 0; i < owner_.size(); ++i) {
+      if (owner_[i] == 0) {
+        if (auto st = owners_.self().create(tx_, txname_, i, rel_, sizes_[i]); !st && first) {
+          first = std::move(st).error().context(shard_what(i));
+        }
+        continue;
+      }
+      Command c;
+      c.op = Op::Create;
+      c.tx = tx_;
+      c.shard = i;
+      c.offset = sizes_[i];
+      auto id = owners_.link().start(owner_[i], c, payload, shard_what(i));
+      if (!id) {
+        if (first) first = std::move(id).error();
+        break;
+      }
+      ids.emplace_back(*id, i);
+    }
+    if (auto st = wait_all(ids, "create"); !st && first) first = std::move(st).error();
+    return first;
+  }
+
+  Status pwrite(uint32_t shard, uint64_t offset, std::string_view bytes) override {
+    if (owner_[shard] == 0) {
+      rate_.throttle(bytes.size());
+      return owners_.self().write(tx_, shard, offset, bytes);
+    }
+    Command c;
+    c.op = Op::Write;
+    c.tx = tx_;
+    c.shard = shard;
+    c.offset = offset;
+    return owners_.link().post(owner_[shard], c, bytes, true, shard_what(shard));
+  }
+
+  Status pread(uint32_t shard, uint64_t off, char* dst, size_t n) override {
+    if (owner_[shard] == 0) return owners_.self().read(tx_, shard, off, dst, n);
+    for (size_t done = 0; done < n;) {
+      const size_t len = std::min<size_t>(16 << 20, n - done);
+      Command c;
+      c.op = Op::Read;
+      c.tx = tx_;
+      c.shard = shard;
+      c.offset = off + done;
+      c.length = len;
+      CKPTFS_TRY(std::string got,
+                 owners_.call(owner_[shard], c, {}, shard_what(shard) + " (read back)"));
+      if (got.size() != len) {
+        return make_error(EIO, "{}: {} sent {} bytes, not {}", shard_what(shard),
+                          owners_.link().who(owner_[shard]), got.size(), len);
+      }
+      std::memcpy(dst + done, got.data(), len);
+      done += len;
+    }
+    return {};
+  }
+
+  Status sync() override {
+    CKPTFS_CHECK(sync_all());
+    return local_->sync();
+  }
+
+  // Every owner fsyncs and names its shards; then the record (the commit point) goes into
+  // SRC with each shard's owner, path and header; then the replaced version's directories
+  // are removed. Nothing is committed that some rank has not made durable.
+  Status commit(const CommitInfo& info, bool /*durable*/) override {
+    CKPTFS_CHECK(sync_all());
+    std::vector<std::string> paths(owner_.size());
+    std::vector<std::pair<uint64_t, uint32_t>> ids;
+    Status first;
+    for (uint32_t i = 0; i < owner_.size(); ++i) {
+      const std::string name = format::shard_file_name(i + 1, info.k, info.m);
+      if (owner_[i] == 0) {
+        auto p = owners_.self().seal(tx_, i, name);
+        if (!p) {
+          if (first) first = std::move(p).error().context(shard_what(i));
+        } else {
+          paths[i] = std::move(p).value();
+        }
+        continue;
+      }
+      Command c;
+      c.op = Op::Seal;
+      c.tx = tx_;
+      c.shard = i;
+      auto id = owners_.link().start(owner_[i], c, name, shard_what(i));
+      if (!id) {
+        if (first) first = std::move(id).error();
+        break;
+      }
+      ids.emplace_back(*id, i);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + owners_.link().timeout();
+    for (const auto& [id, i] : ids) {
+      auto r = owners_.link().wait(id, deadline, shard_what(i) + " (seal)");
+      if (!r) {
+        if (first) first = std::move(r).error();
+      } else {
+        paths[i] = std::move(r).value();
+      }
+    }
+    CKPTFS_CHECK(std::move(first));
+    CommitInfo full = info;
+    for (uint32_t i = 0; i < owner_.size(); ++i) {
+      const std::string name = format::shard_file_name(i + 1, info.k, info.m);
+      if (base_name(paths[i]) != name || tx_dir_of(paths[i]).empty()) {
+        return make_error(EIO, "{}: {} sealed it as '{}'", shard_what(i),
+                          owners_.link().who(owner_[i]), paths[i]);
+      }
+      format::RecordShard sh;
+      sh.name = name;
+      sh.size = sizes_[i];
+      sh.owner = owner_[i];
+      sh.path = paths[i];
+      sh.header = headers_[i];
+      full.remote_shards.push_back(std::move(sh));
+    }
+    auto old = remote_dirs(dir_.get(), info.k, info.m, display_);
+    CKPTFS_CHECK(local_->commit(full, true));
+    committed_ = true;
+    close_all();
+    std::erase_if(old, [&](const std::pair<int, std::string>& d) {
+      return std::any_of(full.remote_shards.begin(), full.remote_shards.end(),
+                         [&](const format::RecordShard& s) {
+                           return s.owner == d.first && tx_dir_of(s.path) == d.second;
+                         });
+    });
+    drop_dirs(owners_, old, what_);
+    return {};
+  }
+
+  Status set_owner(uid_t uid, gid_t gid, mode_t mode) override {
+    return local_->set_owner(uid, gid, mode);
+  }
+
+  void abort() override {
+    if (!committed_ && !aborted_) {
+      aborted_ = true;
+      owners_.self().abort(tx_);
+      for (int r : remote_ranks()) {
+        Command c;
+        c.op = Op::Abort;
+        c.tx = tx_;
+        if (auto st = owners_.link().post(r, c, {}, false, what_); !st) {
+          spdlog::debug("{}", st.error().message);
+        }
+      }
+    }
+    local_->abort();
+  }
+
+  std::string staging_name() const override { return txname_; }
+
+ private:
+  std::string shard_what(uint32_t i) const {
+    return fmt::format("{}: shard {} (rank {})", what_, i + 1, owner_[i]);
+  }
+
+  std::vector<int> remote_ranks() const {
+    std::vector<int> r;
+    for (int o : owner_) {
+      if (o != 0 && std::find(r.begin(), r.end(), o) == r.end()) r.push_back(o);
+    }
+    return r;
+  }
+
+  Status wait_all(const std::vector<std::pair<uint64_t, uint32_t>>& ids, std::string_view step) {
+    const auto deadline = std::chrono::steady_clock::now() + owners_.link().timeout();
+    Status first;
+    for (const auto& [id, shard] : ids) {
+      auto r = owners_.link().wait(id, deadline, fmt::format("{} ({})", shard_what(shard), step));
+      if (!r && first) first = std::move(r).error();
+    }
+    return first;
+  }
+
+  Status sync_all() {
+    std::vector<std::pair<uint64_t, uint32_t>> ids;
+    for (int r : remote_ranks()) {
+      Command c;
+      c.op = Op::Sync;
+      c.tx = tx_;
+      const auto shard =
+          static_cast<uint32_t>(std::find(owner_.begin(), owner_.end(), r) - owner_.begin());
+      CKPTFS_TRY(uint64_t id, owners_.link().start(r, c, {}, shard_what(shard)));
+      ids.emplace_back(id, shard);
+    }
+    Status mine = owners_.self().sync(tx_);
+    CKPTFS_CHECK(wait_all(ids, "sync"));
+    return mine;
+  }
+
+  void close_all() {
+    owners_.self().close(tx_);
+    for (int r : remote_ranks()) {
+      Command c;
+      c.op = Op::Close;
+      c.tx = tx_;
+      if (auto st = owners_.link().post(r, c, {}, false, what_); !st) {
+        spdlog::debug("{}", st.error().message);
+      }
+    }
+  }
+
+  std::unique_ptr<Transaction> local_;  // SRC side: lock, placeholder, the record's commit
+  Owners& owners_;
+  const uint64_t tx_;
+  const std::string txname_;  // nl-...: the shards' directory name on every owner
+  const std::string rel_;     // the file's directory, relative to SRC
+  UniqueFd dir_;              // that directory (the replaced record is read from it)
+  const std::string display_;
+  std::vector<int> owner_;  // shard index -> MPI rank
+  std::vector<std::string> headers_;
+  std::vector<uint64_t> sizes_;
+  const std::string what_;
+  RateLimiter& rate_;
+  bool committed_ = false;
+  bool aborted_ = false;
+};
+
+// Committed node-local shards, read for the view: rank 0's from its own store, the others'
+// with ReadPath requests.
+class NodeLocalReader final : public ShardReader {
+ public:
+  explicit NodeLocalReader(Owners& owners) : owners_(owners) {}
+  Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
+              size_t n) const override {
+    if (owner == 0) return owners_.self().read_path(path, size, off, dst, n);
+    if (owner >= owners_.link().size()) {
+      return make_error(EIO, "{}: owned by rank {}, but this job has {} rank(s)", path, owner,
+                        owners_.link().size());
+    }
+    for (size_t done = 0; done < n;) {
+      const size_t len = std::min<size_t>(kPiece, n - done);
+      Command c;
+      c.op = Op::ReadPath;
+      c.tx = size;
+      c.offset = off + done;
+      c.length = len;
+      CKPTFS_TRY(std::string got, owners_.call(owner, c, path, fmt::format("reading {}", path)));
+      if (got.size() != len) {
+        return make_error(EIO, "{}: {} sent {} bytes, not {}", path, owners_.link().who(owner),
+                          got.size(), len);
+      }
+      std::memcpy(dst + done, got.data(), len);
+      done += len;
+    }
+    return {};
+  }
+
+ private:
+  static constexpr size_t kPiece = 16 << 20;
+  Owners& owners_;
+};
+
+// The names of the node-local directories (nl-...) that some record below SRC names. False
+// when that cannot be known for sure (a directory that cannot be listed, too deep, a record
+// that names owners but does not parse): then nothing may be swept.
+bool referenced_dirs(int dirfd, const std::string& display, int depth,
+                     std::set<std::string, std::less<>>& keep) {
+  if (depth > source::kMaxSearchDepth) {
+    spdlog::warn("mpi: {}: deeper than {} levels; not swept", display, source::kMaxSearchDepth);
+    return false;
+  }
+  auto entries = source::list_dir(dirfd);
+  if (!entries) {
+    spdlog::warn("mpi: {}: {}", display, entries.error().message);
+    return false;
+  }
+  struct stat self {};
+  if (::fstat(dirfd, &self) != 0) return false;
+  bool ok = true;
+  for (const auto& [rel, st] : source::record_files(dirfd, *entries)) {
+    auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
+    if (!text) {
+      ok = false;
+      continue;
+    }
+    if (text->find("\"owner\"") == std::string::npos) continue;
+    auto rec = format::parse_record(*text, display + "/" + rel);
+    if (!rec) {
+      spdlog::warn("mpi: {}", rec.error().message);
+      ok = false;
+      continue;
+    }
+    for (const auto& sh : rec->shards) keep.insert(base_name(tx_dir_of(sh.path)));
+  }
+  for (const auto& e : *entries) {
+    if (!S_ISDIR(e.st.st_mode) || e.st.st_dev != self.st_dev || e.name == format::kStateDirName) {
+      continue;
+    }
+    auto sub = open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!sub) {
+      ok = false;
+      continue;
+    }
+    ok = referenced_dirs(sub->get(), display + "/" + e.name, depth + 1, keep) && ok;
+  }
+  return ok;
+}
+
 class MpiFlusherImpl final : public MpiFlusher {
  public:
-  MpiFlusherImpl(Runtime& rt, Comm comm, const MpiOptions& o)
+  MpiFlusherImpl(Runtime& rt, Comm comm, const MpiOptions& o, std::unique_ptr<ShardStore> self)
       : rt_(rt),
         opts_(o),
         local_(make_local_flusher()),
         rate_(o.target_rate_mb * 1e6),
-        link_(std::make_unique<Link>(rt, std::move(comm), o)) {}
+        link_(std::make_unique<Link>(rt, std::move(comm), o)),
+        self_(std::move(self)) {
+    if (self_) {
+      owners_ = std::make_unique<Owners>(*link_, *self_);
+      reader_ = std::make_shared<NodeLocalReader>(*owners_);
+      std::random_device rd;
+      epoch_ = (uint64_t{rd()} << 32) ^ rd() ^
+               static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+    }
+  }
   ~MpiFlusherImpl() override { shutdown(); }
 
   bool shutdown() override {
@@ -546,19 +967,74 @@ class MpiFlusherImpl final : public MpiFlusher {
   Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
                                              std::string what) override {
     CKPTFS_TRY(auto rel, relative_to(opts_.source, t.display));
+    const uint64_t n = next_tx_.fetch_add(1) + 1;
+    if (owners_) {
+      // Node-local: SRC gets only the lock (and, at the commit, the record).
+      CKPTFS_TRY(auto local, local_->begin(t, write::ShardSet{}, what));
+      int d = ::fcntl(t.dirfd, F_DUPFD_CLOEXEC, 0);
+      if (d < 0) return errno_error(fmt::format("{}: dup failed", t.display));
+      auto tx = std::make_unique<NodeLocalTransaction>(
+          std::move(local), *owners_, n, fmt::format("{}{:016x}-{}", kNodeLocalTxPrefix, epoch_, n),
+          std::move(rel), UniqueFd(d), t.display, set, rt_.size(), std::move(what), rate_);
+      CKPTFS_CHECK(tx->create());  // on failure the destructor removes what was made
+      return std::unique_ptr<Transaction>(std::move(tx));
+    }
     CKPTFS_TRY(auto local, local_->begin(t, set, what));
     std::vector<int> owners(set.shards.size());
     for (size_t i = 0; i < owners.size(); ++i) owners[i] = static_cast<int>(i % rt_.size());
-    auto tx = std::make_unique<MpiTransaction>(std::move(local), *link_, next_tx_.fetch_add(1) + 1,
-                                               std::move(owners), std::move(what), rate_);
+    auto tx = std::make_unique<MpiTransaction>(std::move(local), *link_, n, std::move(owners),
+                                               std::move(what), rate_);
     CKPTFS_CHECK(tx->open_remote(rel));  // on failure the destructor aborts
     return std::unique_ptr<Transaction>(std::move(tx));
   }
 
   bool recover(const Target& t) override { return local_->recover(t); }
 
+  // Node-local: the record goes first (nothing names the shards any more), then the shards.
   Status remove(const Target& t, uint32_t k, uint32_t m) override {
-    return local_->remove(t, k, m);
+    if (!owners_) return local_->remove(t, k, m);
+    auto dirs = remote_dirs(t.dirfd, k, m, t.display);
+    CKPTFS_CHECK(local_->remove(t, k, m));
+    drop_dirs(*owners_, dirs, t.display);
+    return {};
+  }
+
+  std::shared_ptr<const ShardReader> reader() const override { return reader_; }
+
+  // At mount: removes, on every rank, the node-local directories no record names (writes a
+  // crash cut short, replaced files whose removal was cut short).
+  void sweep() {
+    if (!owners_) return;
+    std::set<std::string, std::less<>> keep;
+    auto root = open_file(opts_.source, O_RDONLY | O_DIRECTORY);
+    if (!root || !referenced_dirs(root->get(), opts_.source, 0, keep)) {
+      spdlog::warn(
+          "mpi: not sweeping the node-local targets: the records under {} could not "
+          "all be read",
+          opts_.source);
+      return;
+    }
+    std::string payload;
+    for (const auto& k : keep) {
+      if (!payload.empty()) payload.push_back('\0');
+      payload += k;
+    }
+    for (int r = 0; r < rt_.size(); ++r) {
+      Result<std::string> n = std::string("0");
+      if (r == 0) {
+        auto m = self_->sweep(keep);
+        n = m ? Result<std::string>(std::to_string(*m)) : Result<std::string>(m.error());
+      } else {
+        Command c;
+        c.op = Op::Sweep;
+        n = link_->call(r, c, payload, "sweep");
+      }
+      if (!n) {
+        spdlog::warn("mpi: sweeping rank {}: {}", r, n.error().message);
+      } else if (*n != "0") {
+        spdlog::info("mpi: rank {} removed {} node-local directories no record names", r, *n);
+      }
+    }
   }
 
  private:
@@ -567,6 +1043,10 @@ class MpiFlusherImpl final : public MpiFlusher {
   std::unique_ptr<Flusher> local_;
   RateLimiter rate_;  // the head's own shard writes, capped like a rank's (benchmark only)
   std::unique_ptr<Link> link_;
+  std::unique_ptr<ShardStore> self_;         // node-local: rank 0's own target
+  std::unique_ptr<Owners> owners_;           // node-local only
+  std::shared_ptr<NodeLocalReader> reader_;  // node-local only
+  uint64_t epoch_ = 0;                       // names this mount's nl- directories
   std::atomic<uint64_t> next_tx_{0};
   std::atomic<bool> stopped_{false};
   bool clean_ = true;  // set by the first shutdown()
@@ -574,22 +1054,17 @@ class MpiFlusherImpl final : public MpiFlusher {
 
 // --- ranks >= 1 ------------------------------------------------------------------------------
 
-struct Held {
-  UniqueFd fd;
-  std::string path;
-  std::optional<Error> err;  // the first failed write, reported at the next Sync
-};
-
 class RankServer {
  public:
-  RankServer(Runtime& rt, MPI_Comm comm, UniqueFd root, std::string root_path, const MpiOptions& o)
+  RankServer(Runtime& rt, MPI_Comm comm, std::unique_ptr<ShardStore> store, Error store_error,
+             const MpiOptions& o)
       : rt_(rt),
         comm_(comm),
-        root_(std::move(root)),
-        root_path_(std::move(root_path)),
-        rate_(o.target_rate_mb * 1e6),
-        fault_(rt.rank() == o.fault_rank),
-        fault_after_(o.fault_after_bytes) {}
+        store_(std::move(store)),
+        store_error_(std::move(store_error)),
+        rate_(o.target_rate_mb * 1e6) {
+    if (store_ && rt.rank() == o.fault_rank) store_->inject_enospc_after(o.fault_after_bytes);
+  }
 
   int run() {
     std::string buf;
@@ -644,71 +1119,68 @@ class RankServer {
   Status reply_error(uint64_t id, const Error& e) {
     return reply(id, e.code > 0 ? e.code : EIO, e.message);
   }
+  Status reply_status(uint64_t id, const Status& st) {
+    return st ? reply(id, 0, {}) : reply_error(id, st.error());
+  }
 
   Status handle(const Command& c, std::string_view payload) {
-    const auto key = std::make_pair(c.tx, c.shard);
+    if (!store_) {
+      // No usable target: every request is refused with why, so the head's writers get the
+      // error and the shutdown at unmount still arrives.
+      return c.op == Op::Write || c.op == Op::Close ? Status{} : reply_error(c.id, store_error_);
+    }
+    auto& s = *store_;
     switch (c.op) {
-      case Op::Open: {
-        const std::string rel(payload);
-        auto fd = open_beneath(root_.get(), rel, O_RDWR | O_NOFOLLOW);
-        if (!fd) {
-          return reply_error(c.id, std::move(fd).error().context(root_path_));
+      case Op::Open:
+        return reply_status(c.id, s.open_staged(c.tx, c.shard, payload));
+      case Op::Create: {
+        const size_t nul = payload.find('\0');
+        if (nul == std::string_view::npos) {
+          return reply_error(c.id, make_error(EPROTO, "create: no transaction name"));
         }
-        struct stat st {};
-        if (::fstat(fd->get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-          return reply_error(c.id,
-                             make_error(EINVAL, "{}/{}: not a regular file", root_path_, rel));
-        }
-        held_[key] = Held{std::move(fd).value(), root_path_ + "/" + rel, std::nullopt};
-        return reply(c.id, 0, {});
+        return reply_status(c.id, s.create(c.tx, payload.substr(nul + 1), c.shard,
+                                           payload.substr(0, nul), c.offset));
       }
-      case Op::Write: {
-        auto it = held_.find(key);
-        if (it == held_.end()) return {};  // aborted meanwhile (Close came first): dropped
-        if (it->second.err) return {};
+      case Op::Write:
         rate_.throttle(payload.size());
-        written_ += payload.size();
-        if (fault_ && written_ > fault_after_) {
-          it->second.err =
-              make_error(ENOSPC, "{}: No space left on device (-o mpi_fault)", it->second.path);
-          return {};
-        }
-        if (auto st = pwrite_all(it->second.fd.get(), payload.data(), payload.size(), c.offset,
-                                 it->second.path);
-            !st) {
-          it->second.err = std::move(st).error();
-        }
+        (void)s.write(c.tx, c.shard, c.offset, payload);  // latched: reported at the Sync
         return {};
+      case Op::Sync:
+        return reply_status(c.id, s.sync(c.tx));
+      case Op::Seal: {
+        auto path = s.seal(c.tx, c.shard, payload);
+        return path ? reply(c.id, 0, *path) : reply_error(c.id, path.error());
       }
-      case Op::Sync: {
-        for (auto it = held_.lower_bound({c.tx, 0}); it != held_.end() && it->first.first == c.tx;
-             ++it) {
-          if (!it->second.err && ::fsync(it->second.fd.get()) != 0) {
-            it->second.err = errno_error(it->second.path + ": fsync failed");
-          }
-          if (it->second.err) return reply_error(c.id, *it->second.err);
+      case Op::Read:
+      case Op::ReadPath: {
+        if (c.length > kMaxReadBytes) {
+          return reply_error(c.id,
+                             make_error(EINVAL, "read of {} bytes: over the limit", c.length));
         }
-        return reply(c.id, 0, {});
-      }
-      case Op::Read: {
-        auto it = held_.find(key);
-        if (it == held_.end()) {
-          return reply_error(c.id, make_error(EIO, "shard {} of transaction {} is not open here",
-                                              c.shard + 1, c.tx));
-        }
-        // A shard whose write failed has holes: never hand them out as its bytes.
-        if (it->second.err) return reply_error(c.id, *it->second.err);
         std::string data(static_cast<size_t>(c.length), '\0');
-        if (auto st = pread_exact(it->second.fd.get(), data.data(), data.size(), c.offset,
-                                  it->second.path);
-            !st) {
-          return reply_error(c.id, st.error());
-        }
-        return reply(c.id, 0, data);
+        auto st = c.op == Op::Read ? s.read(c.tx, c.shard, c.offset, data.data(), data.size())
+                                   : s.read_path(payload, c.tx, c.offset, data.data(), data.size());
+        return st ? reply(c.id, 0, data) : reply_error(c.id, st.error());
       }
       case Op::Close:
-        held_.erase(held_.lower_bound({c.tx, 0}), held_.upper_bound({c.tx, UINT32_MAX}));
+        s.close(c.tx);
         return {};
+      case Op::Abort:
+        s.abort(c.tx);
+        return reply(c.id, 0, {});
+      case Op::Drop:
+        return reply_status(c.id, s.drop(payload));
+      case Op::Sweep: {
+        std::set<std::string, std::less<>> keep;
+        for (std::string_view rest = payload; !rest.empty();) {
+          const size_t nul = rest.find('\0');
+          keep.emplace(rest.substr(0, nul));
+          if (nul == std::string_view::npos) break;
+          rest.remove_prefix(nul + 1);
+        }
+        auto n = s.sweep(keep);
+        return n ? reply(c.id, 0, std::to_string(*n)) : reply_error(c.id, n.error());
+      }
       case Op::Shutdown:
         return {};
     }
@@ -717,13 +1189,9 @@ class RankServer {
 
   Runtime& rt_;
   MPI_Comm comm_;
-  UniqueFd root_;
-  std::string root_path_;
+  std::unique_ptr<ShardStore> store_;  // null when the target could not be opened
+  Error store_error_;                  // ... and why
   RateLimiter rate_;
-  const bool fault_;            // -o mpi_fault names this rank
-  const uint64_t fault_after_;  // ... and the bytes it writes before its writes fail
-  uint64_t written_ = 0;        // shard bytes this rank has been sent
-  std::map<std::pair<uint64_t, uint32_t>, Held> held_;  // (tx, shard) -> its staged file
 };
 
 }  // namespace
@@ -793,7 +1261,25 @@ std::string_view Runtime::thread_level() const {
 
 Result<std::shared_ptr<MpiFlusher>> make_mpi_flusher(Runtime& rt, const MpiOptions& o) {
   CKPTFS_TRY(Comm comm, Comm::dup());
-  return std::shared_ptr<MpiFlusher>(std::make_shared<MpiFlusherImpl>(rt, std::move(comm), o));
+  std::unique_ptr<ShardStore> self;
+  Status head_target;
+  if (o.node_local()) {
+    auto st = open_target(o, 0);
+    if (st) {
+      self = std::move(st).value();
+    } else {
+      head_target = std::move(st).error();
+    }
+  }
+  auto fl = std::make_shared<MpiFlusherImpl>(rt, std::move(comm), o, std::move(self));
+  if (!head_target) {
+    // Refused before anything is mounted (the head must store its own shards); the ranks are
+    // told to stop, so the job ends instead of waiting for them.
+    fl->shutdown();
+    return std::move(head_target).error();
+  }
+  fl->sweep();
+  return std::shared_ptr<MpiFlusher>(std::move(fl));
 }
 
 int serve_rank(Runtime& rt, const MpiOptions& o) {
@@ -802,20 +1288,19 @@ int serve_rank(Runtime& rt, const MpiOptions& o) {
     spdlog::error("mpi rank {}: {}", rt.rank(), comm.error().message);
     return 1;
   }
-  std::string root_path = o.source;
-  if (!o.target.empty()) {
-    auto t = expand_target(o.target, rt.rank());
-    if (t) root_path = *t;
+  auto store = open_target(o, rt.rank());
+  Error why;
+  if (!store) {
+    // Served anyway: every request is refused with this error, so the head's writers see it,
+    // and the shutdown at unmount still arrives.
+    spdlog::error("mpi rank {}: {}", rt.rank(), store.error().message);
+    why = store.error();
+  } else {
+    spdlog::info("mpi rank {} of {} on {} (pid {}): {} shards under {}", rt.rank(), rt.size(),
+                 rt.host(rt.rank()), ::getpid(), o.node_local() ? "storing its" : "writing",
+                 (*store)->root_path());
   }
-  auto root = open_file(root_path, O_RDONLY | O_DIRECTORY);
-  if (!root) {
-    // Served anyway: every Open is refused with this error, so the head's writers store their
-    // files whole, and the shutdown at unmount still arrives.
-    spdlog::error("mpi rank {}: {}", rt.rank(), root.error().message);
-  }
-  spdlog::info("mpi rank {} of {} on {} (pid {}): writing shards under {}", rt.rank(), rt.size(),
-               rt.host(rt.rank()), ::getpid(), root_path);
-  RankServer server(rt, comm->get(), root ? std::move(root).value() : UniqueFd(), root_path, o);
+  RankServer server(rt, comm->get(), store ? std::move(store).value() : nullptr, std::move(why), o);
   const int rc = server.run();
   spdlog::info("mpi rank {}: done", rt.rank());
   return rc;

@@ -1,9 +1,12 @@
 // The pure parts of the OpenMPI flusher (include/ckptfs/flush/mpi.hpp): wire format,
 // backpressure accounting, target paths, rate limiting. No MPI here: always built and tested.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <thread>
 
 #include "ckptfs/flush/mpi.hpp"
+#include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 
 namespace ckptfs::flush::mpi {
@@ -32,6 +35,8 @@ uint64_t get_u64(std::string_view b, size_t at) {
 
 }  // namespace
 
+bool reads_bytes(Op op) { return op == Op::Read || op == Op::ReadPath; }
+
 std::string encode_command(const Command& c, std::string_view payload) {
   std::string b(kCommandBytes + payload.size(), '\0');
   put_u32(b, 0, kMagic);
@@ -40,7 +45,7 @@ std::string encode_command(const Command& c, std::string_view payload) {
   put_u64(b, 16, c.id);
   put_u64(b, 24, c.tx);
   put_u64(b, 32, c.offset);
-  put_u64(b, 40, c.op == Op::Read ? c.length : payload.size());
+  put_u64(b, 40, reads_bytes(c.op) ? c.length : payload.size());
   std::copy(payload.begin(), payload.end(), b.begin() + kCommandBytes);
   return b;
 }
@@ -53,7 +58,7 @@ Result<Command> decode_command(std::string_view b, std::string_view* payload) {
   }
   Command c;
   const auto op = static_cast<uint8_t>(b[4]);
-  if (op < static_cast<uint8_t>(Op::Open) || op > static_cast<uint8_t>(Op::Shutdown)) {
+  if (op < static_cast<uint8_t>(Op::Open) || op > static_cast<uint8_t>(Op::Sweep)) {
     return make_error(EPROTO, "mpi command: unknown op {}", op);
   }
   c.op = static_cast<Op>(op);
@@ -63,10 +68,12 @@ Result<Command> decode_command(std::string_view b, std::string_view* payload) {
   c.offset = get_u64(b, 32);
   c.length = get_u64(b, 40);
   const uint64_t body = b.size() - kCommandBytes;
-  if (c.op == Op::Read ? body != 0 : body != c.length) {
+  if (c.op == Op::Read       ? body != 0
+      : c.op == Op::ReadPath ? (body == 0 || body > kMaxPathBytes)
+                             : body != c.length) {
     return make_error(EPROTO, "mpi command: payload of {} bytes, header says {}", body, c.length);
   }
-  if (c.offset + body < c.offset || (c.op == Op::Read && c.offset + c.length < c.offset)) {
+  if (c.offset + body < c.offset || (reads_bytes(c.op) && c.offset + c.length < c.offset)) {
     return make_error(EPROTO, "mpi command: offset overflows");
   }
   if (payload) *payload = b.substr(kCommandBytes);
@@ -188,6 +195,30 @@ void RateLimiter::throttle(uint64_t n) {
   if (rate_ <= 0) return;
   auto d = take(n, Clock::now());
   if (d.count() > 0) std::this_thread::sleep_for(d);
+}
+
+Result<std::string> target_root(const MpiOptions& o, int rank) {
+  if (o.node_local()) return expand_target(o.target, rank);
+  if (!o.rank_src.empty()) return expand_target(o.rank_src, rank);
+  if (o.source.empty()) return make_error(EINVAL, "no source directory");
+  return o.source;
+}
+
+Result<std::unique_ptr<ShardStore>> open_target(const MpiOptions& o, int rank) {
+  CKPTFS_TRY(std::string root, target_root(o, rank));
+  if (o.node_local()) {
+    // mkdir -p: a per-rank directory (%r) is made on its own node.
+    for (size_t i = 1; i <= root.size(); ++i) {
+      if (i != root.size() && root[i] != '/') continue;
+      const std::string prefix = root.substr(0, i);
+      if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+        return errno_error(fmt::format("node-local target {}: cannot create {}", root, prefix));
+      }
+    }
+  }
+  auto st = ShardStore::open(root);
+  if (!st) return std::move(st).error().context(o.node_local() ? "node-local target" : "target");
+  return st;
 }
 
 }  // namespace ckptfs::flush::mpi

@@ -12,9 +12,58 @@ std::string record_file_name(std::string_view file_name) {
   return std::string(file_name) + std::string(kRecordSuffix);
 }
 
+namespace {
+
+std::string with_length_prefix(std::string_view json) {
+  std::string out(kHeaderLenBytes, '\0');
+  const uint64_t n = json.size();
+  for (size_t i = 0; i < kHeaderLenBytes; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out += json;
+  return out;
+}
+
+// The owner, path and header of a node-local shard (version 2); `s` has its name and size.
+Status parse_remote_shard(const nlohmann::json& e, RecordShard& s, std::string_view what) {
+  auto bad = [&](std::string_view why) {
+    return make_error(EINVAL, "{}: commit record: shard '{}': {}", what, s.name, why);
+  };
+  auto ow = e.find("owner");
+  auto pa = e.find("path");
+  auto hj = e.find("header_json");
+  if (ow == e.end() || !ow->is_number_unsigned() || pa == e.end() || !pa->is_string() ||
+      hj == e.end() || !hj->is_string()) {
+    return bad("needs an owner, a path and its header_json (version 2)");
+  }
+  if (ow->get<uint64_t>() >= kMaxRecordOwner) return bad("owner rank out of range");
+  s.owner = static_cast<int32_t>(ow->get<uint64_t>());
+  s.path = pa->get<std::string>();
+  // Relative, plain components only, and the shard's own name last: a record can never make
+  // a rank open anything but a shard file below its target.
+  if (s.path.size() > 4096) return bad("path longer than 4096 bytes");
+  std::string_view rest = s.path;
+  std::string_view last;
+  for (;;) {
+    const size_t slash = rest.find('/');
+    last = rest.substr(0, slash);
+    if (!is_valid_component(last)) return bad(fmt::format("path '{}' is not plain", s.path));
+    if (slash == std::string_view::npos) break;
+    rest.remove_prefix(slash + 1);
+  }
+  if (last != s.name) return bad(fmt::format("path '{}' does not end in its name", s.path));
+  const auto& json = hj->get_ref<const std::string&>();
+  if (json.size() > kMaxHeaderSize) return bad("header larger than the safetensors limit");
+  auto h = parse_header_json(json, s.size, fmt::format("{}: shard {}", what, s.name));
+  if (!h) return std::move(h).error();
+  s.parsed = std::make_shared<const Header>(std::move(h).value());
+  s.header = with_length_prefix(json);
+  return {};
+}
+
+}  // namespace
+
 std::string serialize_record(const Record& r) {
   nlohmann::json j;
-  j["ckptfs_record"] = kRecordVersion;
+  j["ckptfs_record"] = r.remote() ? kRecordVersionRemote : kRecordVersion;
   j["name"] = r.name;
   j["k"] = r.k;
   j["m"] = r.m;
@@ -24,7 +73,15 @@ std::string serialize_record(const Record& r) {
   j["header_json"] = r.header.size() >= kHeaderLenBytes ? r.header.substr(kHeaderLenBytes) : "";
   j["tx"] = r.tx;
   auto shards = nlohmann::json::array();
-  for (const auto& s : r.shards) shards.push_back({{"name", s.name}, {"size", s.size}});
+  for (const auto& s : r.shards) {
+    nlohmann::json e = {{"name", s.name}, {"size", s.size}};
+    if (s.remote()) {
+      e["owner"] = s.owner;
+      e["path"] = s.path;
+      e["header_json"] = s.header.size() >= kHeaderLenBytes ? s.header.substr(kHeaderLenBytes) : "";
+    }
+    shards.push_back(std::move(e));
+  }
   j["shards"] = std::move(shards);
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::strict) + "\n";
 }
@@ -50,9 +107,11 @@ Result<Record> parse_record(std::string_view text, std::string_view what) {
   uint64_t version = 0, k = 0, m = 0;
   Record r;
   std::string json;
-  if (!get_u64("ckptfs_record", version) || version != kRecordVersion) {
-    return bad("unknown version (not 1)");
+  if (!get_u64("ckptfs_record", version) ||
+      (version != kRecordVersion && version != kRecordVersionRemote)) {
+    return bad("unknown version (not 1 or 2)");
   }
+  const bool remote = version == kRecordVersionRemote;
   if (!get_str("name", r.name) || !get_u64("k", k) || !get_u64("m", m) ||
       !get_u64("size", r.size) || !get_str("header_json", json) || !get_str("tx", r.tx)) {
     return bad("missing or mistyped field (name, k, m, size, header_json, tx)");
@@ -64,11 +123,7 @@ Result<Record> parse_record(std::string_view text, std::string_view what) {
   if (!r.tx.empty() && !is_valid_component(r.tx)) return bad("tx is not a plain name");
   if (json.size() > kMaxHeaderSize) return bad("header larger than the safetensors limit");
   CKPTFS_TRY(r.parsed, parse_header_json(json, r.size, what));
-  r.header.resize(kHeaderLenBytes);
-  uint64_t n = json.size();
-  for (size_t i = 0; i < kHeaderLenBytes; ++i)
-    r.header[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  r.header += json;
+  r.header = with_length_prefix(json);
   auto sh = j.find("shards");
   if (sh == j.end() || !sh->is_array() || sh->empty()) return bad("no shard list");
   for (const auto& e : *sh) {
@@ -78,10 +133,18 @@ Result<Record> parse_record(std::string_view text, std::string_view what) {
     if (nm == e.end() || !nm->is_string() || sz == e.end() || !sz->is_number_unsigned()) {
       return bad("shard entry needs a name and a size");
     }
-    RecordShard s{nm->get<std::string>(), sz->get<uint64_t>()};
+    if (r.shards.size() >= kMaxRecordOwner) return bad("more shards than ranks can own");
+    RecordShard s;
+    s.name = nm->get<std::string>();
+    s.size = sz->get<uint64_t>();
     auto p = parse_shard_name(s.name);
     if (!p || p->k != r.k || p->m != r.m || !is_valid_component(s.name)) {
       return bad(fmt::format("shard '{}' is not a shard of file {} of {}", s.name, r.k, r.m));
+    }
+    if (remote) {
+      CKPTFS_CHECK(parse_remote_shard(e, s, what));
+    } else if (e.contains("owner") || e.contains("path") || e.contains("header_json")) {
+      return bad(fmt::format("shard '{}': owner, path or header in a version 1 record", s.name));
     }
     r.shards.push_back(std::move(s));
   }

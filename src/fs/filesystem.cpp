@@ -221,7 +221,8 @@ struct View {
 // the stamps the View was built from.
 struct ShardFds {
   std::vector<UniqueFd> owned;
-  std::vector<int> raw;                     // -1 where not needed
+  std::vector<int> raw;                              // -1 where not needed
+  std::shared_ptr<const flush::ShardReader> remote;  // reads the shards whose raw fd is -1
   std::atomic<int64_t>* counter = nullptr;  // Impl::open_shard_fds, released on destruction
   int64_t count = 0;
   ShardFds() = default;
@@ -244,7 +245,7 @@ class OutputReader final : public FileReader {
     const auto& ck = *view_->ckpt;
     layout::map_range(ck, output_, off, len, out.segs);
     out.direct = nullptr;
-    out.src = GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}};
+    out.src = GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}, fds_->remote.get()};
     out.size = 0;
     for (const auto& s : out.segs) out.size += s.len;
   }
@@ -390,7 +391,7 @@ Status check_extents(const ReadPlan& p) {
   // Segments per request are few (the splice path takes at most 16); a pass per shard is fine.
   for (size_t i = 0; i < p.segs.size(); ++i) {
     const auto& g = p.segs[i];
-    if (g.is_memory()) continue;
+    if (g.is_memory() || p.src.fds[g.shard] < 0) continue;  // remote: its owner checks
     bool seen = false;
     for (size_t j = 0; j < i && !seen; ++j)
       seen = !p.segs[j].is_memory() && p.segs[j].shard == g.shard;
@@ -839,7 +840,7 @@ struct Filesystem::Impl {
       }
     }
     std::shared_ptr<const View> old = st.view;
-    if (!source::has_shards(*entries)) {
+    if (!source::is_checkpoint_dir(dirfd->get(), *entries)) {
       st.entries.clear();
       st.sig = {};
       st.view_sig = {};
@@ -1251,7 +1252,9 @@ struct Filesystem::Impl {
         static_cast<uint64_t>(dst.st_ino) != v->dir_ino) {
       return make_error(ESTALE, "{}: checkpoint directory moved", rel);
     }
+    fds->remote = flusher->reader();
     for (uint32_t s = 0; s < ck.shards.size(); ++s) {
+      if (ck.shards[s].remote()) continue;  // on a node-local target: read through `remote`
       // Never blocks (a FIFO swapped in is refused, not opened) and is a regular file.
       struct stat st {};
       auto fd = open_regular_at(dir->get(), ck.shards[s].name, ck.shards[s].name, &st);

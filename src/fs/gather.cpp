@@ -20,7 +20,8 @@ struct Scratch {
   std::vector<uint64_t> dst_off;
   std::vector<iovec> iov;
   std::vector<char> sink = std::vector<char>(kGatherMaxGap);
-  std::vector<char> cast;  // source elements of a cast segment, at most kCastBlock bytes
+  std::vector<char> cast;    // source elements of a cast segment, at most kCastBlock bytes
+  std::vector<char> remote;  // one span of a node-local shard, scattered into the iovecs
 };
 
 Scratch& scratch() {
@@ -57,6 +58,37 @@ Status preadv_all(int fd, iovec* iov, int cnt, uint64_t off, const GatherSource&
   return {};
 }
 
+// preadv_all for any shard: a shard on a node-local target (fd -1) is read in one request to
+// its owner through src.remote, then scattered into the iovecs.
+Status read_span(const GatherSource& src, uint32_t shard, iovec* iov, int cnt, uint64_t off) {
+  const int fd = src.fds[shard];
+  if (fd >= 0) return preadv_all(fd, iov, cnt, off, src, shard);
+  const layout::ShardFile* sf =
+      src.ckpt && shard < src.ckpt->shards.size() ? &src.ckpt->shards[shard] : nullptr;
+  if (!sf || !sf->remote()) return make_error(EIO, "{}: not open", src.name_of(shard));
+  if (!src.remote) {
+    return make_error(EIO,
+                      "{}: stored on the node-local target of MPI rank {} ({}); only the head of "
+                      "its `mpirun ckptfs mount -o target=...` job can read it",
+                      src.name_of(shard), sf->owner, sf->remote_path);
+  }
+  uint64_t total = 0;
+  for (int i = 0; i < cnt; ++i) total += iov[i].iov_len;
+  auto& buf = scratch().remote;
+  if (buf.size() < total) buf.resize(total);
+  if (auto st = src.remote->read(sf->owner, sf->remote_path, sf->stamp.size, off, buf.data(),
+                                 static_cast<size_t>(total));
+      !st) {
+    return std::move(st).error().context(src.name_of(shard));
+  }
+  const char* p = buf.data();
+  for (int i = 0; i < cnt; ++i) {
+    std::memcpy(iov[i].iov_base, p, iov[i].iov_len);
+    p += iov[i].iov_len;
+  }
+  return {};
+}
+
 // Reads the source elements of cast segment `g` block by block (kCastBlock bytes at most)
 // and converts them into dst. Whole output elements convert in place; a partial first or
 // last one converts into an 8-byte temporary and the bytes asked for are copied.
@@ -72,7 +104,7 @@ Status gather_cast(const GatherSource& src, const layout::Segment& g, char* dst,
   for (uint64_t e = 0; e < total; e += per_block) {
     const uint64_t n = std::min(per_block, total - e);
     iovec iov{buf.data(), static_cast<size_t>(n * isz)};
-    CKPTFS_CHECK(preadv_all(src.fds[g.shard], &iov, 1, g.src + e * isz, src, g.shard));
+    CKPTFS_CHECK(read_span(src, g.shard, &iov, 1, g.src + e * isz));
     const char* in = buf.data();
     uint64_t k = 0;  // elements of this block done
     if (skip > 0) {
@@ -145,8 +177,7 @@ Status gather(const GatherSource& src, std::span<const layout::Segment> segs, ch
       end = g.src + g.len;
       ++i;
     }
-    CKPTFS_CHECK(preadv_all(src.fds[shard], s.iov.data(), static_cast<int>(s.iov.size()), start,
-                            src, shard));
+    CKPTFS_CHECK(read_span(src, shard, s.iov.data(), static_cast<int>(s.iov.size()), start));
   }
   return {};
 }

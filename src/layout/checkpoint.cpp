@@ -98,7 +98,8 @@ class Builder {
       }
       const auto& h = *in.header;
       auto sidx = static_cast<uint32_t>(ck_->shards.size());
-      ck_->shards.push_back(ShardFile{in.name, in.stamp, h.data_start(), *parsed});
+      ck_->shards.push_back(
+          ShardFile{in.name, in.stamp, h.data_start(), *parsed, in.owner, in.remote_path});
 
       std::optional<format::ShardingInfo> info;
       if (const auto* s = h.find_metadata(format::kShardingInfoKey)) {

@@ -71,6 +71,21 @@ bool has_shards(const std::vector<DirEntry>& entries) {
   return std::any_of(entries.begin(), entries.end(), is_rank_shard);
 }
 
+bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries) {
+  for (const auto& [rel, st] : record_files(dirfd, entries)) {
+    auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
+    if (!text) continue;
+    // Cheap test first: only a version 2 record names an owner.
+    if (text->find("\"owner\"") == std::string::npos) continue;
+    if (auto rec = format::parse_record(*text, rel); rec && rec->remote()) return true;
+  }
+  return false;
+}
+
+bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries) {
+  return has_shards(entries) || has_remote_records(dirfd, entries);
+}
+
 std::vector<std::pair<std::string, struct stat>> record_files(
     int dirfd, const std::vector<DirEntry>& entries) {
   std::vector<std::pair<std::string, struct stat>> out;
@@ -292,12 +307,19 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
     }
     // The record must describe the shards there now: every shard of its file, same sizes.
     // One that does not (shards replaced or removed outside ckptfs) is stale and ignored.
+    // A record of node-local shards names shards that are not here: then no shard of its file
+    // may be here either (they would be a later, local write of the same file).
     std::string why;
     size_t seen = 0;
     for (const auto& e : entries) {
       auto p = format::parse_shard_name(e.name);
       if (!p || p->k != rec->k || p->m != rec->m) continue;
       ++seen;
+      if (rec->remote()) {
+        why =
+            fmt::format("{} is here, the record says its shards are on node-local targets", e.name);
+        continue;
+      }
       auto it = std::find_if(rec->shards.begin(), rec->shards.end(),
                              [&](const format::RecordShard& s) { return s.name == e.name; });
       if (it == rec->shards.end()) {
@@ -306,10 +328,25 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
         why = fmt::format("{} is {} bytes, the record says {}", e.name, e.st.st_size, it->size);
       }
     }
-    if (why.empty() && seen != rec->shards.size()) why = "some of its shards are missing";
+    if (why.empty() && !rec->remote() && seen != rec->shards.size()) {
+      why = "some of its shards are missing";
+    }
     if (!why.empty()) {
       spdlog::warn("{}/{}: ignoring a stale commit record ({})", display, rel, why);
       continue;
+    }
+    if (rec->remote()) {
+      // Node-local shards: built from the headers the record carries; their bytes are read
+      // from the owning rank (flush::ShardReader). Their stamp is the record's.
+      for (auto& s : rec->shards) {
+        layout::ShardInput si;
+        si.name = s.name;
+        si.stamp = layout::FileStamp{0, 0, s.size, mtime_ns(lst), ctime_ns(lst)};
+        si.header = s.parsed;
+        si.owner = s.owner;
+        si.remote_path = s.path;
+        in.shards.push_back(std::move(si));
+      }
     }
     layout::OutputOverride o;
     o.k = rec->k;
@@ -325,7 +362,7 @@ Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
     const std::string& dir, const layout::BuildOptions& opts) {
   CKPTFS_TRY(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, list_dir(fd.get()));
-  if (!has_shards(entries)) {
+  if (!is_checkpoint_dir(fd.get(), entries)) {
     return make_error(ENOENT, "{}: no rank shard files (shard-R-model-K-of-M.safetensors)", dir);
   }
   HeaderCache cache;
@@ -341,7 +378,7 @@ Status walk(int dirfd, const std::string& path, Found& out, int depth) {
   }
   auto entries = list_dir(dirfd);
   if (!entries) return std::move(entries).error().context(path);
-  if (has_shards(*entries)) out.dirs.push_back(path);
+  if (is_checkpoint_dir(dirfd, *entries)) out.dirs.push_back(path);
   for (const auto& e : *entries) {
     if (!S_ISDIR(e.st.st_mode)) continue;
     auto sub = open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);

@@ -38,12 +38,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (auto rec = ckptfs::format::parse_record(text, "fuzz.commit"); rec.ok()) {
     // A record that parses names only shards of its own file, and round-trips exactly.
+    // A node-local shard's path stays below its target (relative, no "." or ".."
+    // component) and ends in the shard's name; its owner is a rank number.
     for (const auto& sh : rec->shards) {
       if (sh.name.find('/') != std::string::npos) __builtin_trap();
+      if (sh.remote() != rec->remote()) __builtin_trap();
+      if (!sh.remote()) continue;
+      if (sh.owner >= static_cast<int32_t>(ckptfs::format::kMaxRecordOwner) || !sh.parsed ||
+          sh.path.empty() || sh.path.front() == '/' || !sh.path.ends_with(sh.name) ||
+          ("/" + sh.path + "/").find("/../") != std::string::npos ||
+          ("/" + sh.path + "/").find("/./") != std::string::npos) {
+        __builtin_trap();
+      }
     }
     auto again = ckptfs::format::parse_record(ckptfs::format::serialize_record(*rec), "again");
     if (!again.ok() || again->header != rec->header || again->shards.size() != rec->shards.size()) {
       __builtin_trap();
+    }
+    for (size_t i = 0; i < rec->shards.size(); ++i) {
+      const auto &a = rec->shards[i], &b = again->shards[i];
+      if (a.owner != b.owner || a.path != b.path || a.header != b.header) __builtin_trap();
     }
   }
   (void)ckptfs::format::parse_tp_plan(text, "fuzz-config.json");

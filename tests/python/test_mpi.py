@@ -338,14 +338,14 @@ def test_rank_killed_mid_flush(mpi_mounts, tmp_path, recovery, fabric):
 
 
 def test_rank_without_src_stores_whole(mpi_mounts, tmp_path):
-    """-o target=T%r with empty T1, T2 (node-local storage, not supported yet): ranks 1 and 2
-    cannot open the staging the head made in SRC, so the head keeps the file whole rather than
-    split it into a set missing shards; it reads back byte-exact, and the error (naming the rank
-    and its host) is in the log."""
+    """Shared mode with -o rank_src=T%r naming empty T1, T2 (a rank that does not see SRC
+    there): ranks 1 and 2 cannot open the staging the head made in SRC, so the head keeps the
+    file whole rather than split it into a set missing shards; it reads back byte-exact, and
+    the error (naming the rank and its host) is in the log."""
     src = mkdir(tmp_path / "src")
     for r in range(NP):
         mkdir(tmp_path / f"t{r}")
-    m = mpi_mounts(src, tmp_path / "mnt", opts=(f"target={tmp_path}/t%r",))
+    m = mpi_mounts(src, tmp_path / "mnt", opts=(f"rank_src={tmp_path}/t%r",))
     mkdir(pathlib.Path(m.mnt) / "d")
     want = save_file_to(pathlib.Path(m.mnt) / "d" / "model.safetensors", 4, 512)
     assert read(pathlib.Path(m.mnt) / "d" / "model.safetensors") == want
@@ -357,13 +357,13 @@ def test_rank_without_src_stores_whole(mpi_mounts, tmp_path):
 
 def test_more_shards_than_ranks_target_elsewhere_fsync(mpi_mounts, tmp_path):
     """-o ranks=5 with 3 ranks (shards 1..5 owned by ranks 0,1,2,0,1: a rank with two open
-    shards), every rank reaching SRC through its own path (-o target=.../view%r, a symlink to
+    shards), every rank reaching SRC through its own path (-o rank_src=.../view%r, a symlink to
     SRC: a shared file system mounted elsewhere), and an fsync in the middle of the file (the
     owners' Sync before all bytes came): the file reads back byte-exact, as 5 shards."""
     src = mkdir(tmp_path / "src")
     for r in range(NP):
         os.symlink(src, tmp_path / f"view{r}")
-    m = mpi_mounts(src, tmp_path / "mnt", opts=("ranks=5", f"target={tmp_path}/view%r"))
+    m = mpi_mounts(src, tmp_path / "mnt", opts=("ranks=5", f"rank_src={tmp_path}/view%r"))
     mnt = pathlib.Path(m.mnt)
     mkdir(mnt / "d")
     want = blob(8, 2048)
@@ -472,3 +472,134 @@ def test_rank_write_error_never_reads_back_as_zeros(mpi_mounts, tmp_path):
     got = read(mnt / "d" / "weights.safetensors")
     assert len(got) < len(new) and got == new[:len(got)], (len(got), len(new))
     m.stop()
+
+
+# --- node-local targets (-o target=T%r) -------------------------------------------------------
+
+def target_shards(t) -> dict[str, list[int]]:
+    """Shard files under target directory `t`, by the path of their directory (relative to
+    `t`): {".../.ckptfs/nl-...": [shard numbers]}, shards being written (rank-0000i) included;
+    anything else in `t` but directories fails."""
+    out: dict[str, list[int]] = {}
+    for d, dirs, files in os.walk(t):
+        for n in files:
+            m = SHARD_RE.match(n) or re.fullmatch(r"rank-(\d{5})", n)
+            assert m, f"{d}/{n}: not a shard file in a node-local target"
+            out.setdefault(os.path.relpath(d, t), []).append(int(m[1]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def owned_by(rank: int, shards: list[int]) -> bool:
+    return all((s - 1) % NP == rank for s in shards)
+
+
+def test_save_pretrained_node_local_targets(mpi_mounts, tmp_path, fabric):
+    """-o target=T%r: save_pretrained (2 files + index) into the head's mount reads back
+    byte-exact; each target T0..T2 holds only the shards its rank owns (shard i+1 on rank
+    i % 3), under ck/.ckptfs/nl-*/; SRC holds no shard file, only the commit records (and the
+    plain files); the bytes of ranks 1 and 2 are read back over MPI (ReadPath). After a remount
+    under mpirun it reads back the same; a plain remount without MPI lists the files but a read
+    fails with EIO (never zeros), naming the rank that holds the shard."""
+    model = make_model(17, torch.float32)
+    size = max_shard_size_for(model, 2)
+    ref = tmp_path / "ref"
+    model.save_pretrained(str(ref), max_shard_size=size)
+    src = mkdir(tmp_path / "src")
+    targets = [tmp_path / f"T{r}" for r in range(NP)]  # made by the ranks (mkdir -p)
+    opts = (f"target={tmp_path}/T%r",)
+    m = mpi_mounts(src, tmp_path / "mnt", opts=opts, fabric=fabric)
+    view = pathlib.Path(m.mnt) / "ck"
+    model.save_pretrained(str(view), max_shard_size=size)
+    assert names(view) == names(ref)
+    for n in names(ref):
+        assert read(view / n) == read(ref / n), n
+    assert not shards_by_file(src / "ck")
+    assert not [n for n in os.listdir(src / "ck") if MODEL_RE.match(n)]
+    records = sorted(os.listdir(src / "ck" / ".ckptfs"))
+    assert records == ["model-00001-of-00002.safetensors.commit",
+                       "model-00002-of-00002.safetensors.commit"], records
+    for r, t in enumerate(targets):
+        held = target_shards(t)
+        assert len(held) == 2 and all(d.startswith("ck/.ckptfs/nl-") for d in held), held
+        assert all(owned_by(r, v) and v for v in held.values()), (r, held)
+    m.stop()
+    m2 = mpi_mounts(src, tmp_path / "mnt2", opts=opts, fabric=fabric)
+    for n in names(ref):
+        assert read(pathlib.Path(m2.mnt) / "ck" / n) == read(ref / n), n
+    m2.stop()
+    with Mount(src, tmp_path / "plain") as p:
+        got = pathlib.Path(p.mnt) / "ck"
+        assert names(got) == names(ref)
+        with pytest.raises(OSError) as e:
+            read(got / "model-00001-of-00002.safetensors")
+        assert e.value.errno == errno.EIO
+    assert re.search(r"node-local target of MPI rank \d", pathlib.Path(p.log).read_text())
+
+
+def test_node_local_replace_rename_remove(mpi_mounts, tmp_path):
+    """Node-local targets through a file's life: a rewrite of model.safetensors commits a new
+    nl- directory on every owner and drops the replaced one; the checkpoint directory renamed
+    in the view keeps reading the same shards (the record names their paths); a new directory
+    under the old name gets its own nl- directories; the file's removal drops its shards from
+    every target, and rmdir then succeeds."""
+    src = mkdir(tmp_path / "src")
+    targets = [tmp_path / f"T{r}" for r in range(NP)]
+    m = mpi_mounts(src, tmp_path / "mnt", opts=(f"target={tmp_path}/T%r",))
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "d")
+    first = save_file_to(mnt / "d" / "model.safetensors", 21, 512)
+    before = [target_shards(t) for t in targets]
+    assert all(len(b) == 1 for b in before), before
+    second = save_file_to(mnt / "d" / "model.safetensors", 22, 768)
+    wait_for((mnt / "d" / "model.safetensors").exists, "the name after close")
+    assert read(mnt / "d" / "model.safetensors") == second
+    after = [target_shards(t) for t in targets]
+    assert all(len(a) == 1 for a in after) and all(
+        set(a) != set(b) for a, b in zip(after, before)), (before, after)
+    os.rename(mnt / "d", mnt / "e")
+    assert read(mnt / "e" / "model.safetensors") == second
+    mkdir(mnt / "d")
+    third = save_file_to(mnt / "d" / "model.safetensors", 23, 256)
+    assert read(mnt / "d" / "model.safetensors") == third
+    assert read(mnt / "e" / "model.safetensors") == second
+    assert all(len(target_shards(t)) == 2 for t in targets)
+    os.unlink(mnt / "e" / "model.safetensors")
+    os.rmdir(mnt / "e")
+    assert not (src / "e").exists()
+    left = [target_shards(t) for t in targets]
+    assert all(list(x) == [d for d in x if d.startswith("d/")] and len(x) == 1 for x in left), left
+    assert first != second
+    m.stop()
+
+
+def test_node_local_rank_killed_mid_flush(mpi_mounts, tmp_path):
+    """kill -9 of rank 2 while a slow writer replaces D/model.safetensors with node-local
+    targets: the writer gets an error, never a hang; nothing is committed: after a remount
+    under mpirun the previous file reads back byte-exact, and the remount's sweep removed the
+    dead write's nl- directories from every target (each holds the previous file's only)."""
+    src = mkdir(tmp_path / "src")
+    targets = [tmp_path / f"T{r}" for r in range(NP)]
+    opts = (f"target={tmp_path}/T%r", "mpi_timeout=3")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=opts)
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "D")
+    old = save_file_to(mnt / "D" / "model.safetensors", 60, 512)
+    committed = [target_shards(t) for t in targets]
+    w = Writer(blob(61, 4096), mnt / "D" / "model.safetensors", tmp_path, mode="tmp",
+               chunk=128 * 1024, sleep=0.02)
+    try:
+        w.wait_written(MIB)
+        assert any(len(target_shards(t)) == 2 for t in targets[:2])  # the new write's shards
+        os.kill(m.rank_pids()[2], signal.SIGKILL)
+        out, err = w.proc.communicate(timeout=60)  # never a hang
+    finally:
+        if w.proc.poll() is None:
+            w.kill()
+    assert w.proc.returncode != 0, f"the writer saw no error: {out[-500:]!r}"
+    assert m.stop(check=False) != 0
+    assert not in_proc_mounts(m.mnt)
+    m2 = mpi_mounts(src, tmp_path / "mnt2", opts=opts)
+    assert read(pathlib.Path(m2.mnt) / "D" / "model.safetensors") == old
+    m2.wait_log(r"rank [01] removed \d+ node-local directories no record names")
+    assert [target_shards(t) for t in targets] == committed
+    m2.stop()

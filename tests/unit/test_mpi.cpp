@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <filesystem>
 #include <thread>
 
 #include "ckptfs/flush/mpi.hpp"
@@ -50,6 +51,58 @@ TEST(MpiWire, ReadCarriesLengthWithoutPayload) {
   EXPECT_EQ(d->length, 1u << 20);
   // A read with a payload is malformed.
   EXPECT_FALSE(decode_command(buf + "x", nullptr));
+}
+
+TEST(MpiWire, ReadPathCarriesLengthAndAPath) {
+  // ReadPath (node-local targets): `length` is the bytes wanted, the payload is the path, and
+  // `tx` carries the shard's expected size.
+  Command c;
+  c.op = Op::ReadPath;
+  c.id = 3;
+  c.tx = 12345;
+  c.offset = 4096;
+  c.length = 1 << 20;
+  const std::string path = "ck/.ckptfs/nl-1-2/shard-00002-model-00001-of-00001.safetensors";
+  const std::string buf = encode_command(c, path);
+  std::string_view got;
+  auto d = decode_command(buf, &got);
+  ASSERT_TRUE(d) << d.error().message;
+  EXPECT_EQ(d->length, 1u << 20);
+  EXPECT_EQ(d->tx, 12345u);
+  EXPECT_EQ(got, path);
+  EXPECT_FALSE(decode_command(encode_command(c, {}), nullptr));  // no path
+  EXPECT_FALSE(decode_command(encode_command(c, std::string(kMaxPathBytes + 1, 'a')), nullptr));
+  // Every node-local op decodes; one past the last does not.
+  for (Op op : {Op::Create, Op::Seal, Op::Abort, Op::Drop, Op::Sweep}) {
+    Command k;
+    k.op = op;
+    auto r = decode_command(encode_command(k, "x"), nullptr);
+    ASSERT_TRUE(r) << static_cast<int>(op);
+    EXPECT_EQ(r->op, op);
+  }
+  std::string past = encode_command(Command{}, {});
+  past[4] = static_cast<char>(static_cast<uint8_t>(Op::Sweep) + 1);
+  EXPECT_FALSE(decode_command(past, nullptr));
+}
+
+TEST(MpiTarget, NodeLocalTargetIsMadePerRank) {
+  char tmpl[] = "/tmp/ckptfs-target-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string base = tmpl;
+  MpiOptions o;
+  o.source = base + "/src";
+  o.target = base + "/t/%r/ckpt";
+  EXPECT_EQ(*target_root(o, 3), base + "/t/3/ckpt");
+  auto st = open_target(o, 3);
+  ASSERT_TRUE(st) << st.error().message;
+  EXPECT_EQ((*st)->root_path(), base + "/t/3/ckpt");
+  o.target.clear();
+  o.rank_src = base + "/view%r";
+  EXPECT_EQ(*target_root(o, 1), base + "/view1");
+  EXPECT_FALSE(open_target(o, 1));  // shared mode: never made, must exist
+  o.rank_src.clear();
+  EXPECT_EQ(*target_root(o, 1), base + "/src");
+  std::filesystem::remove_all(base);
 }
 
 TEST(MpiWire, CommandRejectsMalformed) {

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/flush/store.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/fs/filesystem.hpp"
@@ -460,4 +461,119 @@ TEST(WriteFile, AFailedCopyBackToStagingFailsTheFileForGood) {
   // What a failed write leaves, as on a plain file system: the file, holding nothing that
   // could pass for the model (not the full size in zeros).
   EXPECT_EQ(stdfs::file_size(s.path("ckpt/model.safetensors")), 0u);
+}
+
+namespace {
+
+// What the OpenMPI flusher's node-local mode reads with, minus MPI: one ShardStore per "rank"
+// directory; the view's Flusher hands it out.
+class StoreReader final : public flush::ShardReader {
+ public:
+  std::vector<std::unique_ptr<flush::ShardStore>> stores;
+  Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
+              size_t n) const override {
+    if (owner < 0 || static_cast<size_t>(owner) >= stores.size()) {
+      return make_error(EIO, "no rank {}", owner);
+    }
+    return stores[static_cast<size_t>(owner)]->read_path(path, size, off, dst, n);
+  }
+};
+
+class ReaderFlusher final : public flush::Flusher {
+ public:
+  explicit ReaderFlusher(std::shared_ptr<const flush::ShardReader> r) : r_(std::move(r)) {}
+  uint32_t default_ranks() const override { return 1; }
+  Result<std::unique_ptr<flush::Transaction>> begin(const flush::Target& t,
+                                                    const write::ShardSet& set,
+                                                    std::string what) override {
+    return local_->begin(t, set, std::move(what));
+  }
+  bool recover(const flush::Target& t) override { return local_->recover(t); }
+  Status remove(const flush::Target& t, uint32_t k, uint32_t m) override {
+    return local_->remove(t, k, m);
+  }
+  std::shared_ptr<const flush::ShardReader> reader() const override { return r_; }
+
+ private:
+  std::unique_ptr<flush::Flusher> local_ = flush::make_local_flusher();
+  std::shared_ptr<const flush::ShardReader> r_;
+};
+
+}  // namespace
+
+TEST(WriteFile, NodeLocalRecordReadsThroughTheShardReaderAndNeverAsZeros) {
+  // A file written as 3 shards, then moved as the node-local mode stores it: shard i on
+  // "rank" i % 2 under T<r>/ckpt/.ckptfs/nl-test-1/, and a version 2 record in SRC naming
+  // each shard's owner, path and header. SRC keeps no shard file.
+  Src s(3);
+  const std::string v1 = consolidated(30);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  const std::string rec_path = s.path("ckpt/.ckptfs/model.safetensors.commit");
+  auto rec = *format::parse_record(*read_small_file(rec_path, 1 << 24), "record");
+  for (uint32_t i = 0; i < rec.shards.size(); ++i) {
+    auto& sh = rec.shards[i];
+    const std::string bytes = *read_small_file(s.path("ckpt/" + sh.name), 1 << 24);
+    uint64_t n = 0;
+    for (int b = 7; b >= 0; --b) n = (n << 8) | static_cast<unsigned char>(bytes[b]);
+    auto h = format::parse_header_json(bytes.substr(8, n), bytes.size(), "x");
+    ASSERT_TRUE(h.ok());
+    sh.owner = static_cast<int32_t>(i % 2);
+    sh.path = "ckpt/.ckptfs/nl-test-1/" + sh.name;
+    sh.header = bytes.substr(0, h->data_start());
+    test::write_file(s.path(fmt::format("T{}/{}", sh.owner, sh.path)), bytes);
+    stdfs::remove(s.path("ckpt/" + sh.name));
+  }
+  test::write_file(rec_path, format::serialize_record(rec));
+  auto reader = std::make_shared<StoreReader>();
+  for (int r = 0; r < 2; ++r) {
+    reader->stores.push_back(
+        std::move(flush::ShardStore::open(s.path(fmt::format("T{}", r)))).value());
+  }
+  auto view = [&](std::shared_ptr<flush::Flusher> fl) {
+    fs::Options o;
+    o.revalidate = std::chrono::milliseconds(0);
+    o.flusher = std::move(fl);
+    return std::move(fs::Filesystem::create(s.dir.path(), o)).value();
+  };
+  // The inspect path (no reader): the checkpoint builds from the record alone.
+  auto ck = source::load_checkpoint_path(s.path("ckpt"));
+  ASSERT_TRUE(ck.ok()) << ck.error().message;
+  ASSERT_TRUE((*ck)->valid()) << (*ck)->problems.front().to_string();
+  EXPECT_EQ((*ck)->shards[1].owner, 1);
+  {  // With the reader: exact.
+    auto f = view(std::make_shared<ReaderFlusher>(reader));
+    auto d = f->lookup(fs::kRootIno, "ckpt");
+    ASSERT_TRUE(d.ok());
+    auto e = f->lookup(d->ino, "model.safetensors");
+    ASSERT_TRUE(e.ok()) << e.error().message;
+    auto o = f->open(e->ino, O_RDONLY);
+    ASSERT_TRUE(o.ok());
+    std::string got(v1.size(), '\0');
+    auto n = f->reader(o->fh)->read(0, got.size(), got.data());
+    ASSERT_TRUE(n.ok()) << n.error().message;
+    EXPECT_TRUE(same(got, v1));
+    // A shard changed on its target under the record: an error naming it, never other bytes.
+    const std::string p1 = s.path("T1/" + rec.shards[1].path);
+    ASSERT_EQ(::truncate(p1.c_str(), 100), 0);
+    auto bad = f->reader(o->fh)->read(0, got.size(), got.data());
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message.find(rec.shards[1].name), std::string::npos)
+        << bad.error().message;
+    f->release(o->fh);
+  }
+  {  // No reader (a plain mount of SRC): listed, but a read is EIO naming the owner.
+    auto f = view(std::make_shared<ReaderFlusher>(nullptr));
+    auto d = f->lookup(fs::kRootIno, "ckpt");
+    auto e = f->lookup(d->ino, "model.safetensors");
+    ASSERT_TRUE(e.ok());
+    auto o = f->open(e->ino, O_RDONLY);
+    ASSERT_TRUE(o.ok());
+    std::string got(v1.size(), '\0');
+    auto n = f->reader(o->fh)->read(0, got.size(), got.data());
+    ASSERT_FALSE(n.ok());
+    EXPECT_EQ(n.error().code, EIO);
+    EXPECT_NE(n.error().message.find("node-local target of MPI rank 0"), std::string::npos)
+        << n.error().message;
+    f->release(o->fh);
+  }
 }

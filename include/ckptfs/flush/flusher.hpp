@@ -20,7 +20,9 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "ckptfs/format/record.hpp"
 #include "ckptfs/util/result.hpp"
 #include "ckptfs/write/plan.hpp"
 #include "ckptfs/write/router.hpp"
@@ -46,6 +48,9 @@ struct CommitInfo {
   uint32_t k = 1, m = 1;
   std::string header;  // the file's original 8 + N bytes
   uint64_t size = 0;   // the file's size
+  // Set by a flusher whose shards live elsewhere (node-local targets): the record lists these
+  // (owner, path, header) instead of the staged shards, and none is moved into the directory.
+  std::vector<format::RecordShard> remote_shards;
 };
 
 // One file's shards, staged and then committed. Not thread-safe: its WriteFile serializes.
@@ -69,6 +74,17 @@ class Transaction : public write::ShardSink {
   [[nodiscard]] virtual std::string staging_name() const { return {}; }
 };
 
+// Reads shards that a Flusher stored outside the source: on the node-local targets of the
+// OpenMPI flusher (-o target=), named by version 2 commit records. Thread-safe.
+class ShardReader {
+ public:
+  virtual ~ShardReader() = default;
+  // Reads exactly n bytes at `off` of the shard at `path` below rank `owner`'s target, whose
+  // size must be `size` (a shard changed under its record is an error, never other bytes).
+  virtual Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
+                      size_t n) const = 0;
+};
+
 class Flusher {
  public:
   virtual ~Flusher() = default;
@@ -83,6 +99,8 @@ class Flusher {
   virtual bool recover(const Target& t) = 0;
   // Removes the stored form of file k of m: its shards and commit records.
   virtual Status remove(const Target& t, uint32_t k, uint32_t m) = 0;
+  // Reads the shards this flusher stores outside the source; null when it stores none there.
+  [[nodiscard]] virtual std::shared_ptr<const ShardReader> reader() const { return nullptr; }
 };
 
 // Removes `name` under directory `parent`, and everything in it when it is a directory; no

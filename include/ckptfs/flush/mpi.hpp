@@ -24,6 +24,7 @@
 #include <string_view>
 
 #include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/flush/store.hpp"
 #include "ckptfs/util/result.hpp"
 
 namespace ckptfs::flush::mpi {
@@ -45,7 +46,19 @@ enum class Op : uint8_t {
   Read = 4,      // reply with `length` bytes of shard `shard` at `offset`
   Close = 5,     // forget `tx` (after its commit or abort; no reply)
   Shutdown = 6,  // leave serve_rank (no reply)
+  // Node-local targets (-o target=; flush/store.hpp):
+  Create = 7,  // payload: rel '\0' txname; make shard `shard` of `offset` bytes; reply
+  Seal = 8,    // payload: the shard's final name; reply: its path below the target
+  Abort = 9,   // forget `tx` and remove what it created (nothing committed; reply)
+  // Read `length` bytes at `offset` of the committed shard whose path is the payload, and
+  // whose size must be `tx` (the field carries the size here); reply with the bytes.
+  ReadPath = 10,
+  Drop = 11,   // payload: a replaced file's <rel>/.ckptfs/nl-... directory to remove; reply
+  Sweep = 12,  // payload: names of nl- directories records name, '\0'-separated; reply: count
 };
+// Read and ReadPath: `length` is the bytes wanted, not the payload's size.
+bool reads_bytes(Op op);
+inline constexpr uint64_t kMaxPathBytes = 4096;
 
 struct Command {
   Op op = Op::Shutdown;
@@ -128,8 +141,12 @@ class RateLimiter {
 // --- options ---------------------------------------------------------------------------------
 
 struct MpiOptions {
-  std::string source;  // SRC, as the head and every rank see it (shared-target mode)
-  std::string target;  // -o target=PATH (%r: the rank); empty: SRC everywhere
+  std::string source;  // SRC, as the head sees it
+  // -o target=PATH (%r: the rank): node-local targets, each rank's shards under its own
+  // expansion of PATH. Empty: shared mode.
+  std::string target;
+  std::string rank_src;  // -o rank_src=PATH (%r): shared mode, SRC as rank r sees it
+  [[nodiscard]] bool node_local() const { return !target.empty(); }
   std::chrono::milliseconds timeout{60'000};      // -o mpi_timeout: longest wait for an ack
   uint64_t inflight_bytes = uint64_t{256} << 20;  // -o mpi_inflight_mb: the send budget
   double target_rate_mb = 0;  // hidden -o target_rate_mb: cap each rank's writes (benchmark)
@@ -138,6 +155,15 @@ struct MpiOptions {
   int fault_rank = -1;
   uint64_t fault_after_bytes = 0;
 };
+
+// The directory rank `rank` keeps its shards under: node-local mode, its expansion of
+// -o target=; shared mode, its expansion of -o rank_src=, or SRC.
+Result<std::string> target_root(const MpiOptions& o, int rank);
+// That directory's ShardStore; node-local targets are made (like mkdir -p) when missing.
+Result<std::unique_ptr<ShardStore>> open_target(const MpiOptions& o, int rank);
+
+// The largest Read or ReadPath a rank answers.
+inline constexpr uint64_t kMaxReadBytes = uint64_t{64} << 20;
 
 #if CKPTFS_HAVE_MPI
 

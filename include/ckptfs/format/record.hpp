@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -20,11 +21,27 @@ namespace ckptfs::format {
 // The hidden directory of the write path, in every directory that holds written files.
 inline constexpr std::string_view kStateDirName = ".ckptfs";
 inline constexpr std::string_view kRecordSuffix = ".commit";
+// Version 1: every shard is a file in the record's directory. Version 2 (written by the
+// OpenMPI flusher with node-local targets, -o target=): every shard lives on its owner's
+// node-local target, and the record says which rank owns it, where and what its header is.
 inline constexpr uint32_t kRecordVersion = 1;
+inline constexpr uint32_t kRecordVersionRemote = 2;
+// Owners are MPI ranks; shard names carry 5 digits.
+inline constexpr uint32_t kMaxRecordOwner = 99'999;
 
 struct RecordShard {
   std::string name;  // shard-R-model-K-of-M.safetensors, in the record's directory
   uint64_t size = 0;
+  // Node-local shards (version 2) only. `owner`: the MPI rank whose target holds the shard;
+  // `path`: where, relative to that target's root (plain components, ending in `name`);
+  // `header`: the shard's 8 + N header bytes (the view is built from them without reading
+  // the shard), parsed into `parsed` by parse_record.
+  int32_t owner = -1;
+  std::string path;
+  std::string header;
+  std::shared_ptr<const Header> parsed;
+
+  [[nodiscard]] bool remote() const { return owner >= 0; }
 };
 
 struct Record {
@@ -37,12 +54,18 @@ struct Record {
   std::string tx;
   std::vector<RecordShard> shards;  // in rank order
   Header parsed;                    // `header` parsed (set by parse_record; not serialized)
+
+  // Its shards live on node-local targets (every shard has an owner; version 2).
+  [[nodiscard]] bool remote() const { return !shards.empty() && shards.front().remote(); }
 };
 
 std::string serialize_record(const Record& r);
 // Checks the JSON and that the header bytes parse as a safetensors header of `size` bytes,
 // named model-k-of-m or model.safetensors consistently with k and m, and that the shard names
-// belong to that k and m. `what` names the record in errors.
+// belong to that k and m. Version 2 also: every shard has an owner below kMaxRecordOwner, a
+// path of plain components (no "..", ".", empty or absolute) ending in its name, and header
+// bytes that parse as a safetensors header of its size; a record never mixes local and remote
+// shards. `what` names the record in errors.
 Result<Record> parse_record(std::string_view text, std::string_view what);
 
 // The record file name for a file.

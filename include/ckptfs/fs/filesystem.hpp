@@ -107,6 +107,12 @@ struct ReadPlan {
                        [](const layout::Segment& s) { return s.is_cast(); });
   }
 
+  // Some segment reads a shard on a node-local target (no fd here): never spliced either.
+  [[nodiscard]] bool has_remote() const {
+    return std::any_of(segs.begin(), segs.end(), [&](const layout::Segment& s) {
+      return !s.is_memory() && s.shard < src.fds.size() && src.fds[s.shard] < 0;
+    });
+  }
   // A plain file: one run of one fd, read like the file (short at its current end).
   [[nodiscard]] bool passthrough() const {
     return direct == nullptr && src.ckpt == nullptr && segs.size() == 1 && !segs[0].is_memory();

@@ -9,6 +9,7 @@
 #include <span>
 #include <string_view>
 
+#include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/result.hpp"
 
@@ -19,6 +20,9 @@ struct GatherSource {
   std::span<const int> fds;                  // fd of each shard, indexed like ckpt->shards
   std::string_view header;                   // bytes for memory segments
   std::string_view file;                     // name for errors when there is no checkpoint
+  // Reads the shards that are not files here (layout::ShardFile::remote(); their fd is -1):
+  // the OpenMPI flusher's node-local targets. Null: such a shard cannot be read (EIO).
+  const flush::ShardReader* remote = nullptr;
 
   [[nodiscard]] std::string name_of(uint32_t shard) const;
 };

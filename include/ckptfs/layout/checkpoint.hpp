@@ -37,6 +37,10 @@ struct ShardInput {
   FileStamp stamp;
   std::shared_ptr<const format::Header> header;  // null when unreadable; see `error`
   std::string error;                             // why the header could not be used
+  // A shard on a node-local target (a version 2 commit record): the MPI rank that holds it
+  // and its path below that rank's target. -1: a file in the checkpoint directory.
+  int32_t owner = -1;
+  std::string remote_path;
 };
 
 struct ShardFile {
@@ -44,6 +48,10 @@ struct ShardFile {
   FileStamp stamp;
   uint64_t data_start = 0;  // 8 + N
   format::ShardName parsed;
+  int32_t owner = -1;  // as in ShardInput: not in the directory but on rank `owner`'s target
+  std::string remote_path;
+
+  [[nodiscard]] bool remote() const { return owner >= 0; }
 };
 
 // Where a copy of a replicated chunk lives (kept for `verify --data`).

@@ -1,8 +1,8 @@
 // The source layer: reading a backing directory into checkpoints, and revalidating cheaply.
 //
 // A directory is a checkpoint when it holds at least one rank shard file
-// (shard-R-model-K-of-M.safetensors). Its inputs are those shards plus, when present,
-// .hf_metadata/fqn_to_file_index_mapping.json.
+// (shard-R-model-K-of-M.safetensors), or commit records of shards on node-local targets. Its inputs
+// are those shards plus, when present, .hf_metadata/fqn_to_file_index_mapping.json.
 #pragma once
 
 #include <sys/stat.h>
@@ -40,6 +40,11 @@ bool is_shard_entry(const DirEntry& e);
 // checkpoint: a stray symlink or directory with a shard-like name does not.
 bool is_rank_shard(const DirEntry& e);
 bool has_shards(const std::vector<DirEntry>& entries);
+// A directory with no shard files of its own whose commit records name shards on node-local
+// targets (version 2, the OpenMPI flusher's -o target=) is a checkpoint too.
+bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries);
+// has_shards() or has_remote_records(): what makes a directory a checkpoint directory.
+bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries);
 
 // What the checkpoint build depends on: each shard's and the mapping file's stamp.
 struct Signature {
