@@ -15,6 +15,10 @@ Bandwidth = file size / that time.
   overhead  uncapped storage: `ckptfs mount -f -o ranks=N` (the local flusher: no mpirun) with
             and without an fsync before close (the MPI flusher always commits durably), against
             `mpirun -np N ckptfs mount` for each N.
+  node-local  the same with `-o target=DIR/t%r` (variants nl-capped, nl): every rank stores
+            its shards under its own target and SRC gets only the record.
+  read-back every variant then reads the file back through the mount (8 MiB reads), timed:
+            with node-local targets the head fetches ranks 1..N-1's bytes over MPI (ReadPath).
 
 Rounds interleave the variants (the machine is noisy); medians are reported. Round 1 checks
 the result once per variant: the file reads back through the mount byte-exact (hash) and SRC
@@ -23,6 +27,7 @@ caps; pass a disk path to include it).
 
 Usage (as root, with a build that has OpenMPI):
   bench_flush_mpi.py [--size-mb 512] [--ranks 1,2,4] [--rate-mb 40] [--rounds 3]
+                     [--variants mpi-capped,nl-capped,local,local-fsync,mpi,nl]
                      [--dir /dev/shm/ckptfs-bench-mpi] [--bin build/src/ckptfs] [--json OUT]
 """
 
@@ -86,10 +91,12 @@ def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> float:
     os.makedirs(mnt)
     log = base + ".log"
     opts = ["settle=0"]
+    if variant.startswith("nl"):
+        opts.append(f"target={base}/t%r")
     if variant.startswith("local"):
         cmd = [args.bin, "mount", src, mnt, "-f", "-o", ",".join(opts + [f"ranks={n}"])]
     else:
-        if variant == "mpi-capped":
+        if variant.endswith("-capped"):
             opts.append(f"target_rate_mb={args.rate_mb}")
         cmd = MPIRUN + ["-np", str(n), args.bin, "mount", src, mnt, "-o", ",".join(opts)]
     with open(log, "w") as lf:
@@ -109,20 +116,28 @@ def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> float:
             os.fsync(fd)
         os.close(fd)
         took = time.monotonic() - t0
-        if check:
+        if variant.startswith("nl"):
+            shards = [f for r in range(n) for _, _, fs in os.walk(f"{base}/t{r}") for f in fs
+                      if f.startswith("shard-")]
+            assert not [x for x in os.listdir(os.path.join(src, "d")) if x.startswith("shard-")]
+        else:
             shards = [x for x in os.listdir(os.path.join(src, "d")) if x.startswith("shard-")]
-            assert len(shards) == n, (variant, n, shards)
-            # The name can take a moment to show after the close (the view rescans the
-            # directory; seen once in ~10 local ranks=4 runs, a read-path matter): wait for it.
-            deadline = time.monotonic() + 10
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while b := f.read(8 << 20):
+        assert len(shards) == n, (variant, n, shards)
+        # The name can take a moment to show after the close (the view rescans the
+        # directory; seen once in ~10 local ranks=4 runs, a read-path matter): wait for it.
+        deadline = time.monotonic() + 10
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        h = hashlib.sha256() if check else None
+        t1 = time.monotonic()
+        with open(path, "rb", buffering=0) as f:
+            while b := f.read(8 << 20):
+                if h:
                     h.update(b)
+        read_took = time.monotonic() - t1
+        if h:
             assert h.digest() == hashlib.sha256(blob).digest(), f"{variant} N={n}: read-back differs"
-        return took
+        return took, read_took
     finally:
         unmount(mnt, proc)
         shutil.rmtree(base, ignore_errors=True)
@@ -136,7 +151,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default="/dev/shm/ckptfs-bench-mpi")
     p.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
-    p.add_argument("--variants", default="mpi-capped,local,local-fsync,mpi")
+    p.add_argument("--variants", default="mpi-capped,nl-capped,local,local-fsync,mpi,nl")
     p.add_argument("--json")
     a = p.parse_args()
     ranks = [int(x) for x in a.ranks.split(",")]
@@ -147,13 +162,16 @@ def main() -> int:
     print(f"file: {size / 1e6:.0f} MB; {os.cpu_count()} cores; rate cap {a.rate_mb} MB/s per rank "
           f"(mpi-capped); SRC under {a.dir}", flush=True)
     times: dict[tuple[str, int], list[float]] = {}
+    reads: dict[tuple[str, int], list[float]] = {}
     for r in range(a.rounds):
         order = [(v, n) for v in variants for n in ranks]
         order = order[r % len(order):] + order[:r % len(order)]
         for v, n in order:
-            t = run_one(a, v, n, blob, check=(r == 0))
+            t, rt = run_one(a, v, n, blob, check=(r == 0))
             times.setdefault((v, n), []).append(t)
-            print(f"round {r + 1} {v:12s} N={n}: {t:6.2f} s  {size / t / 1e6:7.1f} MB/s", flush=True)
+            reads.setdefault((v, n), []).append(rt)
+            print(f"round {r + 1} {v:12s} N={n}: {t:6.2f} s  {size / t / 1e6:7.1f} MB/s  "
+                  f"read-back {size / rt / 1e6:7.1f} MB/s", flush=True)
     print("\nmedians (MB/s):")
     print(f"{'variant':12s} " + " ".join(f"{'N=' + str(n):>9s}" for n in ranks))
     out = {}
@@ -161,14 +179,22 @@ def main() -> int:
         row = []
         for n in ranks:
             bw = size / statistics.median(times[(v, n)]) / 1e6
-            out[f"{v}/{n}"] = {"mb_s": bw, "times": times[(v, n)]}
+            rb = size / statistics.median(reads[(v, n)]) / 1e6
+            out[f"{v}/{n}"] = {"mb_s": bw, "times": times[(v, n)], "read_mb_s": rb,
+                               "read_times": reads[(v, n)]}
             row.append(f"{bw:9.1f}")
         print(f"{v:12s} " + " ".join(row))
-    if "mpi-capped" in variants and 1 in ranks:
-        one = out["mpi-capped/1"]["mb_s"]
+    print("\nread-back medians (MB/s):")
+    for v in variants:
+        print(f"{v:12s} " + " ".join(f"{out[f'{v}/{n}']['read_mb_s']:9.1f}" for n in ranks))
+    for capped in ("mpi-capped", "nl-capped"):
+        if capped not in variants or 1 not in ranks:
+            continue
+        one = out[f"{capped}/1"]["mb_s"]
         for n in ranks:
-            x = out[f"mpi-capped/{n}"]["mb_s"]
-            print(f"scaling N={n}: {x / one:.2f}x the N=1 figure (target >= {0.7 * n:.1f}x)")
+            x = out[f"{capped}/{n}"]["mb_s"]
+            print(f"{capped} scaling N={n}: {x / one:.2f}x the N=1 figure "
+                  f"(target >= {0.7 * n:.1f}x)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"size": size, "rate_mb": a.rate_mb, "results": out}, f, indent=1)

@@ -377,7 +377,17 @@ class MpiTransaction final : public Transaction {
         tx_(tx),
         owners_(std::move(owners)),
         what_(std::move(what)),
-        rate_(rate) {}
+        rate_(rate),
+        combiner_(WriteCombiner::limit_for(static_cast<size_t>(
+                      std::count_if(owners_.begin(), owners_.end(), [](int o) { return o != 0; }))),
+                  [this](uint32_t shard, uint64_t offset, std::string_view bytes) {
+                    Command c;
+                    c.op = Op::Write;
+                    c.tx = tx_;
+                    c.shard = shard;
+                    c.offset = offset;
+                    return link_.post(owners_[shard], c, bytes, true, shard_what(shard));
+                  }) {}
   ~MpiTransaction() override { abort(); }
 
   std::vector<int> remote_ranks() const {
@@ -417,18 +427,14 @@ class MpiTransaction final : public Transaction {
       rate_.throttle(bytes.size());
       return local_->pwrite(shard, offset, bytes);
     }
-    Command c;
-    c.op = Op::Write;
-    c.tx = tx_;
-    c.shard = shard;
-    c.offset = offset;
-    return link_.post(owners_[shard], c, bytes, true, shard_what(shard));
+    return combiner_.add(shard, offset, bytes);
   }
 
   Status pread(uint32_t shard, uint64_t off, char* dst, size_t n) override {
     // Once every owner acknowledged its fsync (a commit), the staged files in the shared
     // target hold every byte: read them here.
     if (owners_[shard] == 0 || synced_) return local_->pread(shard, off, dst, n);
+    CKPTFS_CHECK(combiner_.flush(shard));  // the owner answers after the writes it got
     constexpr size_t kPiece = 16 << 20;
     for (size_t done = 0; done < n;) {
       const size_t len = std::min(kPiece, n - done);
@@ -451,13 +457,17 @@ class MpiTransaction final : public Transaction {
   }
 
   Status sync() override {
-    if (!synced_) CKPTFS_CHECK(remote_sync());
+    if (!synced_) {
+      CKPTFS_CHECK(combiner_.flush_all());
+      CKPTFS_CHECK(remote_sync());
+    }
     return local_->sync();
   }
 
   // Every owner fsyncs and acknowledges first: nothing is committed that a rank has not made
   // durable. MPI mode commits durably always (the record and directories too).
   Status commit(const CommitInfo& info, bool /*durable*/) override {
+    CKPTFS_CHECK(combiner_.flush_all());
     CKPTFS_CHECK(remote_sync());
     synced_ = true;
     CKPTFS_CHECK(local_->commit(info, true));
@@ -470,6 +480,7 @@ class MpiTransaction final : public Transaction {
   }
 
   void abort() override {
+    combiner_.drop();
     close_remote();
     local_->abort();
   }
@@ -523,8 +534,9 @@ class MpiTransaction final : public Transaction {
   const std::vector<int> owners_;  // shard index -> MPI rank
   const std::string what_;
   RateLimiter& rate_;
-  bool synced_ = false;  // every owner acknowledged the fsync of the complete shards
-  bool closed_ = false;  // the owners were told to forget the transaction
+  WriteCombiner combiner_;  // the remote shards' writes, coalesced into messages
+  bool synced_ = false;     // every owner acknowledged the fsync of the complete shards
+  bool closed_ = false;     // the owners were told to forget the transaction
 };
 
 // --- node-local targets (-o target=) ----------------------------------------------------------
@@ -615,7 +627,16 @@ class NodeLocalTransaction final : public Transaction {
         dir_(std::move(dir)),
         display_(std::move(display)),
         what_(std::move(what)),
-        rate_(rate) {
+        rate_(rate),
+        combiner_(WriteCombiner::limit_for(set.shards.size()),
+                  [this](uint32_t shard, uint64_t offset, std::string_view bytes) {
+                    Command c;
+                    c.op = Op::Write;
+                    c.tx = tx_;
+                    c.shard = shard;
+                    c.offset = offset;
+                    return owners_.link().post(owner_[shard], c, bytes, true, shard_what(shard));
+                  }) {
     for (size_t i = 0; i < set.shards.size(); ++i) {
       owner_.push_back(static_cast<int>(i % static_cast<size_t>(nranks)));
       headers_.push_back(set.shards[i].header);
@@ -659,16 +680,12 @@ class NodeLocalTransaction final : public Transaction {
       rate_.throttle(bytes.size());
       return owners_.self().write(tx_, shard, offset, bytes);
     }
-    Command c;
-    c.op = Op::Write;
-    c.tx = tx_;
-    c.shard = shard;
-    c.offset = offset;
-    return owners_.link().post(owner_[shard], c, bytes, true, shard_what(shard));
+    return combiner_.add(shard, offset, bytes);
   }
 
   Status pread(uint32_t shard, uint64_t off, char* dst, size_t n) override {
     if (owner_[shard] == 0) return owners_.self().read(tx_, shard, off, dst, n);
+    CKPTFS_CHECK(combiner_.flush(shard));  // the owner answers after the writes it got
     for (size_t done = 0; done < n;) {
       const size_t len = std::min<size_t>(16 << 20, n - done);
       Command c;
@@ -770,6 +787,7 @@ class NodeLocalTransaction final : public Transaction {
   void abort() override {
     if (!committed_ && !aborted_) {
       aborted_ = true;
+      combiner_.drop();
       owners_.self().abort(tx_);
       for (int r : remote_ranks()) {
         Command c;
@@ -809,6 +827,7 @@ class NodeLocalTransaction final : public Transaction {
   }
 
   Status sync_all() {
+    CKPTFS_CHECK(combiner_.flush_all());
     std::vector<std::pair<uint64_t, uint32_t>> ids;
     for (int r : remote_ranks()) {
       Command c;
@@ -848,6 +867,7 @@ class NodeLocalTransaction final : public Transaction {
   std::vector<uint64_t> sizes_;
   const std::string what_;
   RateLimiter& rate_;
+  WriteCombiner combiner_;  // the remote shards' writes, coalesced into messages
   bool committed_ = false;
   bool aborted_ = false;
 };

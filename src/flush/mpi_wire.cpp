@@ -197,6 +197,58 @@ void RateLimiter::throttle(uint64_t n) {
   if (d.count() > 0) std::this_thread::sleep_for(d);
 }
 
+size_t WriteCombiner::limit_for(size_t shards) {
+  constexpr size_t kMax = 1 << 20, kTotal = 64 << 20, kMin = 64 << 10;
+  if (shards == 0) return kMax;
+  return std::clamp(kTotal / shards, kMin, kMax);
+}
+
+Status WriteCombiner::send(uint32_t shard, uint64_t offset, std::string_view bytes) {
+  ++sends_;
+  return send_(shard, offset, bytes);
+}
+
+Status WriteCombiner::add(uint32_t shard, uint64_t offset, std::string_view bytes) {
+  if (bytes.empty()) return {};
+  auto it = bufs_.find(shard);
+  if (it != bufs_.end() && it->second.offset + it->second.bytes.size() == offset &&
+      it->second.bytes.size() + bytes.size() <= limit_) {
+    it->second.bytes.append(bytes);
+    if (it->second.bytes.size() == limit_) return flush(shard);
+    return {};
+  }
+  CKPTFS_CHECK(flush(shard));
+  if (bytes.size() >= limit_) return send(shard, offset, bytes);
+  auto& b = bufs_[shard];
+  b.offset = offset;
+  b.bytes.reserve(limit_);
+  b.bytes.assign(bytes);
+  return {};
+}
+
+Status WriteCombiner::flush(uint32_t shard) {
+  auto it = bufs_.find(shard);
+  if (it == bufs_.end()) return {};
+  Buf b = std::move(it->second);
+  bufs_.erase(it);
+  return send(shard, b.offset, b.bytes);
+}
+
+Status WriteCombiner::flush_all() {
+  Status first;
+  while (!bufs_.empty()) {
+    auto st = flush(bufs_.begin()->first);
+    if (!st && first) first = std::move(st);
+  }
+  return first;
+}
+
+uint64_t WriteCombiner::buffered() const {
+  uint64_t n = 0;
+  for (const auto& [shard, b] : bufs_) n += b.bytes.size();
+  return n;
+}
+
 Result<std::string> target_root(const MpiOptions& o, int rank) {
   if (o.node_local()) return expand_target(o.target, rank);
   if (!o.rank_src.empty()) return expand_target(o.rank_src, rank);

@@ -603,3 +603,23 @@ def test_node_local_rank_killed_mid_flush(mpi_mounts, tmp_path):
     m2.wait_log(r"rank [01] removed \d+ node-local directories no record names")
     assert [target_shards(t) for t in targets] == committed
     m2.stop()
+
+
+def test_node_local_column_split_reads_back(mpi_mounts, tmp_path):
+    """-o split=tp with node-local targets: Llama's colwise/rowwise plan cuts tensors along
+    dim 1 too, so the writer's bytes reach each owner as one short run per row (coalesced into
+    large messages on the way, flush::mpi::WriteCombiner). The file reads back byte-exact and
+    each target holds only its rank's shards."""
+    model = make_model(19, torch.bfloat16, tp_plan=True)
+    ref = tmp_path / "ref"
+    model.save_pretrained(str(ref))
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", opts=(f"target={tmp_path}/T%r", "split=tp"))
+    view = pathlib.Path(m.mnt) / "ck"
+    model.save_pretrained(str(view))
+    for n in names(ref):
+        assert read(view / n) == read(ref / n), n
+    for r in range(NP):
+        held = target_shards(tmp_path / f"T{r}")
+        assert held and all(owned_by(r, v) for v in held.values()), (r, held)
+    m.stop()

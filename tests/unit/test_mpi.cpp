@@ -267,3 +267,67 @@ TEST(MpiRate, TokenBucket) {
   EXPECT_EQ(b.take(1'000'000, t0).count(), 0);
   EXPECT_EQ(b.take(1'000'000, t0), std::chrono::nanoseconds(1'000'000'000));
 }
+
+TEST(MpiCombine, ColumnRunsMergeIntoFewMessagesAndReadBackExactly) {
+  // A column split's runs: shard s gets `run` bytes per row, consecutive in its file; the
+  // writes arrive row by row, alternating shards.
+  const uint32_t shards = 3;
+  const size_t run = 820, rows = 4000, limit = 64 << 10;
+  std::vector<std::string> got(shards);
+  std::vector<uint64_t> messages(shards);
+  WriteCombiner c(limit, [&](uint32_t s, uint64_t off, std::string_view b) -> Status {
+    EXPECT_LE(b.size(), limit);
+    if (got[s].size() < off + b.size()) got[s].resize(off + b.size());
+    got[s].replace(off, b.size(), b);
+    ++messages[s];
+    return {};
+  });
+  std::vector<std::string> want(shards);
+  for (size_t r = 0; r < rows; ++r) {
+    for (uint32_t s = 0; s < shards; ++s) {
+      std::string bytes(run, static_cast<char>('a' + (r * 7 + s) % 26));
+      ASSERT_TRUE(c.add(s, 100 + r * run, bytes).ok());
+      want[s].resize(100 + r * run);
+      want[s] += bytes;
+    }
+  }
+  EXPECT_GT(c.buffered(), 0u);
+  ASSERT_TRUE(c.flush_all().ok());
+  EXPECT_EQ(c.buffered(), 0u);
+  for (uint32_t s = 0; s < shards; ++s) {
+    EXPECT_EQ(got[s].substr(100), want[s].substr(100)) << s;
+    // rows * run bytes in messages of about `limit`, not one per row.
+    EXPECT_LE(messages[s], rows * run / (limit - run) + 2) << s;
+  }
+  EXPECT_EQ(c.sends(), messages[0] + messages[1] + messages[2]);
+}
+
+TEST(MpiCombine, NonContiguousAndLargeWritesFlushFirstErrorsReachTheCaller) {
+  std::vector<std::pair<uint64_t, size_t>> sent;
+  bool fail = false;
+  WriteCombiner c(1024, [&](uint32_t, uint64_t off, std::string_view b) -> Status {
+    sent.emplace_back(off, b.size());
+    if (fail) return make_error(ENOSPC, "full");
+    return {};
+  });
+  ASSERT_TRUE(c.add(0, 0, std::string(100, 'x')).ok());
+  ASSERT_TRUE(c.add(0, 500, std::string(100, 'y')).ok());  // a gap: the first goes out
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0], std::make_pair(uint64_t{0}, size_t{100}));
+  ASSERT_TRUE(c.add(0, 600, std::string(4096, 'z')).ok());  // continues, but over the limit
+  ASSERT_EQ(sent.size(), 3u);
+  EXPECT_EQ(sent[1], std::make_pair(uint64_t{500}, size_t{100}));
+  EXPECT_EQ(sent[2], std::make_pair(uint64_t{600}, size_t{4096}));
+  ASSERT_TRUE(c.add(1, 0, std::string(10, 'w')).ok());
+  fail = true;
+  auto st = c.flush(1);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, ENOSPC);
+  ASSERT_TRUE(c.add(2, 0, std::string(10, 'v')).ok());
+  c.drop();  // an abort: nothing more is sent
+  EXPECT_TRUE(c.flush_all().ok());
+  EXPECT_EQ(sent.size(), 4u);
+  EXPECT_EQ(WriteCombiner::limit_for(3), size_t{1} << 20);
+  EXPECT_EQ(WriteCombiner::limit_for(1000), (size_t{64} << 20) / 1000);
+  EXPECT_EQ(WriteCombiner::limit_for(5000), size_t{64} << 10);
+}
