@@ -1,6 +1,10 @@
 // The pure parts of the OpenMPI flusher (include/ckptfs/flush/mpi.hpp): wire format,
 // backpressure accounting, target paths, rate limiting. No MPI here: always built and tested.
+#include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
+
+#include <cstring>
 
 #include <algorithm>
 #include <thread>
@@ -249,6 +253,33 @@ uint64_t WriteCombiner::buffered() const {
   return n;
 }
 
+Status claim_target(const std::string& root, const std::string& source) {
+  const std::string marker = root + "/" + std::string(kTargetOwnerFile);
+  const std::string want = source + "\n";
+  auto have = read_small_file(marker, 64 << 10);
+  if (have.ok()) {
+    if (*have == want) return {};
+    return make_error(EEXIST,
+                      "node-local target {} holds the shards of another source ({}), not {}: a "
+                      "mount removes what its own records do not name, so targets are never "
+                      "shared; use another target",
+                      root, have->substr(0, have->find('\n')), source);
+  }
+  if (have.error().code != ENOENT) return std::move(have).error().context(marker);
+  const std::string tmp = marker + ".tmp";
+  CKPTFS_TRY(UniqueFd fd, open_file(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+  CKPTFS_CHECK(pwrite_all(fd.get(), want.data(), want.size(), 0, tmp));
+  if (::fsync(fd.get()) != 0) return errno_error(tmp + ": fsync failed");
+  // RENAME_NOREPLACE: two mounts claiming one target at once cannot both win.
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, marker.c_str(), RENAME_NOREPLACE) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    if (e == EEXIST) return claim_target(root, source);
+    return make_error(e, "{}: cannot claim the target: {}", marker, std::strerror(e));
+  }
+  return {};
+}
+
 Result<std::string> target_root(const MpiOptions& o, int rank) {
   if (o.node_local()) return expand_target(o.target, rank);
   if (!o.rank_src.empty()) return expand_target(o.rank_src, rank);
@@ -270,6 +301,7 @@ Result<std::unique_ptr<ShardStore>> open_target(const MpiOptions& o, int rank) {
   }
   auto st = ShardStore::open(root);
   if (!st) return std::move(st).error().context(o.node_local() ? "node-local target" : "target");
+  if (o.node_local()) CKPTFS_CHECK(claim_target(root, o.source));
   return st;
 }
 

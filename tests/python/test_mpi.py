@@ -483,6 +483,8 @@ def target_shards(t) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for d, dirs, files in os.walk(t):
         for n in files:
+            if d == str(t) and n == ".ckptfs-owner":  # the source the target belongs to
+                continue
             m = SHARD_RE.match(n) or re.fullmatch(r"rank-(\d{5})", n)
             assert m, f"{d}/{n}: not a shard file in a node-local target"
             out.setdefault(os.path.relpath(d, t), []).append(int(m[1]))
@@ -623,3 +625,27 @@ def test_node_local_column_split_reads_back(mpi_mounts, tmp_path):
         held = target_shards(tmp_path / f"T{r}")
         assert held and all(owned_by(r, v) for v in held.values()), (r, held)
     m.stop()
+
+
+def test_node_local_target_of_another_source_is_refused(mpi_mounts, tmp_path):
+    """A node-local target belongs to the source that first used it (T/.ckptfs-owner): a job
+    mounting another SRC with the same targets is refused at start (its sweep would remove the
+    first source's shards), naming both sources; the first source's file still reads back."""
+    src = mkdir(tmp_path / "src")
+    opts = (f"target={tmp_path}/T%r",)
+    m = mpi_mounts(src, tmp_path / "mnt", opts=opts)
+    mkdir(pathlib.Path(m.mnt) / "d")
+    want = save_file_to(pathlib.Path(m.mnt) / "d" / "model.safetensors", 31, 256)
+    m.stop()
+    other = mkdir(tmp_path / "other")
+    mnt = mkdir(tmp_path / "mnt-other")
+    r = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(NP),
+                        *COMMON_ARGS, *LO_ARGS, BIN, "mount", str(other), str(mnt), "-o",
+                        ",".join(opts)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert not os.path.ismount(mnt)
+    out = r.stdout + r.stderr
+    assert "holds the shards of another source" in out and str(src) in out, out[-3000:]
+    m2 = mpi_mounts(src, tmp_path / "mnt2", opts=opts)
+    assert read(pathlib.Path(m2.mnt) / "d" / "model.safetensors") == want
+    m2.stop()

@@ -96,6 +96,15 @@ TEST(MpiTarget, NodeLocalTargetIsMadePerRank) {
   auto st = open_target(o, 3);
   ASSERT_TRUE(st) << st.error().message;
   EXPECT_EQ((*st)->root_path(), base + "/t/3/ckpt");
+  // The target now belongs to this source: a mount of another one is refused, naming both.
+  EXPECT_TRUE(open_target(o, 3));
+  MpiOptions other = o;
+  other.source = base + "/other-src";
+  auto refused = open_target(other, 3);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().code, EEXIST);
+  EXPECT_NE(refused.error().message.find(base + "/src"), std::string::npos);
+  EXPECT_NE(refused.error().message.find("other-src"), std::string::npos);
   o.target.clear();
   o.rank_src = base + "/view%r";
   EXPECT_EQ(*target_root(o, 1), base + "/view1");

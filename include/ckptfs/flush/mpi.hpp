@@ -200,8 +200,16 @@ struct MpiOptions {
 // The directory rank `rank` keeps its shards under: node-local mode, its expansion of
 // -o target=; shared mode, its expansion of -o rank_src=, or SRC.
 Result<std::string> target_root(const MpiOptions& o, int rank);
-// That directory's ShardStore; node-local targets are made (like mkdir -p) when missing.
+// That directory's ShardStore; node-local targets are made (like mkdir -p) when missing, and
+// claimed for SRC (claim_target).
 Result<std::unique_ptr<ShardStore>> open_target(const MpiOptions& o, int rank);
+
+// A node-local target belongs to one source: the first mount writes `source` into
+// <root>/.ckptfs-owner, a mount of another source is refused (EEXIST, naming both). Each mount
+// sweeps what its own records do not name, so two sources sharing a target would remove each
+// other's shards.
+inline constexpr std::string_view kTargetOwnerFile = ".ckptfs-owner";
+Status claim_target(const std::string& root, const std::string& source);
 
 // The largest Read or ReadPath a rank answers.
 inline constexpr uint64_t kMaxReadBytes = uint64_t{64} << 20;
