@@ -207,42 +207,47 @@ std::vector<Request> all_tensors(const Source& src) {
 
 Result<LoadResult> load(const Source& src, std::span<Request> reqs, Backend& backend,
                         const LoadOptions& opts, Collective* coll) {
-  if (opts.chunk == 0 || opts.chunk % kChecksumBlock != 0) {
-    return make_error(EINVAL, "chunk size {} is not a positive multiple of {} bytes", opts.chunk,
-                      kChecksumBlock);
-  }
-  CKPTFS_TRY(auto res, resolve(src, reqs));
+  const bool shared = coll && coll->size() > 1;
+  const unsigned me = shared ? coll->rank() : 0;
+  LoadResult out;
+  std::vector<unsigned> owner(reqs.size(), 0);
+  std::vector<Resolved> res;
   const auto t0 = std::chrono::steady_clock::now();
   const uint64_t read0 = src.bytes_read();
-  LoadResult out;
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    if (reqs[i].dst) continue;
-    CKPTFS_TRY(Buffer b, backend.alloc_dest(static_cast<size_t>(res[i].bytes)));
-    reqs[i].dst = b.data();
-    out.owned.push_back(std::move(b));
-  }
-
-  const bool shared = coll && coll->size() > 1;
-  std::vector<unsigned> owner(reqs.size(), 0);
-  if (shared) {
-    std::vector<uint64_t> bytes(reqs.size());
-    for (size_t i = 0; i < reqs.size(); ++i) bytes[i] = res[i].bytes;
-    owner = assign_balanced(bytes, coll->size());
-  }
-  const unsigned me = shared ? coll->rank() : 0;
-  std::vector<Piece> pieces;
-  for (uint32_t i = 0; i < reqs.size(); ++i) {
-    if (owner[i] != me) continue;
-    for (uint64_t off = 0; off < res[i].bytes; off += opts.chunk) {
-      pieces.push_back(Piece{i, off, std::min(opts.chunk, res[i].bytes - off)});
+  std::unique_ptr<Pipeline> pipe;
+  // This rank's part: check, allocate, read its share. Every failure still goes through the
+  // collective's all_ok below, so the other ranks learn it instead of waiting in a broadcast.
+  auto local = [&]() -> Status {
+    if (opts.chunk == 0 || opts.chunk % kChecksumBlock != 0) {
+      return make_error(EINVAL, "chunk size {} is not a positive multiple of {} bytes", opts.chunk,
+                        kChecksumBlock);
     }
-  }
-  const unsigned want = opts.threads ? opts.threads : default_threads();
-  const auto threads =
-      static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(want, pieces.size())));
-  const unsigned slots = opts.ring_slots ? opts.ring_slots : 2 * threads;
-  Pipeline pipe(src, reqs, res, backend, opts, std::move(pieces));
-  Status local = pipe.run(threads, slots);
+    CKPTFS_TRY(res, resolve(src, reqs));
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (reqs[i].dst) continue;
+      CKPTFS_TRY(Buffer b, backend.alloc_dest(static_cast<size_t>(res[i].bytes)));
+      reqs[i].dst = b.data();
+      out.owned.push_back(std::move(b));
+    }
+    if (shared) {
+      std::vector<uint64_t> bytes(reqs.size());
+      for (size_t i = 0; i < reqs.size(); ++i) bytes[i] = res[i].bytes;
+      owner = assign_balanced(bytes, coll->size());
+    }
+    std::vector<Piece> pieces;
+    for (uint32_t i = 0; i < reqs.size(); ++i) {
+      if (owner[i] != me) continue;
+      for (uint64_t off = 0; off < res[i].bytes; off += opts.chunk) {
+        pieces.push_back(Piece{i, off, std::min(opts.chunk, res[i].bytes - off)});
+      }
+    }
+    const unsigned want = opts.threads ? opts.threads : default_threads();
+    const auto threads =
+        static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(want, pieces.size())));
+    const unsigned slots = opts.ring_slots ? opts.ring_slots : 2 * threads;
+    pipe = std::make_unique<Pipeline>(src, reqs, res, backend, opts, std::move(pieces));
+    return pipe->run(threads, slots);
+  }();
 
   LoadStats& st = out.stats;
   if (shared) {
@@ -267,7 +272,7 @@ Result<LoadResult> load(const Source& src, std::span<Request> reqs, Backend& bac
     st.checksums.resize(reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i) {
       if (owner[i] == me) {
-        st.checksums[i] = pipe.checksum(i);
+        st.checksums[i] = pipe->checksum(i);
       } else {
         CKPTFS_TRY(st.checksums[i], checksum_dest(backend, reqs[i].dst, res[i].bytes, opts.chunk));
       }
