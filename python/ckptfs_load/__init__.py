@@ -43,7 +43,8 @@ class _Request(ctypes.Structure):
 class _Options(ctypes.Structure):
     _fields_ = [("device", ctypes.c_char_p), ("threads", ctypes.c_uint),
                 ("chunk_bytes", ctypes.c_uint64), ("ring_slots", ctypes.c_uint),
-                ("streams", ctypes.c_uint), ("checksum", ctypes.c_int)]
+                ("streams", ctypes.c_uint), ("checksum", ctypes.c_int),
+                ("always_stage", ctypes.c_int)]
 
 
 class _Stats(ctypes.Structure):
@@ -198,8 +199,12 @@ class Checkpoint:
         self.close()
 
     def load(self, requests, device: str = "cpu", threads: int = 0, chunk_mb: int = 16,
-             ring: int = 0, streams: int = 0, checksum: bool = False, comm: Comm | None = None) -> Stats:
-        """requests: (name, data_ptr, nbytes) or (name, data_ptr, nbytes, (row_begin, row_end))."""
+             ring: int = 0, streams: int = 0, checksum: bool = False, comm: Comm | None = None,
+             stage: bool = False) -> Stats:
+        """requests: (name, data_ptr, nbytes) or (name, data_ptr, nbytes, (row_begin, row_end)).
+
+        stage: host destinations through the staging ring too, as a GPU's (default: straight).
+        """
         reqs = (_Request * len(requests))()
         keep = []
         for r, q in zip(reqs, requests):
@@ -208,7 +213,8 @@ class Checkpoint:
             r.name, r.dst, r.bytes = name, q[1], q[2]
             if len(q) > 3 and q[3] is not None:
                 r.row_begin, r.row_end, r.has_rows = q[3][0], q[3][1], 1
-        opts = _Options(device.encode(), threads, chunk_mb << 20, ring, streams, int(checksum))
+        opts = _Options(device.encode(), threads, chunk_mb << 20, ring, streams, int(checksum),
+                        int(stage))
         stats = _Stats()
         sums = (ctypes.c_uint64 * max(1, len(requests)))()
         rc = _library().ckptfs_load_run(self._h, reqs, len(requests), ctypes.byref(opts),
@@ -238,6 +244,27 @@ def _empty_for(info: TensorInfo, device):
     return torch.empty(info.shape, dtype=dt, device=device)
 
 
+_HUGE = 2 << 20
+_libc = None
+
+
+def _advise_huge(t) -> None:
+    """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a large CPU tensor not yet
+    touched: first-touch page faults then cost 512x fewer (on a 2-core VM the faults of
+    4 KiB pages halved the load rate). Advisory: ignored where unsupported."""
+    global _libc
+    n = t.numel() * t.element_size()
+    if t.device.type != "cpu" or n < 4 * _HUGE:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = (t.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
+    end = (t.data_ptr() + n) // _HUGE * _HUGE
+    if end > start:
+        _libc.madvise(start, end - start, 14)  # MADV_HUGEPAGE
+
+
 def _device_str(device) -> str:
     import torch
     d = torch.device(device)
@@ -257,6 +284,7 @@ def load_state_dict(ckpt_dir, device="cpu", names=None, dtype: str = "auto", dir
         out, reqs = {}, []
         for info in infos:
             t = _empty_for(info, dev)
+            _advise_huge(t)
             out[info.name] = t
             reqs.append((info.name, t.data_ptr() if info.nbytes else None, info.nbytes))
         ck.load(reqs, device=dev, comm=comm, **load_options)

@@ -21,15 +21,16 @@ namespace {
 
 constexpr std::string_view kUsage =
     R"(usage: ckptfs load CKPT [--device cpu|cuda:N] [--threads T] [--chunk-mb C] [--ring N]
-                   [--direct] [--dtype D] [--bench] [--json]
+                   [--direct] [--stage] [--dtype D] [--bench] [--json]
 
 Loads every tensor of the checkpoint in CKPT into memory of the device, without a mount,
 and reports bytes, seconds and GB/s. CKPT holds rank shards (read through the extent map,
 validated as the mount does: a checkpoint with problems is refused, each problem listed) or
 consolidated model.safetensors / model-K-of-M.safetensors files. Reads are made by T threads
-into a ring of N staging buffers of C MiB (pinned memory with CUDA), then copied to the
-device (cudaMemcpyAsync) or to host memory (cpu). Every tensor is checksummed (XXH64 of
-each 1 MiB block, summed; see docs/loader.md) as it is read.
+in pieces of C MiB into a ring of N staging buffers (pinned memory) and copied to the GPU
+(cudaMemcpyAsync on a few streams); with --device cpu each piece is read straight into the
+destination memory (--stage: through the ring and a memcpy, as for a GPU). Every tensor is
+checksummed (XXH64 of each 1 MiB block, summed; see docs/loader.md) as it is read.
 
 options:
   --device D    cpu (default) or cuda:N; cuda fails when there is no such GPU or this
@@ -39,6 +40,7 @@ options:
   --ring N      staging buffers (default: 2 x threads)
   --direct      read long runs with O_DIRECT (bypassing the page cache); falls back to
                 buffered reads where the file system refuses it
+  --stage       cpu: through the staging ring too (the GPU pipeline with memcpy)
   --dtype D     auto (default, as the mount), stored, bf16, fp16 or fp32 (rank shards only)
   --bench       time the load alone: no checksum while loading, then a checksum of the
                 destination memory afterwards (untimed)
@@ -52,8 +54,9 @@ std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
 
 int cmd_load(std::span<char*> argv) {
   static constexpr OptSpec spec[] = {
-      {"device", 0, true},  {"threads", 'j', true}, {"chunk-mb", 0, true}, {"ring", 0, true},
-      {"direct", 0, false}, {"dtype", 0, true},     {"bench", 0, false},   {"json", 0, false}};
+      {"device", 0, true}, {"threads", 'j', true}, {"chunk-mb", 0, true},
+      {"ring", 0, true},   {"direct", 0, false},   {"dtype", 0, true},
+      {"bench", 0, false}, {"json", 0, false},     {"stage", 0, false}};
   const std::string usage = fmt::format(kUsage, load::default_threads());
   auto parsed = parse_command(argv, spec, {"load", usage, "CKPT", 1});
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
@@ -79,6 +82,7 @@ int cmd_load(std::span<char*> argv) {
   const bool bench = args.has("bench");
   const bool json = args.has("json");
   lo.checksum = !bench;
+  if (args.has("stage")) lo.staging = load::LoadOptions::Staging::Always;
   const std::string device = args.get("device").value_or("cpu");
   const std::string dir = args.positional[0];
   load::SourceOptions so;
@@ -141,6 +145,7 @@ int cmd_load(std::span<char*> argv) {
     j["ring"] = lo.ring_slots ? lo.ring_slots : 2 * threads;
     j["direct"] = so.direct;
     j["direct_fallback"] = st.direct_fallback;
+    j["staged"] = (*backend)->on_device() || args.has("stage");
     j["bench"] = bench;
     j["checksum"] = hex(total);
     nlohmann::ordered_json per = nlohmann::ordered_json::object();

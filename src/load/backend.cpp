@@ -1,5 +1,7 @@
 #include "ckptfs/load/backend.hpp"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -8,10 +10,16 @@ namespace {
 
 constexpr size_t kPage = 4096;
 
+constexpr size_t kHuge = 2ull << 20;
+
+// Page-aligned host memory; from 4 MiB up, 2 MiB-aligned and advised for transparent huge
+// pages, so a loaded tensor costs 512x fewer page faults on first touch.
 Result<Buffer> aligned_host(size_t bytes) {
-  const size_t n = ((bytes ? bytes : 1) + kPage - 1) / kPage * kPage;
-  void* p = std::aligned_alloc(kPage, n);
+  const size_t align = bytes >= 2 * kHuge ? kHuge : kPage;
+  const size_t n = ((bytes ? bytes : 1) + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, n);
   if (!p) return make_error(ENOMEM, "cannot allocate {} bytes of host memory", bytes);
+  if (align == kHuge) (void)::madvise(p, n, MADV_HUGEPAGE);  // advisory
   return Buffer(p, bytes, [](void* q) { std::free(q); });
 }
 

@@ -99,6 +99,7 @@ int ckptfs_load_run(ckptfs_load_ckpt* ck, ckptfs_load_request* reqs, size_t n,
       lo.ring_slots = options->ring_slots;
       if (options->streams) lo.streams = options->streams;
       lo.checksum = options->checksum != 0;
+      if (options->always_stage) lo.staging = ckptfs::load::LoadOptions::Staging::Always;
     }
     auto backend = ckptfs::load::make_backend(device);
     if (!backend) return fail(ck, backend.error());

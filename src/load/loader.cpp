@@ -67,6 +67,13 @@ class Pipeline {
 
   Status run(unsigned threads, unsigned slots) {
     if (pieces_.empty()) return {};
+    if (!backend_.on_device() && opts_.staging == LoadOptions::Staging::Auto) {
+      // Host destination: no staging ring, each piece read straight into place.
+      std::vector<std::thread> workers;
+      for (unsigned t = 0; t < threads; ++t) workers.emplace_back([&] { work_direct(); });
+      for (auto& w : workers) w.join();
+      return first_error_;
+    }
     uint64_t biggest = 0;
     for (const auto& p : pieces_) biggest = std::max(biggest, p.len);
     for (unsigned i = 0; i < slots; ++i) {
@@ -93,6 +100,28 @@ class Pipeline {
     }
     failed_.store(true);
     ring.wake_all();
+  }
+
+  void work_direct() {
+    ReadScratch scratch;
+    while (!failed_.load()) {
+      const size_t k = next_.fetch_add(1);
+      if (k >= pieces_.size()) break;
+      const Piece& p = pieces_[k];
+      const auto& r = res_[p.req];
+      char* dst = static_cast<char*>(reqs_[p.req].dst) + p.off;
+      auto st = src_.read(r.tensor, r.offset + p.off, p.len, dst, scratch);
+      if (!st) {
+        std::lock_guard lock(mu_);
+        if (first_error_.ok()) {
+          first_error_ =
+              std::move(st).error().context(fmt::format("tensor '{}'", reqs_[p.req].name));
+        }
+        failed_.store(true);
+        return;
+      }
+      if (opts_.checksum) sums_[p.req].fetch_add(checksum_part(dst, p.off, p.len));
+    }
   }
 
   void work(unsigned t, Ring& ring) {

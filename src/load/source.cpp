@@ -116,10 +116,31 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
                         "consolidated model.safetensors or model-K-of-M.safetensors",
                         dir);
     }
-    if (single && !numbered.empty()) {
+    if (single && !numbered.empty() && !has_index) {
       return make_error(EINVAL, "{}: both model.safetensors and model-K-of-M files", dir);
     }
-    if (single) {
+    if (has_index) {
+      // The index names the files (a set written by ckptfs consolidate has no file for a
+      // number that holds no tensor).
+      const std::string ipath = dir + "/" + std::string(format::kIndexFileName);
+      CKPTFS_TRY(auto text, read_small_file(ipath, format::kMaxSideFileSize));
+      CKPTFS_TRY(auto index, format::parse_index(text, ipath));
+      std::set<std::string> used;
+      for (const auto& [name, file] : index.weight_map) {
+        s->index_[name] = file;
+        used.insert(file);
+      }
+      for (const auto& f : used) {
+        const bool known =
+            (single && f == *single) || std::any_of(numbered.begin(), numbered.end(),
+                                                    [&](const auto& kv) { return kv.second == f; });
+        if (!known)
+          return make_error(ENOENT, "{}: {} names {}, which is missing", dir,
+                            format::kIndexFileName, f);
+        s->names_.push_back(f);
+      }
+      s->has_index_ = true;
+    } else if (single) {
       s->names_.push_back(*single);
     } else {
       for (uint32_t k = 1; k <= m; ++k) {
@@ -131,17 +152,6 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
       }
     }
     for (const auto& n : s->names_) files.emplace_back(dir + "/" + n, nullptr);
-    if (has_index) {
-      CKPTFS_TRY(auto text, read_small_file(dir + "/" + std::string(format::kIndexFileName),
-                                            format::kMaxSideFileSize));
-      CKPTFS_TRY(auto index,
-                 format::parse_index(text, dir + "/" + std::string(format::kIndexFileName)));
-      s->ck_ = nullptr;
-      // Checked below, once the headers are read: every tensor in its file, and only those.
-      std::map<std::string, std::string> wm(index.weight_map.begin(), index.weight_map.end());
-      s->index_ = std::move(wm);
-      s->has_index_ = true;
-    }
   }
 
   for (const auto& [path, stamp] : files) {

@@ -235,6 +235,7 @@ TEST(Load, CastViewMatchesTheExtentMap) {
   load::LoadOptions lo;
   lo.threads = 3;
   lo.chunk = 1ull << 20;
+  lo.staging = load::LoadOptions::Staging::Always;
   auto got = load_all(**src, lo);
   for (const auto& [name, bytes] : ref) EXPECT_TRUE(got[name] == bytes) << name;
   // col.weight was BF16: served as F32, twice the bytes.
@@ -260,6 +261,7 @@ TEST(Load, ConsolidatedInputAndDirect) {
     lo.threads = 4;
     lo.chunk = 1ull << 20;
     lo.ring_slots = 3;
+    lo.staging = direct ? load::LoadOptions::Staging::Always : load::LoadOptions::Staging::Auto;
     auto got = load_all(**src, lo);
     ASSERT_EQ(got.size(), c.truth.size());
     for (const auto& [name, bytes] : c.truth) EXPECT_TRUE(got[name] == bytes) << name;
@@ -288,6 +290,7 @@ TEST(Load, SlicesAndCallerMemory) {
   load::LoadOptions lo;
   lo.chunk = 1ull << 20;
   lo.ring_slots = 1;
+  lo.staging = load::LoadOptions::Staging::Always;
   auto r = load::load(**src, reqs, *backend, lo);
   ASSERT_TRUE(r.ok()) << r.error().message;
   EXPECT_TRUE(a == row.substr(3 * row_bytes, a.size()));
@@ -435,6 +438,7 @@ TEST(LoadCollective, ThreadRanksReadOnceAndAllGetEveryByte) {
           lo.threads = 2;
           lo.chunk = 1ull << 20;
           lo.checksum = true;
+          if (std::string(dtype) == "stored") lo.staging = load::LoadOptions::Staging::Always;
           auto res = load::load(**src, reqs, *backend, lo, coll.get());
           if (!res) {
             errors[r] = res.error().message;
@@ -499,4 +503,28 @@ TEST(LoadCollective, AFailingRankFailsEveryRankWithoutHanging) {
   ASSERT_FALSE(results[0].ok());
   EXPECT_NE(results[0].error().message.find("another rank failed"), std::string::npos)
       << results[0].error().message;
+}
+
+TEST(Load, ConsolidatedSetWithAnUnusedFileNumber) {
+  // Tensors in files 1 and 3 of 3: ckptfs consolidate writes no file 2; the index names the
+  // files, and a file the index names but that is missing is refused, named.
+  test::TempDir tmp;
+  const std::string dir = tmp.path() + "/ck";
+  auto truth = write_ckpt(
+      dir, {{"a", DType::F32, {8, 4}, {2, 1}, 1, false}, {"b", DType::BF16, {6}, {}, 3, false}}, 2,
+      3, 4);
+  engine::ConsolidateOptions co;
+  co.src = dir;
+  co.dst = tmp.path() + "/cons";
+  ASSERT_TRUE(engine::consolidate(co).ok());
+  ASSERT_FALSE(stdfs::exists(co.dst + "/" + format::model_file_name(2, 3)));
+  auto src = load::Source::open(co.dst);
+  ASSERT_TRUE(src.ok()) << src.error().message;
+  auto got = load_all(**src, {});
+  EXPECT_TRUE(got == truth);
+  stdfs::remove(co.dst + "/" + format::model_file_name(3, 3));
+  src = load::Source::open(co.dst);
+  ASSERT_FALSE(src.ok());
+  EXPECT_NE(src.error().message.find(format::model_file_name(3, 3)), std::string::npos)
+      << src.error().message;
 }

@@ -36,6 +36,7 @@ typedef struct {
   unsigned ring_slots;  /* staging buffers; 0: 2 x threads */
   unsigned streams;     /* CUDA streams; 0: 4 */
   int checksum;         /* fill `checksums` of ckptfs_load_run (see docs/loader.md) */
+  int always_stage;     /* host destinations through the staging ring too (default: straight) */
 } ckptfs_load_options;
 
 typedef struct {

@@ -7,6 +7,9 @@
 //     the piece -> Backend::copy (cudaMemcpyAsync on stream t % S + event, or memcpy)
 //     -> the slot goes back to the ring.
 //   Memory: ring_slots x chunk bytes of staging, whatever the checkpoint size.
+//   Host destinations (the CPU backend) skip the ring by default (Staging::Auto): each piece
+//   is produced straight into the destination, saving a memcpy; Staging::Always runs the
+//   device pipeline unchanged with memcpy as the copy (what CI tests of the GPU path's logic).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +37,10 @@ struct LoadOptions {
   unsigned ring_slots = 0;         // 0: 2 x threads
   unsigned streams = 4;            // CUDA streams the copies are spread over
   bool checksum = false;           // fill LoadStats::checksums
+  // Auto: through the ring for a device, straight into host destinations. Always: the ring
+  // for every backend.
+  enum class Staging : uint8_t { Auto, Always };
+  Staging staging = Staging::Auto;
 };
 
 struct Request {
