@@ -284,11 +284,20 @@ Result<LoadResult> load(const Source& src, std::span<Request> reqs, Backend& bac
     if (!local) return std::move(local).error();
     if (!all) return std::move(all).error();
     if (!*all) return make_error(EIO, "rank {}: another rank failed to read its share", me);
+    // Broadcasts in groups of kGroup (ncclGroupStart/End), so a model of thousands of
+    // tensors never queues them all at once.
+    constexpr size_t kGroup = 64;
+    size_t in_group = 0;
     CKPTFS_CHECK(coll->begin_group());
     for (size_t i = 0; i < reqs.size(); ++i) {
       if (res[i].bytes == 0) continue;
       CKPTFS_CHECK(coll->broadcast(reqs[i].dst, res[i].bytes, owner[i]));
       if (owner[i] != me) st.bytes_shared += res[i].bytes;
+      if (++in_group == kGroup) {
+        CKPTFS_CHECK(coll->end_group());
+        CKPTFS_CHECK(coll->begin_group());
+        in_group = 0;
+      }
     }
     CKPTFS_CHECK(coll->end_group());
   } else if (!local) {
