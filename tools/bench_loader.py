@@ -21,8 +21,8 @@ Variants (each run in this process or a child, all delivering every tensor into 
                      into fresh memory of the whole size (first-touch faults included, as a
                      loader pays), T Python threads (they release the GIL in preadv)
 Cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before the run (skipped where refused).
-Warm: an untimed run of the same variant first. GB/s = tensor bytes / seconds (preadv: file
-bytes). Prints a markdown table.
+Warm: an untimed run of the same variant first. Each cell is the median of --repeat timed
+runs. GB/s = tensor bytes / seconds (preadv: file bytes). Prints a markdown table.
 
   python tools/bench_loader.py --dir /var/tmp/bench-load --size 1.5 [--threads 2]
 """
@@ -145,6 +145,8 @@ def main():
     ap.add_argument("--layout", choices=("row", "col"), default="row")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--modes", default="warm,cold")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per cell; the median is "
+                    "reported (default %(default)s)")
     ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", str(ROOT / "build/src/ckptfs")))
     ap.add_argument("--no-mount", action="store_true")
     a = ap.parse_args()
@@ -217,13 +219,18 @@ def main():
         for name, fn, size in variants:
             res = {}
             for mode in modes:
-                if mode == "cold":
-                    if not drop_caches():
-                        res[mode] = None
-                        continue
-                else:
-                    fn()  # untimed: the page cache warm
-                secs, _ = fn()
+                times = []
+                for _ in range(a.repeat):
+                    if mode == "cold":
+                        if not drop_caches():
+                            break
+                    elif not times:
+                        fn()  # untimed: the page cache warm
+                    times.append(fn()[0])
+                if not times:
+                    res[mode] = None
+                    continue
+                secs = sorted(times)[len(times) // 2]
                 res[mode] = (secs, size / secs / 1e9)
             rows.append((name, res))
             print(f"# {name}: " + ", ".join(
@@ -235,7 +242,8 @@ def main():
 
     print(f"\nCheckpoint: {nbytes / 1e9:.2f} GB of tensors, {a.layout}-sharded over {a.world} "
           f"ranks, bf16; {len(files)} consolidated files. Machine: {os.cpu_count()} cores, "
-          f"CPU destination. Command: python tools/bench_loader.py {' '.join(sys.argv[1:])}\n")
+          f"CPU destination, median of {a.repeat} runs. "
+          f"Command: python tools/bench_loader.py {' '.join(sys.argv[1:])}\n")
     head = "| variant | " + " | ".join(f"{m} GB/s | {m} s" for m in modes) + " |"
     print(head)
     print("|" + "---|" * (1 + 2 * len(modes)))

@@ -50,6 +50,20 @@ options:
 
 std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
 
+// An error, one printable line per line of its message (a refused checkpoint lists one
+// problem a line).
+void print_error(std::string_view msg) {
+  fmt::print(stderr, "ckptfs load: ");
+  size_t at = 0;
+  while (true) {
+    const size_t nl = msg.find('\n', at);
+    fmt::print(stderr, "{}\n",
+               printable(msg.substr(at, nl == std::string_view::npos ? nl : nl - at)));
+    if (nl == std::string_view::npos) break;
+    at = nl + 1;
+  }
+}
+
 }  // namespace
 
 int cmd_load(std::span<char*> argv) {
@@ -91,12 +105,13 @@ int cmd_load(std::span<char*> argv) {
 
   auto backend = load::make_backend(device);
   if (!backend) {
-    fmt::print(stderr, "ckptfs load: {}\n", printable(backend.error().message));
+    print_error(backend.error().message);
     return backend.error().code == EINVAL ? 2 : 1;
   }
   auto src = load::Source::open(dir, so);
   if (!src) {
-    fmt::print(stderr, "ckptfs load: {}\n", printable(src.error().message));
+    print_error(src.error().message);
+    if (src.error().code != ENOENT) return 1;
     if (auto below = source::find_checkpoint_dirs(dir); below && !below->dirs.empty()) {
       fmt::print(stderr, "checkpoints found below it:\n");
       for (const auto& d : below->dirs) fmt::print(stderr, "  {}\n", printable(d));
@@ -106,7 +121,7 @@ int cmd_load(std::span<char*> argv) {
   auto reqs = load::all_tensors(**src);
   auto r = load::load(**src, reqs, **backend, lo);
   if (!r) {
-    fmt::print(stderr, "ckptfs load: {}\n", printable(r.error().message));
+    print_error(r.error().message);
     return 1;
   }
   std::vector<std::pair<std::string, uint64_t>> sums;
@@ -115,7 +130,7 @@ int cmd_load(std::span<char*> argv) {
     if (bench) {
       auto v = load::checksum_dest(**backend, reqs[i].dst, reqs[i].bytes, lo.chunk);
       if (!v) {
-        fmt::print(stderr, "ckptfs load: {}\n", printable(v.error().message));
+        print_error(v.error().message);
         return 1;
       }
       c = *v;

@@ -194,6 +194,16 @@ def test_cli_refusals(corpus, tmp_path):
     assert r.returncode == 1 and "no rank shard files" in r.stderr
     r = cli(d, "--chunk-mb", 0, check=False)
     assert r.returncode == 2
+    # A broken checkpoint: refused, one problem a line, naming the shard and the tensor.
+    bad = tmp_path / "bad"
+    write_checkpoint(str(bad), [TensorSpec("w", "F32", (8, 4), (2, 1))], world=2, seed=3)
+    victim = sorted(bad.glob("shard-*"))[0]
+    os.truncate(victim, victim.stat().st_size - 4)
+    r = cli(bad, check=False)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and "not a complete, valid checkpoint" in lines[0], r.stderr
+    assert any(victim.name in ln and "tensor 'w'" in ln for ln in lines[1:]), r.stderr
+    assert r.stdout == ""
 
 
 @needs_gpu
