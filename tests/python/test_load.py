@@ -162,6 +162,30 @@ def test_load_into_transformers_model(tmp_path, stored):
         assert torch.equal(v, ref[k].to(torch.bfloat16)), k
 
 
+def test_transformers_style_loader(tmp_path):
+    """The loader of docs/loader.md, as written there (device cpu): logits equal."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    src = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    _save_as_shards(src, tmp_path / "ck")
+    cfg.save_pretrained(str(tmp_path / "ck"))
+
+    def from_shards(ckpt_dir, config_dir, device="cuda:0", dtype=torch.bfloat16):
+        config = transformers.AutoConfig.from_pretrained(config_dir)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+        ckptfs_load.load_into(model, ckpt_dir)  # every parameter in place, from the shards
+        return model.eval()
+
+    torch.manual_seed(3)
+    model = from_shards(tmp_path / "ck", tmp_path / "ck", device="cpu")
+    ids = torch.tensor([[1, 5, 17, 42, 99, 128]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, src.eval()(ids).logits)
+
+
 def cli(*args, check=True):
     return subprocess.run([BIN, "load", *map(str, args)], capture_output=True, text=True,
                           check=check)
