@@ -145,6 +145,7 @@ class Comm:
     """An NCCL communicator for read-once loading: rank `rank` of `ranks` on CUDA `device`."""
 
     def __init__(self, unique_id: bytes, rank: int, ranks: int, device: int):
+        self._h = None
         lib, handle = _library(), ctypes.c_void_p()
         err = ctypes.create_string_buffer(4096)
         rc = lib.ckptfs_load_comm_open(unique_id, rank, ranks, device, ctypes.byref(handle), err,
@@ -154,7 +155,7 @@ class Comm:
         self._h = handle
 
     def close(self):
-        if self._h:
+        if getattr(self, "_h", None):
             _library().ckptfs_load_comm_close(self._h)
             self._h = None
 

@@ -230,6 +230,19 @@ def test_cli_refusals(corpus, tmp_path):
     assert r.stdout == ""
 
 
+def test_nccl_without_a_gpu_fails_cleanly():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this checks the no-GPU error path")
+    if not ckptfs_load.features()["nccl"]:
+        with pytest.raises(ckptfs_load.LoadError, match="without NCCL"):
+            ckptfs_load.nccl_unique_id()
+        return
+    uid = ckptfs_load.nccl_unique_id()  # needs no GPU
+    assert len(uid) == 128
+    with pytest.raises(ckptfs_load.LoadError, match="cudaSetDevice"):
+        ckptfs_load.Comm(uid, 0, 1, 0)
+
+
 @needs_gpu
 def test_gpu_load_state_dict(corpus):
     d, _, ck = corpus["tp_col_world8"]
