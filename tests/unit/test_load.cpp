@@ -406,16 +406,20 @@ TEST(LoadCollective, ThreadRanksReadOnceAndAllGetEveryByte) {
                      false});
   }
   specs.push_back({"norm", DType::F32, {33}, {}, 1, true});
-  for (const char* dtype : {"stored", "fp32"}) {
+  // Layouts: many row- and column-sharded tensors (stored, and a cast view), then the mixed
+  // set (2-D grid, uneven, replicated, 0-d, empty) over 5 ranks.
+  for (auto [dtype, mixed] :
+       {std::pair{"stored", false}, std::pair{"fp32", false}, std::pair{"stored", true}}) {
     test::TempDir tmp;
     const std::string dir = tmp.path() + "/ck";
-    auto truth = write_ckpt(dir, specs, 4, 2, 9);
+    auto truth = mixed ? write_ckpt(dir, mixed_specs(), 5, 2, 11) : write_ckpt(dir, specs, 4, 2, 9);
     const auto ref = extent_map_reference(dir, dtype);
     uint64_t total = 0;
     for (const auto& [n, b] : ref) total += b.size();
     uint64_t read_alone = 0;  // what one rank reads (source bytes: half the served for BF16->F32)
     for (unsigned ranks : {1u, 2u, 3u, 4u}) {
-      SCOPED_TRACE(testing::Message() << ranks << " ranks, dtype " << dtype);
+      SCOPED_TRACE(testing::Message()
+                   << ranks << " ranks, dtype " << dtype << (mixed ? ", mixed layouts" : ""));
       auto group = load::ThreadGroup::create(ranks, 60000);
       std::vector<std::map<std::string, std::string>> got(ranks);
       std::vector<load::LoadStats> stats(ranks);
