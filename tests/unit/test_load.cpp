@@ -532,3 +532,36 @@ TEST(Load, ConsolidatedSetWithAnUnusedFileNumber) {
   EXPECT_NE(src.error().message.find(format::model_file_name(3, 3)), std::string::npos)
       << src.error().message;
 }
+
+TEST(LoadCuda, OnTheDeviceOrACleanRefusal) {
+  auto bad = load::make_backend("tpu");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, EINVAL);
+  auto b = load::make_backend("cuda:0");
+  if (!b) {
+    // No GPU (or no CUDA in this build): a clear error, never a crash.
+    EXPECT_TRUE(b.error().code == ENODEV || b.error().code == ENOTSUP) << b.error().message;
+    EXPECT_NE(b.error().message.find("cuda:0"), std::string::npos);
+    GTEST_SKIP() << "no CUDA device: " << b.error().message;
+  }
+  // With a GPU: the staged pipeline into device memory the loader allocates, copied back.
+  Ckpt c;
+  auto src = load::Source::open(c.dir);
+  ASSERT_TRUE(src.ok()) << src.error().message;
+  auto reqs = load::all_tensors(**src);
+  load::LoadOptions lo;
+  lo.threads = 4;
+  lo.chunk = 1ull << 20;
+  lo.ring_slots = 3;
+  lo.checksum = true;
+  auto r = load::load(**src, reqs, **b, lo);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    std::string host(reqs[i].bytes, '\0');
+    ASSERT_TRUE((*b)->to_host(host.data(), reqs[i].dst, host.size()).ok());
+    EXPECT_TRUE(host == c.truth[reqs[i].name]) << reqs[i].name;
+    auto sum = load::checksum_dest(**b, reqs[i].dst, reqs[i].bytes);
+    ASSERT_TRUE(sum.ok());
+    EXPECT_EQ(*sum, r->stats.checksums[i]) << reqs[i].name;
+  }
+}
