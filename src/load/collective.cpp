@@ -29,6 +29,21 @@ class ThreadMember final : public Collective {
     return all;
   }
 
+  Result<bool> all_same(uint64_t value) override {
+    {
+      std::lock_guard lock(g_->mu);
+      g_->values[r_] = value;
+    }
+    CKPTFS_CHECK(g_->barrier());
+    bool same = true;
+    {
+      std::lock_guard lock(g_->mu);
+      for (auto v : g_->values) same = same && v == g_->values[0];
+    }
+    CKPTFS_CHECK(g_->barrier());
+    return same;
+  }
+
   Status broadcast(void* buf, uint64_t bytes, unsigned root) override {
     if (root >= g_->ranks())
       return make_error(EINVAL, "broadcast from rank {} of {}", root, size());
@@ -74,6 +89,7 @@ std::vector<unsigned> assign_balanced(const std::vector<uint64_t>& bytes, unsign
 std::shared_ptr<ThreadGroup> ThreadGroup::create(unsigned ranks, unsigned timeout_ms) {
   auto g = std::make_shared<ThreadGroup>(ranks, timeout_ms);
   g->flags.assign(ranks, 0);
+  g->values.assign(ranks, 0);
   return g;
 }
 

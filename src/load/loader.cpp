@@ -244,6 +244,21 @@ Result<LoadResult> load(const Source& src, std::span<Request> reqs, Backend& bac
   const auto t0 = std::chrono::steady_clock::now();
   const uint64_t read0 = src.bytes_read();
   std::unique_ptr<Pipeline> pipe;
+  if (shared) {
+    // Every rank must pass the same requests (names, sizes, slices): checked first, by all.
+    std::string key;
+    for (const auto& q : reqs) {
+      key += fmt::format("{}\n{}\n{}\n{}\n", q.name, q.bytes, q.rows ? q.rows->first : ~0ull,
+                         q.rows ? q.rows->second : ~0ull);
+    }
+    CKPTFS_TRY(bool same, coll->all_same(xxh64(key.data(), key.size(), 0)));
+    if (!same) {
+      return make_error(EINVAL,
+                        "rank {}: the ranks passed different requests (every rank must "
+                        "ask for the same tensors, sizes and slices)",
+                        me);
+    }
+  }
   // This rank's part: check, allocate, read its share. Every failure still goes through the
   // collective's all_ok below, so the other ranks learn it instead of waiting in a broadcast.
   auto local = [&]() -> Status {

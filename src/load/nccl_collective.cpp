@@ -25,6 +25,7 @@ class NcclCollective final : public Collective {
   ~NcclCollective() override {
     if (comm_) ncclCommDestroy(comm_);
     if (flag_) cudaFree(flag_);
+    if (pair_) cudaFree(pair_);
     if (stream_) cudaStreamDestroy(stream_);
   }
   NcclCollective(const NcclCollective&) = delete;
@@ -69,6 +70,26 @@ class NcclCollective final : public Collective {
     }
     return host == 1;
   }
+  Result<bool> all_same(uint64_t value) override {
+    // One all-reduce (max) of {v, ~v}: max(v) == ~max(~v) == min(v) iff all are equal.
+    uint64_t host[2] = {value, ~value};
+    if (auto e = cudaMemcpyAsync(pair_, host, sizeof host, cudaMemcpyHostToDevice, stream_);
+        e != cudaSuccess) {
+      return cuda_error(e, "cudaMemcpyAsync");
+    }
+    if (auto r = ncclAllReduce(pair_, pair_, 2, ncclUint64, ncclMax, comm_, stream_);
+        r != ncclSuccess) {
+      return nccl_error(r, "ncclAllReduce");
+    }
+    if (auto e = cudaMemcpyAsync(host, pair_, sizeof host, cudaMemcpyDeviceToHost, stream_);
+        e != cudaSuccess) {
+      return cuda_error(e, "cudaMemcpyAsync");
+    }
+    if (auto e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+      return cuda_error(e, "cudaStreamSynchronize");
+    }
+    return host[0] == ~host[1];
+  }
   Status begin_group() override {
     if (auto r = ncclGroupStart(); r != ncclSuccess) return nccl_error(r, "ncclGroupStart");
     return {};
@@ -94,6 +115,7 @@ class NcclCollective final : public Collective {
   int dev_;
   cudaStream_t stream_ = nullptr;
   void* flag_ = nullptr;  // one int of device memory for all_ok
+  void* pair_ = nullptr;  // two uint64 of device memory for all_same
   ncclComm_t comm_ = nullptr;
 };
 

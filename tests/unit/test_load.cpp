@@ -503,7 +503,34 @@ TEST(LoadCollective, AFailingRankFailsEveryRankWithoutHanging) {
   }
   for (auto& t : threads) t.join();
   ASSERT_FALSE(results[1].ok());
-  EXPECT_NE(results[1].error().message.find("the request has"), std::string::npos);
+  EXPECT_NE(results[1].error().message.find("the ranks passed different requests"),
+            std::string::npos)
+      << results[1].error().message;
+  ASSERT_FALSE(results[0].ok());
+  EXPECT_NE(results[0].error().message.find("the ranks passed different requests"),
+            std::string::npos)
+      << results[0].error().message;
+
+  // Same requests, but rank 1 fails locally: rank 0 learns it and fails too.
+  for (unsigned r = 0; r < 2; ++r) results[r] = Status{};
+  threads.clear();
+  for (unsigned r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto src = load::Source::open(dir);
+      ASSERT_TRUE(src.ok());
+      auto coll = group->member(r);
+      auto backend = load::make_cpu_backend();
+      std::vector<load::Request> reqs{{"row.weight", nullptr, 1024 * 1030 * 4, {}}};
+      // Rank 1 fails locally after the requests agreed: a chunk size the loader refuses.
+      load::LoadOptions lo;
+      if (r == 1) lo.chunk = 12345;
+      auto res = load::load(**src, reqs, *backend, lo, coll.get());
+      if (!res) results[r] = res.error();
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_FALSE(results[1].ok());
+  EXPECT_NE(results[1].error().message.find("chunk size"), std::string::npos);
   ASSERT_FALSE(results[0].ok());
   EXPECT_NE(results[0].error().message.find("another rank failed"), std::string::npos)
       << results[0].error().message;

@@ -26,6 +26,10 @@ class Collective {
   // Every rank learns whether every rank is ok (an all-reduce of a flag). Ranks that fail
   // locally still call it, so nobody waits forever in a broadcast.
   virtual Result<bool> all_ok(bool ok) = 0;
+  // Every rank learns whether every rank passed the same value (the loader passes a hash of
+  // its request list: ranks that disagree on the requests fail instead of exchanging bytes
+  // that do not match).
+  virtual Result<bool> all_same(uint64_t value) = 0;
   // Calls between begin_group() and end_group() may be batched (ncclGroupStart/End);
   // end_group() returns when every broadcast of the group is complete on this rank.
   virtual Status begin_group() { return {}; }
@@ -54,6 +58,7 @@ class ThreadGroup : public std::enable_shared_from_this<ThreadGroup> {
   std::mutex mu;  // guards root_buf, flags and (with cv_) the barrier's counters
   const void* root_buf = nullptr;
   std::vector<uint8_t> flags;
+  std::vector<uint64_t> values;
 
  private:
   unsigned ranks_;

@@ -91,7 +91,8 @@ Result<uint64_t> checksum_dest(Backend& backend, const void* dst, uint64_t bytes
 uint64_t combine_checksums(std::vector<std::pair<std::string, uint64_t>> named);
 
 // Loads every request. With a collective, every rank must pass the same requests (names,
-// sizes, slices): each reads its share and the rest arrives by broadcast.
+// sizes, slices; compared across ranks first, EINVAL on every rank otherwise): each reads its
+// share and the rest arrives by broadcast. A rank that fails makes every rank fail.
 Result<LoadResult> load(const Source& src, std::span<Request> reqs, Backend& backend,
                         const LoadOptions& opts = {}, Collective* collective = nullptr);
 
