@@ -25,6 +25,7 @@ commands:
   inspect DIR          list checkpoints, tensors, chunk grids, output files and problems
   verify DIR           exit non-zero with one line per problem (--data checks replicas)
   consolidate SRC DST  write the consolidated checkpoint to DST (a real copy)
+  load CKPT            load a checkpoint into memory (cpu or cuda:N), checksum, GB/s
   status MNT           what the daemon serving MNT is doing (--json for monitoring)
   version              version, libraries and optional features (also --version)
 
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
   if (cmd == "inspect") return ckptfs::cli::cmd_inspect(rest);
   if (cmd == "verify") return ckptfs::cli::cmd_verify(rest);
   if (cmd == "consolidate") return ckptfs::cli::cmd_consolidate(rest);
+  if (cmd == "load") return ckptfs::cli::cmd_load(rest);
   if (cmd == "mount") return ckptfs::cli::cmd_mount(rest, false);
   if (!cmd.empty() && cmd[0] != '-' && argc >= 3) {
     // mount.fuse3 form: ckptfs SRC MNT -o opts

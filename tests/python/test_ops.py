@@ -17,7 +17,7 @@ import pytest
 from conftest import BIN, ROOT, Mount, requires_fuse, run, wait_for
 from shardgen import llama_like, write_checkpoint
 
-SUBCOMMANDS = ["mount", "inspect", "verify", "consolidate", "status", "version"]
+SUBCOMMANDS = ["mount", "inspect", "verify", "consolidate", "load", "status", "version"]
 MAN = ROOT / "man" / "ckptfs.1"
 
 

@@ -53,6 +53,7 @@ int cmd_consolidate(std::span<char*> argv);
 int cmd_mount(std::span<char*> argv, bool mount_helper_form);
 int cmd_status(std::span<char*> argv);
 int cmd_version(std::span<char*> argv);
+int cmd_load(std::span<char*> argv);
 
 // What `ckptfs --version` prints.
 std::string version_text();

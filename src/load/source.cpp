@@ -1,0 +1,283 @@
+#include "ckptfs/load/source.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "ckptfs/format/index.hpp"
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/source/scanner.hpp"
+
+namespace ckptfs::load {
+namespace {
+
+std::string strip_slashes(std::string p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  return p;
+}
+
+// Opens `path` for reading, checked to be the regular file the build saw.
+Result<UniqueFd> open_checked(const std::string& path, const layout::FileStamp* stamp,
+                              struct stat* st) {
+  CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path, st));
+  if (stamp && source::stamp_of(*st) != *stamp) {
+    return make_error(ESTALE, "{}: changed since the checkpoint was read", path);
+  }
+  return fd;
+}
+
+}  // namespace
+
+ReadScratch::~ReadScratch() { std::free(bounce); }
+
+Source::~Source() = default;
+
+int64_t Source::find(std::string_view name) const {
+  auto it = by_name_.find(std::string(name));
+  return it == by_name_.end() ? -1 : static_cast<int64_t>(it->second);
+}
+
+uint64_t Source::total_bytes() const {
+  uint64_t n = 0;
+  for (const auto& t : tensors_) n += t.nbytes;
+  return n;
+}
+
+std::string Source::file_name(uint32_t file) const {
+  if (kind_ == Kind::RankShards) return dir_ + "/" + ck_->shards[file].name;
+  return dir_ + "/" + names_[file];
+}
+
+Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const SourceOptions& opts) {
+  std::unique_ptr<Source> s(new Source());
+  s->dir_ = strip_slashes(dir_in);
+  s->direct_ = opts.direct;
+  const std::string& dir = s->dir_;
+  CKPTFS_TRY(UniqueFd dfd, open_file(dir, O_RDONLY | O_DIRECTORY));
+  CKPTFS_TRY(auto entries, source::list_dir(dfd.get()));
+
+  std::vector<std::pair<std::string, const layout::FileStamp*>> files;
+  if (source::has_shards(entries)) {
+    layout::BuildOptions bo;
+    CKPTFS_CHECK(layout::set_dtype_policy(bo, opts.dtype));
+    CKPTFS_TRY(s->ck_, source::load_checkpoint_path(dir, bo));
+    const auto& ck = *s->ck_;
+    if (!ck.valid()) {
+      std::string msg = fmt::format("{} is not a complete, valid checkpoint:", dir);
+      for (const auto& p : ck.problems) msg += "\n  " + p.to_string();
+      return Error{EINVAL, std::move(msg)};
+    }
+    s->kind_ = Kind::RankShards;
+    for (const auto& f : ck.outputs) {
+      for (uint32_t t : f.tensors) {
+        const auto& T = ck.tensors[t];
+        s->by_name_.emplace(T.name, static_cast<uint32_t>(s->tensors_.size()));
+        s->tensors_.push_back(TensorInfo{T.name, T.dtype, T.shape, T.nbytes});
+        s->places_.push_back(Place{t, 0});  // file: the tensor's index in the checkpoint
+      }
+    }
+    for (const auto& sh : ck.shards) files.emplace_back(dir + "/" + sh.name, &sh.stamp);
+  } else {
+    s->kind_ = Kind::Consolidated;
+    std::map<uint32_t, std::string> numbered;  // k -> name
+    std::optional<std::string> single;
+    uint32_t m = 0;
+    bool has_index = false;
+    for (const auto& e : entries) {
+      if (e.name == format::kIndexFileName) has_index = true;
+      auto mn = format::parse_model_name(e.name);
+      if (!mn || !S_ISREG(e.st.st_mode)) continue;
+      if (mn->single) {
+        single = e.name;
+      } else {
+        if (m != 0 && mn->m != m) {
+          return make_error(EINVAL, "{}: model files of different counts ({} and {})", dir, m,
+                            mn->m);
+        }
+        m = mn->m;
+        if (!numbered.emplace(mn->k, e.name).second) {
+          return make_error(EINVAL, "{}: two model files numbered {}", dir, mn->k);
+        }
+      }
+    }
+    if (!single && numbered.empty()) {
+      return make_error(ENOENT,
+                        "{}: no rank shard files (shard-R-model-K-of-M.safetensors) and no "
+                        "consolidated model.safetensors or model-K-of-M.safetensors",
+                        dir);
+    }
+    if (single && !numbered.empty() && !has_index) {
+      return make_error(EINVAL, "{}: both model.safetensors and model-K-of-M files", dir);
+    }
+    if (has_index) {
+      // The index names the files (a set written by ckptfs consolidate has no file for a
+      // number that holds no tensor).
+      const std::string ipath = dir + "/" + std::string(format::kIndexFileName);
+      CKPTFS_TRY(auto text, read_small_file(ipath, format::kMaxSideFileSize));
+      CKPTFS_TRY(auto index, format::parse_index(text, ipath));
+      std::set<std::string> used;
+      for (const auto& [name, file] : index.weight_map) {
+        s->index_[name] = file;
+        used.insert(file);
+      }
+      for (const auto& f : used) {
+        const bool known =
+            (single && f == *single) || std::any_of(numbered.begin(), numbered.end(),
+                                                    [&](const auto& kv) { return kv.second == f; });
+        if (!known)
+          return make_error(ENOENT, "{}: {} names {}, which is missing", dir,
+                            format::kIndexFileName, f);
+        s->names_.push_back(f);
+      }
+      s->has_index_ = true;
+    } else if (single) {
+      s->names_.push_back(*single);
+    } else {
+      for (uint32_t k = 1; k <= m; ++k) {
+        auto it = numbered.find(k);
+        if (it == numbered.end()) {
+          return make_error(EINVAL, "{}: {} is missing", dir, format::model_file_name(k, m));
+        }
+        s->names_.push_back(it->second);
+      }
+    }
+    for (const auto& n : s->names_) files.emplace_back(dir + "/" + n, nullptr);
+  }
+
+  for (const auto& [path, stamp] : files) {
+    struct stat st {};
+    CKPTFS_TRY(UniqueFd fd, open_checked(path, stamp, &st));
+    s->raw_.push_back(fd.get());
+    s->fds_.push_back(std::move(fd));
+    UniqueFd direct;
+    if (opts.direct) {
+      int d = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
+      if (d < 0) {
+        s->direct_fallback_.store(true);
+      } else {
+        direct.reset(d);
+      }
+    }
+    s->direct_fds_.push_back(std::move(direct));
+    if (s->kind_ == Kind::Consolidated) {
+      const uint32_t file = static_cast<uint32_t>(s->fds_.size() - 1);
+      const std::string& name = s->names_[file];
+      CKPTFS_TRY(auto hdr, format::read_header(s->fds_.back().get(),
+                                               static_cast<uint64_t>(st.st_size), path));
+      for (const auto& e : hdr.tensors) {
+        if (s->has_index_) {
+          auto it = s->index_.find(e.name);
+          if (it == s->index_.end() || it->second != name) {
+            return make_error(EINVAL, "{}: tensor '{}' is not mapped to this file by {}", path,
+                              e.name, format::kIndexFileName);
+          }
+        }
+        if (!s->by_name_.emplace(e.name, static_cast<uint32_t>(s->tensors_.size())).second) {
+          return make_error(EINVAL, "{}: tensor '{}' is also in another model file", path, e.name);
+        }
+        s->tensors_.push_back(TensorInfo{e.name, e.dtype, e.shape, e.nbytes()});
+        s->places_.push_back(Place{file, hdr.data_start() + e.begin});
+      }
+    }
+  }
+  if (s->has_index_) {
+    for (const auto& [name, file] : s->index_) {
+      if (s->find(name) < 0) {
+        return make_error(EINVAL, "{}/{}: tensor '{}' is mapped to {}, which does not hold it", dir,
+                          format::kIndexFileName, name, file);
+      }
+    }
+  }
+  return s;
+}
+
+Status Source::read_direct(uint32_t file, uint64_t src, uint64_t len, char* dst,
+                           ReadScratch& s) const {
+  if (!s.bounce) {
+    s.bounce = static_cast<char*>(std::aligned_alloc(kDirectAlign, kBounceBytes));
+    if (!s.bounce) return make_error(ENOMEM, "cannot allocate a direct I/O buffer");
+  }
+  const int fd = direct_fds_[file].get();
+  while (len > 0) {
+    const uint64_t start = src & ~(kDirectAlign - 1);
+    const uint64_t lead = src - start;
+    const uint64_t want =
+        std::min<uint64_t>(kBounceBytes, (lead + len + kDirectAlign - 1) & ~(kDirectAlign - 1));
+    ssize_t n = ::pread(fd, s.bounce, want, static_cast<off_t>(start));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINVAL) {  // the file system refuses this O_DIRECT read
+      direct_fallback_.store(true);
+      return pread_exact(raw_[file], dst, len, src, file_name(file));
+    }
+    if (n < 0) return errno_error(file_name(file));
+    if (static_cast<uint64_t>(n) <= lead) {
+      return make_error(EIO, "{}: unexpected end of file at offset {} (file shrank?)",
+                        file_name(file), src);
+    }
+    const uint64_t got = std::min<uint64_t>(static_cast<uint64_t>(n) - lead, len);
+    std::memcpy(dst, s.bounce + lead, got);
+    dst += got;
+    src += got;
+    len -= got;
+  }
+  return {};
+}
+
+Status Source::read(uint32_t t, uint64_t off, uint64_t len, char* dst, ReadScratch& s) const {
+  if (len == 0) return {};
+  if (kind_ == Kind::Consolidated) {
+    const auto& p = places_[t];
+    bytes_read_.fetch_add(len, std::memory_order_relaxed);
+    if (direct_ && direct_fds_[p.file].valid() && len >= kDirectMinRun) {
+      return read_direct(p.file, p.offset + off, len, dst, s);
+    }
+    return pread_exact(raw_[p.file], dst, len, p.offset + off, file_name(p.file));
+  }
+  const auto& ck = *ck_;
+  const auto& T = ck.tensors[places_[t].file];
+  const auto& out = ck.outputs[T.output];
+  layout::map_range(ck, T.output, T.out_offset + off, len, s.segs);
+  uint64_t src_bytes = 0;
+  for (const auto& g : s.segs) src_bytes += g.is_memory() ? 0 : g.src_len();
+  bytes_read_.fetch_add(src_bytes, std::memory_order_relaxed);
+  fs::GatherSource gs{&ck, raw_, out.header, {}};
+  if (!direct_) return fs::gather(gs, s.segs, dst);
+  // Direct: long plain runs through O_DIRECT, the rest (short strided runs, casts) buffered
+  // with gather, a consecutive span of segments at a time.
+  const std::span<const layout::Segment> segs(s.segs);
+  size_t i = 0;
+  uint64_t pos = 0;
+  while (i < segs.size()) {
+    const auto& g = segs[i];
+    if (!g.is_memory() && !g.is_cast() && g.len >= kDirectMinRun && direct_fds_[g.shard].valid()) {
+      CKPTFS_CHECK(read_direct(g.shard, g.src, g.len, dst + pos, s));
+      pos += g.len;
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    uint64_t n = 0;
+    while (j < segs.size() &&
+           !(!segs[j].is_memory() && !segs[j].is_cast() && segs[j].len >= kDirectMinRun &&
+             direct_fds_[segs[j].shard].valid())) {
+      n += segs[j].len;
+      ++j;
+    }
+    CKPTFS_CHECK(fs::gather(gs, segs.subspan(i, j - i), dst + pos));
+    pos += n;
+    i = j;
+  }
+  return {};
+}
+
+}  // namespace ckptfs::load
