@@ -67,7 +67,7 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
   CKPTFS_TRY(auto entries, source::list_dir(dfd.get()));
 
   std::vector<std::pair<std::string, const layout::FileStamp*>> files;
-  if (source::has_shards(entries)) {
+  if (source::is_checkpoint_dir(dfd.get(), entries)) {
     layout::BuildOptions bo;
     CKPTFS_CHECK(layout::set_dtype_policy(bo, opts.dtype));
     CKPTFS_TRY(s->ck_, source::load_checkpoint_path(dir, bo));
@@ -76,6 +76,14 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
       std::string msg = fmt::format("{} is not a complete, valid checkpoint:", dir);
       for (const auto& p : ck.problems) msg += "\n  " + p.to_string();
       return Error{EINVAL, std::move(msg)};
+    }
+    for (const auto& sh : ck.shards) {
+      if (sh.remote()) {
+        return make_error(EIO,
+                          "{}/{}: stored on the node-local target of MPI rank {} ({}); load "
+                          "it through the mount of its `mpirun ckptfs mount -o target=...` job",
+                          dir, sh.name, sh.owner, sh.remote_path);
+      }
     }
     s->kind_ = Kind::RankShards;
     for (const auto& f : ck.outputs) {

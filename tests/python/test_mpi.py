@@ -536,6 +536,9 @@ def test_save_pretrained_node_local_targets(mpi_mounts, tmp_path, fabric):
             read(got / "model-00001-of-00002.safetensors")
         assert e.value.errno == errno.EIO
     assert re.search(r"node-local target of MPI rank \d", pathlib.Path(p.log).read_text())
+    # The loader (issue 12) reads SRC directly: it refuses, naming the rank, never zeros.
+    r = subprocess.run([BIN, "load", str(src / "ck")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "node-local target of MPI rank" in r.stderr, r.stderr[-2000:]
 
 
 def test_node_local_replace_rename_remove(mpi_mounts, tmp_path):
