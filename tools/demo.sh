@@ -29,12 +29,12 @@ GEN_OPTS=(--layout fsdp_tp --world 4 --tp 2 --nemo --files 2 --layers 4 --hidden
 step() { printf '\n=== %s\n' "$*"; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-step "1/7 set-up (tools/setup.sh)"
+step "1/8 set-up (tools/setup.sh)"
 VENV=$(tools/setup.sh | tail -n 1)
 PY=$VENV/bin/python
 echo "venv: $VENV ($("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
 
-step "2/7 build"
+step "2/8 build"
 mkdir -p "$WORK"
 if ! flock /tmp/ckptfs-build.lock bash -c '[[ -f build/build.ninja ]] || meson setup build; ninja -C build' \
      >"$WORK/build.log" 2>&1; then
@@ -45,7 +45,7 @@ fi
 tail -n 1 "$WORK/build.log"
 "$BIN" --help | head -n 1
 
-step "3/7 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
+step "3/8 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
 stamp=$WORK/generated.json          # written last: an interrupted generation is redone
 want="${GEN_OPTS[*]}"
 if [[ -f $stamp ]] && [[ "$(sed -n 1p "$stamp")" == "$want" ]] &&
@@ -60,7 +60,7 @@ else
 fi
 find "$CK" -type f -printf '  %12s B  %P\n' | sort -k3
 
-step "4/7 mount"
+step "4/8 mount"
 DAEMON=
 # shellcheck disable=SC2317  # invoked from the trap
 cleanup() {
@@ -103,12 +103,12 @@ ms=$(($(now_ms) - t0))
 mount_s=$((ms / 1000)).$(printf '%03d' $((ms % 1000)))
 echo "$BIN mount $SRC $MNT   (daemon pid $DAEMON, log $WORK/ckptfs.log)"
 
-step "5/7 from_pretrained through the mount, checked against the original model"
+step "5/8 from_pretrained through the mount, checked against the original model"
 status=0
 "$PY" tools/demo.py --view "$MNT/run/step_1000/model" --shards "$CK/model" --reference "$REF" \
   --daemon-pid "$DAEMON" --mount-seconds "$mount_s" --work "$WORK" || status=$?
 
-step "6/7 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
+step "6/8 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
 if ((status == 0)); then
   "$PY" tools/demo_write.py --reference "$REF" --out "$MNT/run/step_2000/model" \
     --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" || status=$?
@@ -119,5 +119,19 @@ if ((status == 0)); then
   "$BIN" status "$MNT" || status=$?
 fi
 
-step "7/7 unmount"
+step "7/8 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
+if ((status == 0)); then
+  # The loader reads the shards through the extent map; the mount serves the consolidated
+  # files. The same tensors give the same checksum (XXH64 per tensor, in name order).
+  direct=$("$BIN" load "$CK/model" --bench) || status=$?
+  echo "$direct"
+  via=$("$BIN" load "$MNT/run/step_1000/model" | tail -n 1) || status=$?
+  echo "through the mount (consolidated files): $via"
+  if ((status == 0)) && [[ "$(tail -n 1 <<<"$direct")" != "$via" ]]; then
+    echo "demo: the loader's checksum differs from the mount's" >&2
+    status=1
+  fi
+fi
+
+step "8/8 unmount"
 exit "$status"
