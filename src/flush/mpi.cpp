@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <list>
 #include <map>
 #include <random>
@@ -209,6 +210,25 @@ class Link {
     return wait(id, std::chrono::steady_clock::now() + timeout_, what);
   }
 
+  // A Read or ReadPath (`c` gives the op, the transaction or size, the shard) of n bytes at
+  // `off` into dst, in requests of at most 16 MiB.
+  Status read(int dest, Command c, std::string_view payload, uint64_t off, char* dst, size_t n,
+              std::string_view what) {
+    constexpr size_t kPiece = 16 << 20;
+    for (size_t done = 0; done < n;) {
+      const size_t len = std::min(kPiece, n - done);
+      c.offset = off + done;
+      c.length = len;
+      CKPTFS_TRY(std::string got, call(dest, c, payload, what));
+      if (got.size() != len) {
+        return make_error(EIO, "{}: {} sent {} bytes, not {}", what, who(dest), got.size(), len);
+      }
+      std::memcpy(dst + done, got.data(), len);
+      done += len;
+    }
+    return {};
+  }
+
   // Whether every rank answered and every send completed so far: false once a rank was
   // lost (a timeout), the link broke, or the shutdown left sends that never completed. Then
   // MPI_Comm_free and MPI_Finalize may wait forever for the lost rank (seen with
@@ -388,107 +408,164 @@ class Link {
 
 // --- the head's transaction ------------------------------------------------------------------
 
-class MpiTransaction final : public Transaction {
+// One transaction's shards and the ranks that own them (shard i on rank owner[i]; rank 0 is
+// the head): what both kinds of transaction send to the other owners. Writes to remote shards
+// are coalesced (WriteCombiner); a read of one first sends what is buffered for it.
+class OwnedShards {
  public:
-  MpiTransaction(std::unique_ptr<Transaction> local, Link& link, uint64_t tx,
-                 std::vector<int> owners, std::string what, RateLimiter& rate)
-      : local_(std::move(local)),
-        link_(link),
+  OwnedShards(Link& link, uint64_t tx, std::vector<int> owner, std::string what)
+      : link_(link),
         tx_(tx),
-        owners_(std::move(owners)),
+        owner_(std::move(owner)),
         what_(std::move(what)),
-        rate_(rate),
         combiner_(WriteCombiner::limit_for(static_cast<size_t>(
-                      std::count_if(owners_.begin(), owners_.end(), [](int o) { return o != 0; }))),
+                      std::count_if(owner_.begin(), owner_.end(), [](int o) { return o != 0; }))),
                   [this](uint32_t shard, uint64_t offset, std::string_view bytes) {
-                    Command c;
-                    c.op = Op::Write;
-                    c.tx = tx_;
-                    c.shard = shard;
+                    Command c = command(Op::Write, shard);
                     c.offset = offset;
-                    return link_.post(owners_[shard], c, bytes, true, shard_what(shard));
+                    return link_.post(owner_[shard], c, bytes, true, shard_what(shard));
                   }) {}
-  ~MpiTransaction() override { abort(); }
 
+  [[nodiscard]] Link& link() const { return link_; }
+  [[nodiscard]] uint64_t tx() const { return tx_; }
+  [[nodiscard]] uint32_t size() const { return static_cast<uint32_t>(owner_.size()); }
+  [[nodiscard]] int owner(uint32_t i) const { return owner_[i]; }
+  [[nodiscard]] bool mine(uint32_t i) const { return owner_[i] == 0; }
+  [[nodiscard]] const std::string& what() const { return what_; }
+  [[nodiscard]] std::string shard_what(uint32_t i) const {
+    return fmt::format("{}: shard {}", what_, i + 1);
+  }
+  [[nodiscard]] Command command(Op op, uint32_t shard = 0) const {
+    Command c;
+    c.op = op;
+    c.tx = tx_;
+    c.shard = shard;
+    return c;
+  }
+
+  Status write(uint32_t shard, uint64_t offset, std::string_view bytes) {
+    return combiner_.add(shard, offset, bytes);
+  }
+  Status read(uint32_t shard, uint64_t off, char* dst, size_t n) {
+    CKPTFS_CHECK(combiner_.flush(shard));  // the owner answers after the writes it got
+    return link_.read(owner_[shard], command(Op::Read, shard), {}, off, dst, n,
+                      shard_what(shard) + " (read back)");
+  }
+
+  // Waits for the replies of requests about shards (`ids`: request id, shard) with one
+  // deadline; `step` names them in messages. `replies`, when given, gets each payload at its
+  // shard's index. The first error.
+  Status wait_all(const std::vector<std::pair<uint64_t, uint32_t>>& ids, std::string_view step,
+                  std::vector<std::string>* replies = nullptr) {
+    const auto deadline = std::chrono::steady_clock::now() + link_.timeout();
+    Status first;
+    for (const auto& [id, shard] : ids) {
+      auto r = link_.wait(id, deadline, fmt::format("{} ({})", shard_what(shard), step));
+      if (!r) {
+        if (first) first = std::move(r).error();
+      } else if (replies) {
+        (*replies)[shard] = std::move(r).value();
+      }
+    }
+    return first;
+  }
+
+  // Sends what is buffered, then every remote owner fsyncs its shards of the transaction and
+  // acknowledges; `own` (the head's own fsync) runs while they do.
+  Status sync(const std::function<Status()>& own = {}) {
+    CKPTFS_CHECK(combiner_.flush_all());
+    std::vector<std::pair<uint64_t, uint32_t>> ids;
+    for (int r : remote_ranks()) {
+      const auto shard =
+          static_cast<uint32_t>(std::find(owner_.begin(), owner_.end(), r) - owner_.begin());
+      CKPTFS_TRY(uint64_t id, link_.start(r, command(Op::Sync), {}, shard_what(shard)));
+      ids.emplace_back(id, shard);
+    }
+    Status mine = own ? own() : Status{};
+    CKPTFS_CHECK(wait_all(ids, "sync"));
+    return mine;
+  }
+
+  // Tells every remote owner `op` (Close, Abort) with no reply; buffered writes are dropped.
+  void tell_all(Op op) {
+    combiner_.drop();
+    for (int r : remote_ranks()) {
+      if (auto st = link_.post(r, command(op), {}, false, what_); !st) {
+        spdlog::debug("{}", st.error().message);
+      }
+    }
+  }
+
+ private:
   std::vector<int> remote_ranks() const {
     std::vector<int> r;
-    for (int o : owners_) {
+    for (int o : owner_) {
       if (o != 0 && std::find(r.begin(), r.end(), o) == r.end()) r.push_back(o);
     }
     return r;
   }
 
+  Link& link_;
+  const uint64_t tx_;
+  const std::vector<int> owner_;
+  const std::string what_;
+  WriteCombiner combiner_;  // the remote shards' writes, coalesced into messages
+};
+
+class MpiTransaction final : public Transaction {
+ public:
+  MpiTransaction(std::unique_ptr<Transaction> local, Link& link, uint64_t tx,
+                 std::vector<int> owners, std::string what, RateLimiter& rate)
+      : local_(std::move(local)),
+        shards_(link, tx, std::move(owners), std::move(what)),
+        rate_(rate) {}
+  ~MpiTransaction() override { abort(); }
+
   // Opens every remote shard on its owner; all or nothing.
   Status open_remote(const std::string& rel) {
     std::vector<std::pair<uint64_t, uint32_t>> ids;
     Status first;
-    for (uint32_t i = 0; i < owners_.size(); ++i) {
-      if (owners_[i] == 0) continue;
+    for (uint32_t i = 0; i < shards_.size(); ++i) {
+      if (shards_.mine(i)) continue;
       const std::string path =
           join_rel(join_rel(join_rel(rel, format::kStateDirName), local_->staging_name()),
                    fmt::format("rank-{:05d}", i + 1));
-      Command c;
-      c.op = Op::Open;
-      c.tx = tx_;
-      c.shard = i;
-      auto id = link_.start(owners_[i], c, path, shard_what(i));
+      auto id = shards_.link().start(shards_.owner(i), shards_.command(Op::Open, i), path,
+                                     shards_.shard_what(i));
       if (!id) {
         first = std::move(id).error();
         break;
       }
       ids.emplace_back(*id, i);
     }
-    CKPTFS_CHECK(wait_all(ids, "open"));
+    CKPTFS_CHECK(shards_.wait_all(ids, "open"));
     return first;
   }
 
   Status pwrite(uint32_t shard, uint64_t offset, std::string_view bytes) override {
-    if (owners_[shard] == 0) {
+    if (shards_.mine(shard)) {
       rate_.throttle(bytes.size());
       return local_->pwrite(shard, offset, bytes);
     }
-    return combiner_.add(shard, offset, bytes);
+    return shards_.write(shard, offset, bytes);
   }
 
   Status pread(uint32_t shard, uint64_t off, char* dst, size_t n) override {
     // Once every owner acknowledged its fsync (a commit), the staged files in the shared
     // target hold every byte: read them here.
-    if (owners_[shard] == 0 || synced_) return local_->pread(shard, off, dst, n);
-    CKPTFS_CHECK(combiner_.flush(shard));  // the owner answers after the writes it got
-    constexpr size_t kPiece = 16 << 20;
-    for (size_t done = 0; done < n;) {
-      const size_t len = std::min(kPiece, n - done);
-      Command c;
-      c.op = Op::Read;
-      c.tx = tx_;
-      c.shard = shard;
-      c.offset = off + done;
-      c.length = len;
-      CKPTFS_TRY(std::string got,
-                 link_.call(owners_[shard], c, {}, shard_what(shard) + " (read back)"));
-      if (got.size() != len) {
-        return make_error(EIO, "{}: {} sent {} bytes, not {}", shard_what(shard),
-                          link_.who(owners_[shard]), got.size(), len);
-      }
-      std::memcpy(dst + done, got.data(), len);
-      done += len;
-    }
-    return {};
+    if (shards_.mine(shard) || synced_) return local_->pread(shard, off, dst, n);
+    return shards_.read(shard, off, dst, n);
   }
 
   Status sync() override {
-    if (!synced_) {
-      CKPTFS_CHECK(combiner_.flush_all());
-      CKPTFS_CHECK(remote_sync());
-    }
+    if (!synced_) CKPTFS_CHECK(shards_.sync());
     return local_->sync();
   }
 
   // Every owner fsyncs and acknowledges first: nothing is committed that a rank has not made
   // durable. MPI mode commits durably always (the record and directories too).
   Status commit(const CommitInfo& info, bool /*durable*/) override {
-    CKPTFS_CHECK(combiner_.flush_all());
-    CKPTFS_CHECK(remote_sync());
+    CKPTFS_CHECK(shards_.sync());
     synced_ = true;
     CKPTFS_CHECK(local_->commit(info, true));
     close_remote();
@@ -500,7 +577,6 @@ class MpiTransaction final : public Transaction {
   }
 
   void abort() override {
-    combiner_.drop();
     close_remote();
     local_->abort();
   }
@@ -508,75 +584,25 @@ class MpiTransaction final : public Transaction {
   std::string staging_name() const override { return local_->staging_name(); }
 
  private:
-  std::string shard_what(uint32_t i) const { return fmt::format("{}: shard {}", what_, i + 1); }
-
-  // `step` names the request in messages ("open", "sync").
-  Status wait_all(const std::vector<std::pair<uint64_t, uint32_t>>& ids, std::string_view step) {
-    const auto deadline = std::chrono::steady_clock::now() + link_.timeout();
-    Status first;
-    for (const auto& [id, shard] : ids) {
-      auto r = link_.wait(id, deadline, fmt::format("{} ({})", shard_what(shard), step));
-      if (!r && first) first = std::move(r).error();
-    }
-    return first;
-  }
-
-  Status remote_sync() {
-    std::vector<std::pair<uint64_t, uint32_t>> ids;
-    for (int r : remote_ranks()) {
-      Command c;
-      c.op = Op::Sync;
-      c.tx = tx_;
-      const uint32_t shard =
-          static_cast<uint32_t>(std::find(owners_.begin(), owners_.end(), r) - owners_.begin());
-      CKPTFS_TRY(uint64_t id, link_.start(r, c, {}, shard_what(shard)));
-      ids.emplace_back(id, shard);
-    }
-    return wait_all(ids, "sync");
-  }
-
   void close_remote() {
     if (closed_) return;
     closed_ = true;
-    for (int r : remote_ranks()) {
-      Command c;
-      c.op = Op::Close;
-      c.tx = tx_;
-      if (auto st = link_.post(r, c, {}, false, what_); !st) {
-        spdlog::debug("{}", st.error().message);
-      }
-    }
+    shards_.tell_all(Op::Close);
   }
 
   std::unique_ptr<Transaction> local_;  // staging, the head's shards, the commit
-  Link& link_;
-  const uint64_t tx_;
-  const std::vector<int> owners_;  // shard index -> MPI rank
-  const std::string what_;
+  OwnedShards shards_;
   RateLimiter& rate_;
-  WriteCombiner combiner_;  // the remote shards' writes, coalesced into messages
-  bool synced_ = false;     // every owner acknowledged the fsync of the complete shards
-  bool closed_ = false;     // the owners were told to forget the transaction
+  bool synced_ = false;  // every owner acknowledged the fsync of the complete shards
+  bool closed_ = false;  // the owners were told to forget the transaction
 };
 
 // --- node-local targets (-o target=) ----------------------------------------------------------
 
 // Where a shard lives: rank 0's own ShardStore, or another rank's over the Link.
-class Owners {
- public:
-  Owners(Link& link, ShardStore& self) : link_(link), self_(self) {}
-  Link& link() { return link_; }
-  ShardStore& self() { return self_; }
-
-  // A command to `rank` (not 0) with a reply, awaited.
-  Result<std::string> call(int rank, const Command& c, std::string_view payload,
-                           std::string_view what) {
-    return link_.call(rank, c, payload, what);
-  }
-
- private:
-  Link& link_;
-  ShardStore& self_;
+struct Owners {
+  Link& link;
+  ShardStore& self;
 };
 
 // The directory of a record's shard path (<rel>/.ckptfs/nl-...), and its last component.
@@ -623,11 +649,11 @@ void drop_dirs(Owners& owners, const std::vector<std::pair<int, std::string>>& d
   for (const auto& [rank, dir] : dirs) {
     Status st;
     if (rank == 0) {
-      st = owners.self().drop(dir);
+      st = owners.self.drop(dir);
     } else {
       Command c;
       c.op = Op::Drop;
-      auto r = owners.call(rank, c, dir, fmt::format("{}: removing {}", what, dir));
+      auto r = owners.link.call(rank, c, dir, fmt::format("{}: removing {}", what, dir));
       if (!r) st = std::move(r).error();
     }
     if (!st) spdlog::warn("{} (left for the next mount's sweep)", st.error().message);
@@ -640,27 +666,17 @@ class NodeLocalTransaction final : public Transaction {
                        std::string txname, std::string rel, UniqueFd dir, std::string display,
                        const write::ShardSet& set, int nranks, std::string what, RateLimiter& rate)
       : local_(std::move(local)),
-        owners_(owners),
-        tx_(tx),
+        self_(owners.self),
+        shards_(owners.link, tx, owners_of(set.shards.size(), nranks), std::move(what)),
         txname_(std::move(txname)),
         rel_(std::move(rel)),
         dir_(std::move(dir)),
         display_(std::move(display)),
-        what_(std::move(what)),
         rate_(rate),
-        combiner_(WriteCombiner::limit_for(set.shards.size()),
-                  [this](uint32_t shard, uint64_t offset, std::string_view bytes) {
-                    Command c;
-                    c.op = Op::Write;
-                    c.tx = tx_;
-                    c.shard = shard;
-                    c.offset = offset;
-                    return owners_.link().post(owner_[shard], c, bytes, true, shard_what(shard));
-                  }) {
-    for (size_t i = 0; i < set.shards.size(); ++i) {
-      owner_.push_back(static_cast<int>(i % static_cast<size_t>(nranks)));
-      headers_.push_back(set.shards[i].header);
-      sizes_.push_back(set.shards[i].file_size());
+        owners_(owners) {
+    for (const auto& sh : set.shards) {
+      headers_.push_back(sh.header);
+      sizes_.push_back(sh.file_size());
     }
   }
   ~NodeLocalTransaction() override { abort(); }
@@ -672,58 +688,37 @@ class NodeLocalTransaction final : public Transaction {
     std::string payload = rel_;
     payload.push_back('\0');
     payload += txname_;
-    for (uint32_t i = 0; i < owner_.size(); ++i) {
-      if (owner_[i] == 0) {
-        if (auto st = owners_.self().create(tx_, txname_, i, rel_, sizes_[i]); !st && first) {
-          first = std::move(st).error().context(shard_what(i));
+    for (uint32_t i = 0; i < shards_.size(); ++i) {
+      if (shards_.mine(i)) {
+        if (auto st = self_.create(shards_.tx(), txname_, i, rel_, sizes_[i]); !st && first) {
+          first = std::move(st).error().context(shards_.shard_what(i));
         }
         continue;
       }
-      Command c;
-      c.op = Op::Create;
-      c.tx = tx_;
-      c.shard = i;
+      Command c = shards_.command(Op::Create, i);
       c.offset = sizes_[i];
-      auto id = owners_.link().start(owner_[i], c, payload, shard_what(i));
+      auto id = shards_.link().start(shards_.owner(i), c, payload, shards_.shard_what(i));
       if (!id) {
         if (first) first = std::move(id).error();
         break;
       }
       ids.emplace_back(*id, i);
     }
-    if (auto st = wait_all(ids, "create"); !st && first) first = std::move(st).error();
+    if (auto st = shards_.wait_all(ids, "create"); !st && first) first = std::move(st).error();
     return first;
   }
 
   Status pwrite(uint32_t shard, uint64_t offset, std::string_view bytes) override {
-    if (owner_[shard] == 0) {
+    if (shards_.mine(shard)) {
       rate_.throttle(bytes.size());
-      return owners_.self().write(tx_, shard, offset, bytes);
+      return self_.write(shards_.tx(), shard, offset, bytes);
     }
-    return combiner_.add(shard, offset, bytes);
+    return shards_.write(shard, offset, bytes);
   }
 
   Status pread(uint32_t shard, uint64_t off, char* dst, size_t n) override {
-    if (owner_[shard] == 0) return owners_.self().read(tx_, shard, off, dst, n);
-    CKPTFS_CHECK(combiner_.flush(shard));  // the owner answers after the writes it got
-    for (size_t done = 0; done < n;) {
-      const size_t len = std::min<size_t>(16 << 20, n - done);
-      Command c;
-      c.op = Op::Read;
-      c.tx = tx_;
-      c.shard = shard;
-      c.offset = off + done;
-      c.length = len;
-      CKPTFS_TRY(std::string got,
-                 owners_.call(owner_[shard], c, {}, shard_what(shard) + " (read back)"));
-      if (got.size() != len) {
-        return make_error(EIO, "{}: {} sent {} bytes, not {}", shard_what(shard),
-                          owners_.link().who(owner_[shard]), got.size(), len);
-      }
-      std::memcpy(dst + done, got.data(), len);
-      done += len;
-    }
-    return {};
+    if (shards_.mine(shard)) return self_.read(shards_.tx(), shard, off, dst, n);
+    return shards_.read(shard, off, dst, n);
   }
 
   Status sync() override {
@@ -736,52 +731,41 @@ class NodeLocalTransaction final : public Transaction {
   // are removed. Nothing is committed that some rank has not made durable.
   Status commit(const CommitInfo& info, bool /*durable*/) override {
     CKPTFS_CHECK(sync_all());
-    std::vector<std::string> paths(owner_.size());
+    std::vector<std::string> paths(shards_.size());
     std::vector<std::pair<uint64_t, uint32_t>> ids;
     Status first;
-    for (uint32_t i = 0; i < owner_.size(); ++i) {
+    for (uint32_t i = 0; i < shards_.size(); ++i) {
       const std::string name = format::shard_file_name(i + 1, info.k, info.m);
-      if (owner_[i] == 0) {
-        auto p = owners_.self().seal(tx_, i, name);
+      if (shards_.mine(i)) {
+        auto p = self_.seal(shards_.tx(), i, name);
         if (!p) {
-          if (first) first = std::move(p).error().context(shard_what(i));
+          if (first) first = std::move(p).error().context(shards_.shard_what(i));
         } else {
           paths[i] = std::move(p).value();
         }
         continue;
       }
-      Command c;
-      c.op = Op::Seal;
-      c.tx = tx_;
-      c.shard = i;
-      auto id = owners_.link().start(owner_[i], c, name, shard_what(i));
+      auto id = shards_.link().start(shards_.owner(i), shards_.command(Op::Seal, i), name,
+                                     shards_.shard_what(i));
       if (!id) {
         if (first) first = std::move(id).error();
         break;
       }
       ids.emplace_back(*id, i);
     }
-    const auto deadline = std::chrono::steady_clock::now() + owners_.link().timeout();
-    for (const auto& [id, i] : ids) {
-      auto r = owners_.link().wait(id, deadline, shard_what(i) + " (seal)");
-      if (!r) {
-        if (first) first = std::move(r).error();
-      } else {
-        paths[i] = std::move(r).value();
-      }
-    }
+    if (auto st = shards_.wait_all(ids, "seal", &paths); !st && first) first = std::move(st);
     CKPTFS_CHECK(std::move(first));
     CommitInfo full = info;
-    for (uint32_t i = 0; i < owner_.size(); ++i) {
+    for (uint32_t i = 0; i < shards_.size(); ++i) {
       const std::string name = format::shard_file_name(i + 1, info.k, info.m);
       if (base_name(paths[i]) != name || tx_dir_of(paths[i]).empty()) {
-        return make_error(EIO, "{}: {} sealed it as '{}'", shard_what(i),
-                          owners_.link().who(owner_[i]), paths[i]);
+        return make_error(EIO, "{}: {} sealed it as '{}'", shards_.shard_what(i),
+                          shards_.link().who(shards_.owner(i)), paths[i]);
       }
       format::RecordShard sh;
       sh.name = name;
       sh.size = sizes_[i];
-      sh.owner = owner_[i];
+      sh.owner = shards_.owner(i);
       sh.path = paths[i];
       sh.header = headers_[i];
       full.remote_shards.push_back(std::move(sh));
@@ -804,7 +788,7 @@ class NodeLocalTransaction final : public Transaction {
                            return s.owner == d.first && tx_dir_of(s.path) == d.second;
                          });
     });
-    drop_dirs(owners_, old, what_);
+    drop_dirs(owners_, old, shards_.what());
     return {};
   }
 
@@ -815,16 +799,8 @@ class NodeLocalTransaction final : public Transaction {
   void abort() override {
     if (!committed_ && !aborted_) {
       aborted_ = true;
-      combiner_.drop();
-      owners_.self().abort(tx_);
-      for (int r : remote_ranks()) {
-        Command c;
-        c.op = Op::Abort;
-        c.tx = tx_;
-        if (auto st = owners_.link().post(r, c, {}, false, what_); !st) {
-          spdlog::debug("{}", st.error().message);
-        }
-      }
+      self_.abort(shards_.tx());
+      shards_.tell_all(Op::Abort);
     }
     local_->abort();
   }
@@ -832,70 +808,33 @@ class NodeLocalTransaction final : public Transaction {
   std::string staging_name() const override { return txname_; }
 
  private:
-  std::string shard_what(uint32_t i) const {
-    return fmt::format("{}: shard {} (rank {})", what_, i + 1, owner_[i]);
-  }
-
-  std::vector<int> remote_ranks() const {
-    std::vector<int> r;
-    for (int o : owner_) {
-      if (o != 0 && std::find(r.begin(), r.end(), o) == r.end()) r.push_back(o);
-    }
-    return r;
-  }
-
-  Status wait_all(const std::vector<std::pair<uint64_t, uint32_t>>& ids, std::string_view step) {
-    const auto deadline = std::chrono::steady_clock::now() + owners_.link().timeout();
-    Status first;
-    for (const auto& [id, shard] : ids) {
-      auto r = owners_.link().wait(id, deadline, fmt::format("{} ({})", shard_what(shard), step));
-      if (!r && first) first = std::move(r).error();
-    }
-    return first;
+  // Shard i on rank i % nranks.
+  static std::vector<int> owners_of(size_t shards, int nranks) {
+    std::vector<int> o(shards);
+    for (size_t i = 0; i < shards; ++i) o[i] = static_cast<int>(i % static_cast<size_t>(nranks));
+    return o;
   }
 
   Status sync_all() {
-    CKPTFS_CHECK(combiner_.flush_all());
-    std::vector<std::pair<uint64_t, uint32_t>> ids;
-    for (int r : remote_ranks()) {
-      Command c;
-      c.op = Op::Sync;
-      c.tx = tx_;
-      const auto shard =
-          static_cast<uint32_t>(std::find(owner_.begin(), owner_.end(), r) - owner_.begin());
-      CKPTFS_TRY(uint64_t id, owners_.link().start(r, c, {}, shard_what(shard)));
-      ids.emplace_back(id, shard);
-    }
-    Status mine = owners_.self().sync(tx_);
-    CKPTFS_CHECK(wait_all(ids, "sync"));
-    return mine;
+    return shards_.sync([&] { return self_.sync(shards_.tx()); });
   }
 
   void close_all() {
-    owners_.self().close(tx_);
-    for (int r : remote_ranks()) {
-      Command c;
-      c.op = Op::Close;
-      c.tx = tx_;
-      if (auto st = owners_.link().post(r, c, {}, false, what_); !st) {
-        spdlog::debug("{}", st.error().message);
-      }
-    }
+    self_.close(shards_.tx());
+    shards_.tell_all(Op::Close);
   }
 
   std::unique_ptr<Transaction> local_;  // SRC side: lock, placeholder, the record's commit
-  Owners& owners_;
-  const uint64_t tx_;
+  ShardStore& self_;                    // the head's own target
+  OwnedShards shards_;
   const std::string txname_;  // nl-...: the shards' directory name on every owner
   const std::string rel_;     // the file's directory, relative to SRC
   UniqueFd dir_;              // that directory (the replaced record is read from it)
   const std::string display_;
-  std::vector<int> owner_;  // shard index -> MPI rank
   std::vector<std::string> headers_;
   std::vector<uint64_t> sizes_;
-  const std::string what_;
   RateLimiter& rate_;
-  WriteCombiner combiner_;  // the remote shards' writes, coalesced into messages
+  Owners& owners_;
   bool committed_ = false;
   bool aborted_ = false;
 };
@@ -907,31 +846,18 @@ class NodeLocalReader final : public ShardReader {
   explicit NodeLocalReader(Owners& owners) : owners_(owners) {}
   Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
               size_t n) const override {
-    if (owner == 0) return owners_.self().read_path(path, size, off, dst, n);
-    if (owner >= owners_.link().size()) {
+    if (owner == 0) return owners_.self.read_path(path, size, off, dst, n);
+    if (owner >= owners_.link.size()) {
       return make_error(EIO, "{}: owned by rank {}, but this job has {} rank(s)", path, owner,
-                        owners_.link().size());
+                        owners_.link.size());
     }
-    for (size_t done = 0; done < n;) {
-      const size_t len = std::min<size_t>(kPiece, n - done);
-      Command c;
-      c.op = Op::ReadPath;
-      c.tx = size;
-      c.offset = off + done;
-      c.length = len;
-      CKPTFS_TRY(std::string got, owners_.call(owner, c, path, fmt::format("reading {}", path)));
-      if (got.size() != len) {
-        return make_error(EIO, "{}: {} sent {} bytes, not {}", path, owners_.link().who(owner),
-                          got.size(), len);
-      }
-      std::memcpy(dst + done, got.data(), len);
-      done += len;
-    }
-    return {};
+    Command c;
+    c.op = Op::ReadPath;
+    c.tx = size;
+    return owners_.link.read(owner, c, path, off, dst, n, fmt::format("reading {}", path));
   }
 
  private:
-  static constexpr size_t kPiece = 16 << 20;
   Owners& owners_;
 };
 
@@ -991,7 +917,7 @@ class MpiFlusherImpl final : public MpiFlusher {
         link_(std::make_unique<Link>(rt, std::move(comm), o)),
         self_(std::move(self)) {
     if (self_) {
-      owners_ = std::make_unique<Owners>(*link_, *self_);
+      owners_ = std::make_unique<Owners>(Owners{*link_, *self_});
       reader_ = std::make_shared<NodeLocalReader>(*owners_);
       std::random_device rd;
       epoch_ = (uint64_t{rd()} << 32) ^ rd() ^

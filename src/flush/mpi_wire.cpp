@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <filesystem>
 #include <thread>
 
 #include "ckptfs/flush/mpi.hpp"
@@ -291,12 +292,11 @@ Result<std::unique_ptr<ShardStore>> open_target(const MpiOptions& o, int rank) {
   CKPTFS_TRY(std::string root, target_root(o, rank));
   if (o.node_local()) {
     // mkdir -p: a per-rank directory (%r) is made on its own node.
-    for (size_t i = 1; i <= root.size(); ++i) {
-      if (i != root.size() && root[i] != '/') continue;
-      const std::string prefix = root.substr(0, i);
-      if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-        return errno_error(fmt::format("node-local target {}: cannot create {}", root, prefix));
-      }
+    std::error_code ec;
+    std::filesystem::create_directories(root, ec);
+    if (ec) {
+      return make_error(ec.value(), "node-local target {}: cannot create it: {}", root,
+                        ec.message());
     }
   }
   auto st = ShardStore::open(root);

@@ -227,8 +227,9 @@ void ShardStore::abort(uint64_t tx) { forget(tx, true); }
 
 Status ShardStore::read_path(std::string_view path, uint64_t size, uint64_t off, char* dst,
                              size_t n) {
-  CKPTFS_TRY(auto parts, components(path));
-  if (parts.empty()) return make_error(EINVAL, "empty shard path");
+  if (path.empty() || !is_safe_rel(path)) {
+    return make_error(EINVAL, "'{}' is not a plain relative path", path);
+  }
   auto st = stat_beneath(root_.get(), path);
   if (!st) return make_error(st.error().code, "{}: {}", show(path), st.error().message);
   if (!S_ISREG(st->st_mode)) return make_error(EIO, "{}: not a regular file", show(path));

@@ -40,16 +40,13 @@ Status parse_remote_shard(const nlohmann::json& e, RecordShard& s, std::string_v
   // Relative, plain components only, and the shard's own name last: a record can never make
   // a rank open anything but a shard file below its target.
   if (s.path.size() > 4096) return bad("path longer than 4096 bytes");
-  std::string_view rest = s.path;
-  std::string_view last;
-  for (;;) {
-    const size_t slash = rest.find('/');
-    last = rest.substr(0, slash);
-    if (!is_valid_component(last)) return bad(fmt::format("path '{}' is not plain", s.path));
-    if (slash == std::string_view::npos) break;
-    rest.remove_prefix(slash + 1);
+  if (s.path.empty() || !is_safe_rel(s.path)) {
+    return bad(fmt::format("path '{}' is not plain", s.path));
   }
-  if (last != s.name) return bad(fmt::format("path '{}' does not end in its name", s.path));
+  const size_t slash = s.path.rfind('/');
+  if (std::string_view(s.path).substr(slash == std::string::npos ? 0 : slash + 1) != s.name) {
+    return bad(fmt::format("path '{}' does not end in its name", s.path));
+  }
   const auto& json = hj->get_ref<const std::string&>();
   if (json.size() > kMaxHeaderSize) return bad("header larger than the safetensors limit");
   auto h = parse_header_json(json, s.size, fmt::format("{}: shard {}", what, s.name));

@@ -29,9 +29,7 @@ Result<std::string> read_small_file_beneath(int rootfd, std::string_view rel, ui
   return read_whole(fd, st, rel, limit);
 }
 
-namespace {
-
-bool rel_is_safe(std::string_view rel) {
+bool is_safe_rel(std::string_view rel) {
   if (rel.empty()) return true;
   if (rel.front() == '/') return false;
   size_t start = 0;
@@ -43,8 +41,6 @@ bool rel_is_safe(std::string_view rel) {
   }
   return true;
 }
-
-}  // namespace
 
 bool openat2_supported() {
   // A per-process probe, run once (thread-safe static initialisation) and constant afterwards:
@@ -100,7 +96,7 @@ Result<UniqueFd> refuse_symlink_fd(UniqueFd fd, std::string_view rel, int flags)
 }
 
 // Fallback resolver: one openat per component from rootfd, O_NOFOLLOW throughout. `rel` has
-// passed rel_is_safe, so no component is empty, "." or "..", and the walk cannot leave the root.
+// passed is_safe_rel, so no component is empty, "." or "..", and the walk cannot leave the root.
 Result<UniqueFd> walk_beneath(int rootfd, std::string_view rel, int flags, mode_t mode) {
   int dirfd = rootfd;
   UniqueFd held;  // the current intermediate directory (O_PATH)
@@ -125,7 +121,7 @@ Result<UniqueFd> walk_beneath(int rootfd, std::string_view rel, int flags, mode_
 
 Result<UniqueFd> open_beneath(int rootfd, std::string_view rel, int flags, mode_t mode,
                               Resolve how) {
-  if (!rel_is_safe(rel)) return refuse_unsafe(rel);
+  if (!is_safe_rel(rel)) return refuse_unsafe(rel);
   if (how == Resolve::Walk || !openat2_supported()) return walk_beneath(rootfd, rel, flags, mode);
   std::string path = rel.empty() ? std::string(".") : std::string(rel);
   struct open_how oh {};
@@ -141,7 +137,7 @@ Result<UniqueFd> open_beneath(int rootfd, std::string_view rel, int flags, mode_
 }
 
 Result<struct stat> stat_beneath(int rootfd, std::string_view rel, Resolve how) {
-  if (!rel_is_safe(rel)) return refuse_unsafe(rel);
+  if (!is_safe_rel(rel)) return refuse_unsafe(rel);
   struct stat st {};
   if (rel.empty()) {
     if (::fstat(rootfd, &st) != 0) {

@@ -27,6 +27,10 @@ namespace ckptfs {
 // True for a single, safe path component: not empty, not "." or "..", no '/' or NUL.
 bool is_valid_component(std::string_view name);
 
+// True for a relative path of safe components ("" is the root itself): no leading '/', no
+// empty, "." or ".." component. What every *_beneath function below accepts.
+bool is_safe_rel(std::string_view rel);
+
 // Joins a relative directory path ("" = root) and a component.
 std::string join_rel(std::string_view dir, std::string_view name);
 
