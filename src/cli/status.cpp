@@ -116,7 +116,9 @@ void print_human(const nlohmann::json& j) {
              num(ca, "shard_fds_open"));
   const json er = j.value("errors", json::object());
   std::string by;
-  for (const auto& [k, v] : er.value("by_errno", json::object()).items()) {
+  // A named object: items() of a temporary would iterate it after its end of life.
+  const json by_errno = er.value("by_errno", json::object());
+  for (const auto& [k, v] : by_errno.items()) {
     by += fmt::format("{}{} {}", by.empty() ? " (" : ", ", v.is_number() ? v.get<uint64_t>() : 0,
                       printable(k));
   }
