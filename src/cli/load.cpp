@@ -88,8 +88,9 @@ int cmd_load(std::span<char*> argv) {
     return true;
   };
   unsigned chunk_mb = 16;
-  if (!number("threads", 1, 256, lo.threads) || !number("chunk-mb", 1, 4096, chunk_mb) ||
-      !number("ring", 1, 4096, lo.ring_slots)) {
+  if (!number("threads", 1, load::kMaxThreads, lo.threads) ||
+      !number("chunk-mb", 1, 4096, chunk_mb) ||
+      !number("ring", 1, load::kMaxRingSlots, lo.ring_slots)) {
     return 2;
   }
   lo.chunk = uint64_t{chunk_mb} << 20;

@@ -36,6 +36,21 @@ int fail(ckptfs_load_ckpt* ck, Error e) {
   return e.code > 0 ? e.code : EIO;
 }
 
+// No exception crosses the C API: `body` runs under guard, and one it lets out becomes ENOMEM
+// (bad_alloc) or EIO, with its text passed to `report`.
+template <typename Body, typename Report>
+int guard(Body&& body, Report&& report) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return report(Error{ENOMEM, "out of memory"});
+  } catch (const std::exception& e) {
+    return report(Error{EIO, e.what()});
+  } catch (...) {
+    return report(Error{EIO, "unknown exception"});
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -48,22 +63,22 @@ int ckptfs_load_open(const char* dir, const char* dtype, int direct, ckptfs_load
                      char* err, size_t err_len) {
   if (!dir || !out) return report(Error{EINVAL, "dir and out are required"}, err, err_len);
   *out = nullptr;
-  try {
-    ckptfs::load::SourceOptions so;
-    if (dtype) so.dtype = dtype;
-    so.direct = direct != 0;
-    auto src = ckptfs::load::Source::open(dir, so);
-    if (!src) return report(src.error(), err, err_len);
-    auto ck = std::make_unique<ckptfs_load_ckpt>();
-    ck->src = std::move(*src);
-    for (const auto& t : ck->src->tensors()) {
-      ck->dtypes.emplace_back(ckptfs::format::dtype_name(t.dtype));
-    }
-    *out = ck.release();
-    return 0;
-  } catch (const std::exception& e) {
-    return report(Error{ENOMEM, e.what()}, err, err_len);
-  }
+  return guard(
+      [&] {
+        ckptfs::load::SourceOptions so;
+        if (dtype) so.dtype = dtype;
+        so.direct = direct != 0;
+        auto src = ckptfs::load::Source::open(dir, so);
+        if (!src) return report(src.error(), err, err_len);
+        auto ck = std::make_unique<ckptfs_load_ckpt>();
+        ck->src = std::move(*src);
+        for (const auto& t : ck->src->tensors()) {
+          ck->dtypes.emplace_back(ckptfs::format::dtype_name(t.dtype));
+        }
+        *out = ck.release();
+        return 0;
+      },
+      [&](const Error& e) { return report(e, err, err_len); });
 }
 
 void ckptfs_load_close(ckptfs_load_ckpt* ck) { delete ck; }
@@ -89,65 +104,73 @@ int ckptfs_load_run(ckptfs_load_ckpt* ck, ckptfs_load_request* reqs, size_t n,
                     ckptfs_load_stats* stats, uint64_t* checksums) {
   if (!ck) return EINVAL;
   if (n > 0 && !reqs) return fail(ck, Error{EINVAL, "no requests"});
-  try {
-    ckptfs::load::LoadOptions lo;
-    std::string device = "cpu";
-    if (options) {
-      if (options->device) device = options->device;
-      lo.threads = options->threads;
-      if (options->chunk_bytes) lo.chunk = options->chunk_bytes;
-      lo.ring_slots = options->ring_slots;
-      if (options->streams) lo.streams = options->streams;
-      lo.checksum = options->checksum != 0;
-      if (options->always_stage) lo.staging = ckptfs::load::LoadOptions::Staging::Always;
-    }
-    auto backend = ckptfs::load::make_backend(device);
-    if (!backend) return fail(ck, backend.error());
-    std::vector<ckptfs::load::Request> rs(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (!reqs[i].name) return fail(ck, Error{EINVAL, "a request has no tensor name"});
-      rs[i].name = reqs[i].name;
-      rs[i].dst = reqs[i].dst;
-      rs[i].bytes = reqs[i].bytes;
-      if (reqs[i].has_rows) rs[i].rows = std::make_pair(reqs[i].row_begin, reqs[i].row_end);
-    }
-    auto r = ckptfs::load::load(*ck->src, rs, **backend, lo, comm ? comm->coll.get() : nullptr);
-    if (!r) return fail(ck, r.error());
-    for (size_t i = 0; i < n; ++i) reqs[i].dst = rs[i].dst;
-    for (auto& b : r->owned) ck->owned.push_back(std::move(b));
-    if (stats) {
-      stats->bytes = r->stats.bytes;
-      stats->bytes_read = r->stats.bytes_read;
-      stats->bytes_shared = r->stats.bytes_shared;
-      stats->seconds = r->stats.seconds;
-      stats->direct_fallback = r->stats.direct_fallback ? 1 : 0;
-    }
-    if (checksums && lo.checksum) {
-      std::copy(r->stats.checksums.begin(), r->stats.checksums.end(), checksums);
-    }
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(ck, Error{ENOMEM, e.what()});
-  }
+  return guard(
+      [&] {
+        ckptfs::load::LoadOptions lo;
+        std::string device = "cpu";
+        if (options) {
+          if (options->device) device = options->device;
+          lo.threads = options->threads;
+          if (options->chunk_bytes) lo.chunk = options->chunk_bytes;
+          lo.ring_slots = options->ring_slots;
+          if (options->streams) lo.streams = options->streams;
+          lo.checksum = options->checksum != 0;
+          if (options->always_stage) lo.staging = ckptfs::load::LoadOptions::Staging::Always;
+        }
+        auto backend = ckptfs::load::make_backend(device);
+        if (!backend) return fail(ck, backend.error());
+        std::vector<ckptfs::load::Request> rs(n);
+        for (size_t i = 0; i < n; ++i) {
+          if (!reqs[i].name) return fail(ck, Error{EINVAL, "a request has no tensor name"});
+          rs[i].name = reqs[i].name;
+          rs[i].dst = reqs[i].dst;
+          rs[i].bytes = reqs[i].bytes;
+          if (reqs[i].has_rows) rs[i].rows = std::make_pair(reqs[i].row_begin, reqs[i].row_end);
+        }
+        auto r = ckptfs::load::load(*ck->src, rs, **backend, lo, comm ? comm->coll.get() : nullptr);
+        if (!r) return fail(ck, r.error());
+        for (size_t i = 0; i < n; ++i) reqs[i].dst = rs[i].dst;
+        for (auto& b : r->owned) ck->owned.push_back(std::move(b));
+        if (stats) {
+          stats->bytes = r->stats.bytes;
+          stats->bytes_read = r->stats.bytes_read;
+          stats->bytes_shared = r->stats.bytes_shared;
+          stats->seconds = r->stats.seconds;
+          stats->direct_fallback = r->stats.direct_fallback ? 1 : 0;
+        }
+        if (checksums && lo.checksum) {
+          std::copy(r->stats.checksums.begin(), r->stats.checksums.end(), checksums);
+        }
+        return 0;
+      },
+      [&](const Error& e) { return fail(ck, e); });
 }
 
 int ckptfs_load_nccl_unique_id(unsigned char id[128], char* err, size_t err_len) {
-  auto r = ckptfs::load::nccl_unique_id();
-  if (!r) return report(r.error(), err, err_len);
-  std::memcpy(id, r->data(), r->size());
-  return 0;
+  return guard(
+      [&] {
+        auto r = ckptfs::load::nccl_unique_id();
+        if (!r) return report(r.error(), err, err_len);
+        std::memcpy(id, r->data(), r->size());
+        return 0;
+      },
+      [&](const Error& e) { return report(e, err, err_len); });
 }
 
 int ckptfs_load_comm_open(const unsigned char id[128], unsigned rank, unsigned ranks, int device,
                           ckptfs_load_comm** out, char* err, size_t err_len) {
   if (!id || !out) return report(Error{EINVAL, "id and out are required"}, err, err_len);
   *out = nullptr;
-  ckptfs::load::NcclId nid{};
-  std::memcpy(nid.data(), id, nid.size());
-  auto c = ckptfs::load::make_nccl_collective(nid, rank, ranks, device);
-  if (!c) return report(c.error(), err, err_len);
-  *out = new ckptfs_load_comm{std::move(*c)};
-  return 0;
+  return guard(
+      [&] {
+        ckptfs::load::NcclId nid{};
+        std::memcpy(nid.data(), id, nid.size());
+        auto c = ckptfs::load::make_nccl_collective(nid, rank, ranks, device);
+        if (!c) return report(c.error(), err, err_len);
+        *out = new ckptfs_load_comm{std::move(*c)};
+        return 0;
+      },
+      [&](const Error& e) { return report(e, err, err_len); });
 }
 
 void ckptfs_load_comm_close(ckptfs_load_comm* comm) { delete comm; }

@@ -9,8 +9,10 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "ckptfs/load/checksum.hpp"
+#include "ckptfs/util/threads.hpp"
 
 namespace ckptfs::load {
 namespace {
@@ -69,9 +71,9 @@ class Pipeline {
     if (pieces_.empty()) return {};
     if (!backend_.on_device() && opts_.staging == LoadOptions::Staging::Auto) {
       // Host destination: no staging ring, each piece read straight into place.
-      std::vector<std::thread> workers;
-      for (unsigned t = 0; t < threads; ++t) workers.emplace_back([&] { work_direct(); });
-      for (auto& w : workers) w.join();
+      JoinedThreads workers;
+      CKPTFS_CHECK(start(workers, threads, [&](unsigned) { work_direct(); }));
+      workers.join();
       return first_error_;
     }
     uint64_t biggest = 0;
@@ -82,10 +84,11 @@ class Pipeline {
     }
     CKPTFS_CHECK(backend_.prepare(slots, opts_.streams));
     Ring ring(slots);
-    std::vector<std::thread> workers;
-    for (unsigned t = 0; t < threads; ++t) workers.emplace_back([&, t] { work(t, ring); });
-    for (auto& w : workers) w.join();
+    JoinedThreads workers;
+    auto started = start(workers, threads, [&](unsigned t) { work(t, ring); });
+    workers.join();
     auto fin = backend_.finish();  // even after a failure: no copy may outlive the staging
+    CKPTFS_CHECK(std::move(started));
     if (!first_error_.ok()) return first_error_;
     return fin;
   }
@@ -93,6 +96,20 @@ class Pipeline {
   [[nodiscard]] uint64_t checksum(size_t req) const { return sums_[req].load(); }
 
  private:
+  // Starts up to `n` workers running body(t). Fewer is fine (they share one queue of pieces):
+  // a thread limit costs speed, not the load; none at all is an error (EAGAIN).
+  template <typename Body>
+  Status start(JoinedThreads& g, unsigned n, Body body) {
+    for (unsigned t = 0; t < n; ++t) {
+      auto st = g.spawn([body, t] { body(t); });
+      if (st) continue;
+      if (g.size() == 0) return std::move(st).error().context("load");
+      spdlog::warn("load: {} of {} reader threads started: {}", g.size(), n, st.error().message);
+      break;
+    }
+    return {};
+  }
+
   void fail(Status st, Ring& ring) {
     {
       std::lock_guard lock(mu_);
@@ -265,6 +282,12 @@ Result<LoadResult> load(const Source& src, std::span<Request> reqs, Backend& bac
     if (opts.chunk == 0 || opts.chunk % kChecksumBlock != 0) {
       return make_error(EINVAL, "chunk size {} is not a positive multiple of {} bytes", opts.chunk,
                         kChecksumBlock);
+    }
+    if (opts.threads > kMaxThreads || opts.ring_slots > kMaxRingSlots ||
+        opts.streams > kMaxStreams) {
+      return make_error(EINVAL, "{} threads, {} ring slots, {} streams: at most {}, {} and {}",
+                        opts.threads, opts.ring_slots, opts.streams, kMaxThreads, kMaxRingSlots,
+                        kMaxStreams);
     }
     CKPTFS_TRY(res, resolve(src, reqs));
     for (size_t i = 0; i < reqs.size(); ++i) {

@@ -27,6 +27,11 @@
 namespace ckptfs::load {
 
 inline constexpr uint64_t kDefaultChunk = 16ull << 20;
+// The most reader threads, ring slots and streams a load takes (EINVAL beyond): the CLI, the C
+// API and the binding all go through load(), which checks.
+inline constexpr unsigned kMaxThreads = 256;
+inline constexpr unsigned kMaxRingSlots = 4096;
+inline constexpr unsigned kMaxStreams = 64;
 
 // Reader threads when none is asked for: one per core, at least 2, at most 16.
 unsigned default_threads();
