@@ -145,6 +145,47 @@ void reply_error(fuse_req_t req, const Error& e, std::string_view op) {
   fuse_reply_err(req, e.code);
 }
 
+// No exception crosses into libfuse (a C library): every callback's body runs under guarded(),
+// which answers the request with ENOMEM (bad_alloc) or EIO for an exception the body let out.
+// Bodies reply last, so a throw never follows a reply; the few that work after replying (open's
+// prefetch) catch for themselves.
+void fail_request(fuse_req_t req, const char* op, int err, const char* what) noexcept {
+  try {
+    spdlog::error("{}: {} (answered {})", op, what, std::strerror(err));
+  } catch (...) {  // logging failed too: the answer still goes out
+  }
+  fuse_reply_err(req, err);
+}
+
+template <typename Body>
+void guarded(fuse_req_t req, const char* op, Body&& body) noexcept {
+  try {
+    body();
+  } catch (const std::bad_alloc&) {
+    fail_request(req, op, ENOMEM, "out of memory");
+  } catch (const std::exception& e) {
+    fail_request(req, op, EIO, e.what());
+  } catch (...) {
+    fail_request(req, op, EIO, "unknown exception");
+  }
+}
+
+// forget answers nothing: a body that throws still owes fuse_reply_none.
+template <typename Body>
+void guarded_none(fuse_req_t req, Body&& body) noexcept {
+  try {
+    body();
+    return;
+  } catch (const std::exception& e) {
+    try {
+      spdlog::error("forget: {}", e.what());
+    } catch (...) {
+    }
+  } catch (...) {
+  }
+  fuse_reply_none(req);
+}
+
 fuse_entry_param entry_of(const fs::EntryOut& e, const MountOptions& o) {
   fuse_entry_param p{};
   p.ino = e.ino;
@@ -263,7 +304,12 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     c.fs->release(r->fh);  // the opener went away
     return;
   }
-  if (reader) c.prefetch->on_open(ino, std::move(reader));
+  if (!reader) return;
+  try {  // after the reply: guarded() must not answer again
+    c.prefetch->on_open(ino, std::move(reader));
+  } catch (const std::exception& e) {
+    spdlog::warn("open: no prefetch of inode {}: {}", ino, e.what());
+  }
 }
 
 void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info* fi) {
@@ -343,17 +389,17 @@ void op_symlink(fuse_req_t req, const char* target, fuse_ino_t p, const char* na
   reply_entry(req, ctx(req).fs->symlink(target, p, name, caller_of(req)), "symlink");
 }
 void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t p, const char* name) {
-  reply_entry(req, ctx(req).fs->link(ino, p, name), "link");
+  reply_entry(req, ctx(req).fs->link(ino, p, name, caller_of(req)), "link");
 }
 void op_unlink(fuse_req_t req, fuse_ino_t p, const char* name) {
-  reply_status(req, ctx(req).fs->unlink(p, name), "unlink");
+  reply_status(req, ctx(req).fs->unlink(p, name, caller_of(req)), "unlink");
 }
 void op_rmdir(fuse_req_t req, fuse_ino_t p, const char* name) {
-  reply_status(req, ctx(req).fs->rmdir(p, name), "rmdir");
+  reply_status(req, ctx(req).fs->rmdir(p, name, caller_of(req)), "rmdir");
 }
 void op_rename(fuse_req_t req, fuse_ino_t p, const char* name, fuse_ino_t np, const char* nname,
                unsigned flags) {
-  reply_status(req, ctx(req).fs->rename(p, name, np, nname, flags), "rename");
+  reply_status(req, ctx(req).fs->rename(p, name, np, nname, flags, caller_of(req)), "rename");
 }
 
 void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fuse_file_info* fi) {
@@ -415,37 +461,98 @@ void op_fallocate(fuse_req_t req, fuse_ino_t, int, off_t, off_t, fuse_file_info*
   fuse_reply_err(req, ctx(req).opts->fs.read_only ? EROFS : EOPNOTSUPP);
 }
 
+// The callbacks libfuse calls: each runs its op_* body under guarded() (no exception crosses
+// into libfuse).
 fuse_lowlevel_ops make_ops() {
   fuse_lowlevel_ops ops{};
-  ops.init = op_init;
-  ops.lookup = op_lookup;
-  ops.forget = op_forget;
-  ops.forget_multi = op_forget_multi;
-  ops.getattr = op_getattr;
-  ops.readlink = op_readlink;
-  ops.opendir = op_opendir;
-  ops.readdir = op_readdir;
-  ops.releasedir = op_releasedir;
-  ops.open = op_open;
-  ops.read = op_read;
-  ops.release = op_release;
-  ops.statfs = op_statfs;
-  ops.mknod = op_mknod;
-  ops.mkdir = op_mkdir;
-  ops.unlink = op_unlink;
-  ops.rmdir = op_rmdir;
-  ops.symlink = op_symlink;
-  ops.rename = op_rename;
-  ops.link = op_link;
-  ops.setattr = op_setattr;
-  ops.create = op_create;
-  ops.write = op_write;
-  ops.setxattr = op_setxattr;
-  ops.removexattr = op_removexattr;
-  ops.fallocate = op_fallocate;
-  ops.flush = op_flush;
-  ops.fsync = op_fsync;
-  ops.fsyncdir = op_fsyncdir;
+  ops.init = [](void* userdata, fuse_conn_info* conn) {
+    try {
+      op_init(userdata, conn);
+    } catch (const std::exception& e) {  // the defaults stand
+      spdlog::error("init: {}", e.what());
+    }
+  };
+  ops.lookup = [](fuse_req_t r, fuse_ino_t p, const char* n) {
+    guarded(r, "lookup", [&] { op_lookup(r, p, n); });
+  };
+  ops.forget = [](fuse_req_t r, fuse_ino_t i, uint64_t n) {
+    guarded_none(r, [&] { op_forget(r, i, n); });
+  };
+  ops.forget_multi = [](fuse_req_t r, size_t n, fuse_forget_data* f) {
+    guarded_none(r, [&] { op_forget_multi(r, n, f); });
+  };
+  ops.getattr = [](fuse_req_t r, fuse_ino_t i, fuse_file_info* fi) {
+    guarded(r, "getattr", [&] { op_getattr(r, i, fi); });
+  };
+  ops.readlink = [](fuse_req_t r, fuse_ino_t i) {
+    guarded(r, "readlink", [&] { op_readlink(r, i); });
+  };
+  ops.opendir = [](fuse_req_t r, fuse_ino_t i, fuse_file_info* fi) {
+    guarded(r, "opendir", [&] { op_opendir(r, i, fi); });
+  };
+  ops.readdir = [](fuse_req_t r, fuse_ino_t i, size_t n, off_t o, fuse_file_info* fi) {
+    guarded(r, "readdir", [&] { op_readdir(r, i, n, o, fi); });
+  };
+  ops.releasedir = [](fuse_req_t r, fuse_ino_t i, fuse_file_info* fi) {
+    guarded(r, "releasedir", [&] { op_releasedir(r, i, fi); });
+  };
+  ops.open = [](fuse_req_t r, fuse_ino_t i, fuse_file_info* fi) {
+    guarded(r, "open", [&] { op_open(r, i, fi); });
+  };
+  ops.read = [](fuse_req_t r, fuse_ino_t i, size_t n, off_t o, fuse_file_info* fi) {
+    guarded(r, "read", [&] { op_read(r, i, n, o, fi); });
+  };
+  ops.release = [](fuse_req_t r, fuse_ino_t i, fuse_file_info* fi) {
+    guarded(r, "release", [&] { op_release(r, i, fi); });
+  };
+  ops.statfs = [](fuse_req_t r, fuse_ino_t i) { guarded(r, "statfs", [&] { op_statfs(r, i); }); };
+  ops.mknod = [](fuse_req_t r, fuse_ino_t p, const char* n, mode_t m, dev_t d) {
+    guarded(r, "mknod", [&] { op_mknod(r, p, n, m, d); });
+  };
+  ops.mkdir = [](fuse_req_t r, fuse_ino_t p, const char* n, mode_t m) {
+    guarded(r, "mkdir", [&] { op_mkdir(r, p, n, m); });
+  };
+  ops.unlink = [](fuse_req_t r, fuse_ino_t p, const char* n) {
+    guarded(r, "unlink", [&] { op_unlink(r, p, n); });
+  };
+  ops.rmdir = [](fuse_req_t r, fuse_ino_t p, const char* n) {
+    guarded(r, "rmdir", [&] { op_rmdir(r, p, n); });
+  };
+  ops.symlink = [](fuse_req_t r, const char* t, fuse_ino_t p, const char* n) {
+    guarded(r, "symlink", [&] { op_symlink(r, t, p, n); });
+  };
+  ops.rename = [](fuse_req_t r, fuse_ino_t p, const char* n, fuse_ino_t np, const char* nn,
+                  unsigned f) { guarded(r, "rename", [&] { op_rename(r, p, n, np, nn, f); }); };
+  ops.link = [](fuse_req_t r, fuse_ino_t i, fuse_ino_t p, const char* n) {
+    guarded(r, "link", [&] { op_link(r, i, p, n); });
+  };
+  ops.setattr = [](fuse_req_t r, fuse_ino_t i, struct stat* a, int set, fuse_file_info* fi) {
+    guarded(r, "setattr", [&] { op_setattr(r, i, a, set, fi); });
+  };
+  ops.create = [](fuse_req_t r, fuse_ino_t p, const char* n, mode_t m, fuse_file_info* fi) {
+    guarded(r, "create", [&] { op_create(r, p, n, m, fi); });
+  };
+  ops.write = [](fuse_req_t r, fuse_ino_t i, const char* b, size_t n, off_t o, fuse_file_info* fi) {
+    guarded(r, "write", [&] { op_write(r, i, b, n, o, fi); });
+  };
+  ops.setxattr = [](fuse_req_t r, fuse_ino_t i, const char* n, const char* v, size_t s, int f) {
+    guarded(r, "setxattr", [&] { op_setxattr(r, i, n, v, s, f); });
+  };
+  ops.removexattr = [](fuse_req_t r, fuse_ino_t i, const char* n) {
+    guarded(r, "removexattr", [&] { op_removexattr(r, i, n); });
+  };
+  ops.fallocate = [](fuse_req_t r, fuse_ino_t i, int m, off_t o, off_t l, fuse_file_info* fi) {
+    guarded(r, "fallocate", [&] { op_fallocate(r, i, m, o, l, fi); });
+  };
+  ops.flush = [](fuse_req_t r, fuse_ino_t i, fuse_file_info* fi) {
+    guarded(r, "flush", [&] { op_flush(r, i, fi); });
+  };
+  ops.fsync = [](fuse_req_t r, fuse_ino_t i, int d, fuse_file_info* fi) {
+    guarded(r, "fsync", [&] { op_fsync(r, i, d, fi); });
+  };
+  ops.fsyncdir = [](fuse_req_t r, fuse_ino_t i, int d, fuse_file_info* fi) {
+    guarded(r, "fsyncdir", [&] { op_fsyncdir(r, i, d, fi); });
+  };
   return ops;
 }
 
