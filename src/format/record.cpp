@@ -69,6 +69,11 @@ std::string serialize_record(const Record& r) {
   // JSON string holds them exactly.
   j["header_json"] = r.header.size() >= kHeaderLenBytes ? r.header.substr(kHeaderLenBytes) : "";
   j["tx"] = r.tx;
+  if (r.has_owner) {
+    j["file_uid"] = r.uid;
+    j["file_gid"] = r.gid;
+    j["file_mode"] = r.mode & 07777;
+  }
   auto shards = nlohmann::json::array();
   for (const auto& s : r.shards) {
     nlohmann::json e = {{"name", s.name}, {"size", s.size}};
@@ -118,6 +123,17 @@ Result<Record> parse_record(std::string_view text, std::string_view what) {
   r.k = static_cast<uint32_t>(k);
   r.m = static_cast<uint32_t>(m);
   if (!r.tx.empty() && !is_valid_component(r.tx)) return bad("tx is not a plain name");
+  if (j.contains("file_uid") || j.contains("file_gid") || j.contains("file_mode")) {
+    uint64_t uid = 0, gid = 0, mode = 0;
+    if (!get_u64("file_uid", uid) || !get_u64("file_gid", gid) || !get_u64("file_mode", mode) ||
+        uid > UINT32_MAX - 1 || gid > UINT32_MAX - 1 || mode > 07777) {
+      return bad("file_uid, file_gid and file_mode go together, as ids and permission bits");
+    }
+    r.has_owner = true;
+    r.uid = static_cast<uint32_t>(uid);
+    r.gid = static_cast<uint32_t>(gid);
+    r.mode = static_cast<uint32_t>(mode);
+  }
   if (json.size() > kMaxHeaderSize) return bad("header larger than the safetensors limit");
   CKPTFS_TRY(r.parsed, parse_header_json(json, r.size, what));
   r.header = with_length_prefix(json);

@@ -37,6 +37,7 @@ class Builder {
     ck_ = std::make_shared<Checkpoint>();
     ck_->dir = in_.dir;
     ck_->problems = std::move(in_.problems);
+    ck_->notes = std::move(in_.notes);
   }
 
   std::shared_ptr<const Checkpoint> run() {
@@ -98,8 +99,8 @@ class Builder {
       }
       const auto& h = *in.header;
       auto sidx = static_cast<uint32_t>(ck_->shards.size());
-      ck_->shards.push_back(
-          ShardFile{in.name, in.stamp, h.data_start(), *parsed, in.owner, in.remote_path});
+      ck_->shards.push_back(ShardFile{in.name, in.stamp, h.data_start(), *parsed, in.owner,
+                                      in.remote_path, in.access});
 
       std::optional<format::ShardingInfo> info;
       if (const auto* s = h.find_metadata(format::kShardingInfoKey)) {

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <unordered_map>
 
 #include <spdlog/spdlog.h>
 
@@ -86,8 +88,13 @@ bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries) {
   return has_shards(entries) || has_remote_records(dirfd, entries);
 }
 
-std::vector<std::pair<std::string, struct stat>> record_files(
-    int dirfd, const std::vector<DirEntry>& entries) {
+bool trusted_state(const struct stat& st) {
+  return (st.st_uid == 0 || st.st_uid == ::geteuid()) && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
+}
+
+std::vector<std::pair<std::string, struct stat>> record_files(int dirfd,
+                                                              const std::vector<DirEntry>& entries,
+                                                              size_t* untrusted) {
   std::vector<std::pair<std::string, struct stat>> out;
   const bool has_state = std::any_of(entries.begin(), entries.end(), [](const DirEntry& e) {
     return e.name == format::kStateDirName && S_ISDIR(e.st.st_mode);
@@ -95,12 +102,18 @@ std::vector<std::pair<std::string, struct stat>> record_files(
   if (!has_state) return out;
   auto fd = open_at(dirfd, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
   if (!fd) return out;
+  struct stat sst {};
+  if (::fstat(fd->get(), &sst) != 0) return out;
   auto list = list_dir(fd->get());
   if (!list) return out;
+  const bool dir_ok = trusted_state(sst);
   for (auto& e : *list) {
-    if (S_ISREG(e.st.st_mode) && e.name.ends_with(format::kRecordSuffix)) {
-      out.emplace_back(std::string(format::kStateDirName) + "/" + e.name, e.st);
+    if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
+    if (!dir_ok || !trusted_state(e.st)) {
+      if (untrusted) ++*untrusted;
+      continue;
     }
+    out.emplace_back(std::string(format::kStateDirName) + "/" + e.name, e.st);
   }
   return out;
 }
@@ -283,7 +296,23 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
 
 void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,
                   layout::BuildInput& in) {
-  for (const auto& [rel, lst] : record_files(dirfd, entries)) {
+  size_t untrusted = 0;
+  const auto files = record_files(dirfd, entries, &untrusted);
+  if (untrusted > 0) {
+    in.notes.push_back(fmt::format(
+        "{}/{}: {} commit record(s) not read: the directory or the record is not owned by root "
+        "or by this daemon's user, or others may write it (only ckptfs writes .ckptfs)",
+        display, format::kStateDirName, untrusted));
+  }
+  if (files.empty()) return;
+  // The directory's shards by file number, once: matching is linear in records and entries.
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<const DirEntry*>> by_file;
+  for (const auto& e : entries) {
+    if (auto p = format::parse_shard_name(e.name)) by_file[{p->k, p->m}].push_back(&e);
+  }
+  std::vector<std::string> stale;
+  size_t stale_count = 0;
+  for (const auto& [rel, lst] : files) {
     auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
     if (!text) {
       if (text.error().code != ENOENT) in.problems.push_back({"", "", text.error().message});
@@ -310,41 +339,46 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
     // A record of node-local shards names shards that are not here: then no shard of its file
     // may be here either (they would be a later, local write of the same file).
     std::string why;
-    size_t seen = 0;
-    for (const auto& e : entries) {
-      auto p = format::parse_shard_name(e.name);
-      if (!p || p->k != rec->k || p->m != rec->m) continue;
-      ++seen;
-      if (rec->remote()) {
-        why =
-            fmt::format("{} is here, the record says its shards are on node-local targets", e.name);
-        continue;
-      }
-      auto it = std::find_if(rec->shards.begin(), rec->shards.end(),
-                             [&](const format::RecordShard& s) { return s.name == e.name; });
-      if (it == rec->shards.end()) {
-        why = fmt::format("{} is not in it", e.name);
-      } else if (!S_ISREG(e.st.st_mode) || static_cast<uint64_t>(e.st.st_size) != it->size) {
-        why = fmt::format("{} is {} bytes, the record says {}", e.name, e.st.st_size, it->size);
+    const auto here = by_file.find({rec->k, rec->m});
+    const size_t seen = here == by_file.end() ? 0 : here->second.size();
+    if (seen > 0 && rec->remote()) {
+      why = fmt::format("{} is here, the record says its shards are on node-local targets",
+                        here->second.front()->name);
+    } else if (seen > 0) {
+      std::unordered_map<std::string_view, uint64_t> sizes;
+      sizes.reserve(rec->shards.size());
+      for (const auto& sh : rec->shards) sizes.emplace(sh.name, sh.size);
+      for (const DirEntry* e : here->second) {
+        auto it = sizes.find(e->name);
+        if (it == sizes.end()) {
+          why = fmt::format("{} is not in it", e->name);
+        } else if (!S_ISREG(e->st.st_mode) || static_cast<uint64_t>(e->st.st_size) != it->second) {
+          why =
+              fmt::format("{} is {} bytes, the record says {}", e->name, e->st.st_size, it->second);
+        }
+        if (!why.empty()) break;
       }
     }
     if (why.empty() && !rec->remote() && seen != rec->shards.size()) {
       why = "some of its shards are missing";
     }
     if (!why.empty()) {
-      spdlog::warn("{}/{}: ignoring a stale commit record ({})", display, rel, why);
+      if (++stale_count <= 3) stale.push_back(fmt::format("{} ({})", rel, why));
       continue;
     }
     if (rec->remote()) {
       // Node-local shards: built from the headers the record carries; their bytes are read
-      // from the owning rank (flush::ShardReader). Their stamp is the record's.
-      for (auto& s : rec->shards) {
+      // from the owning rank (flush::ShardReader). Their stamp is the record's, and so are
+      // their owner and mode: the writer's, or root's alone for a record that has none.
+      for (auto& sh : rec->shards) {
         layout::ShardInput si;
-        si.name = s.name;
-        si.stamp = layout::FileStamp{0, 0, s.size, mtime_ns(lst), ctime_ns(lst)};
-        si.header = s.parsed;
-        si.owner = s.owner;
-        si.remote_path = s.path;
+        si.name = sh.name;
+        si.stamp = layout::FileStamp{0, 0, sh.size, mtime_ns(lst), ctime_ns(lst)};
+        si.header = sh.parsed;
+        si.owner = sh.owner;
+        si.remote_path = sh.path;
+        si.access = rec->has_owner ? layout::Access{rec->uid, rec->gid, rec->mode}
+                                   : layout::Access{0, 0, 0400};
         in.shards.push_back(std::move(si));
       }
     }
@@ -355,6 +389,12 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
     o.parsed = std::make_shared<const format::Header>(std::move(rec->parsed));
     o.record = rel;
     in.overrides.push_back(std::move(o));
+  }
+  if (stale_count > 0) {
+    std::string list;
+    for (const auto& x : stale) list += (list.empty() ? "" : "; ") + x;
+    in.notes.push_back(fmt::format("{}: ignoring {} stale commit record(s): {}{}", display,
+                                   stale_count, list, stale_count > stale.size() ? "; ..." : ""));
   }
 }
 

@@ -54,6 +54,11 @@ struct Record {
   std::string tx;
   std::vector<RecordShard> shards;  // in rank order
   Header parsed;                    // `header` parsed (set by parse_record; not serialized)
+  // The file's owner and permission bits when it was committed (the writer's). The view of a
+  // node-local record shows and enforces them (no shard file in SRC carries them); a local
+  // record's shards carry them too. Absent from records of older versions of ckptfs.
+  bool has_owner = false;
+  uint32_t uid = 0, gid = 0, mode = 0;
 
   // Its shards live on node-local targets (every shard has an owner; version 2).
   [[nodiscard]] bool remote() const { return !shards.empty() && shards.front().remote(); }

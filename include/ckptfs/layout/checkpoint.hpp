@@ -31,6 +31,13 @@ struct FileStamp {
   bool operator==(const FileStamp&) const = default;
 };
 
+// Owner and permission bits of a shard (st_mode's low 12 bits), for who may read what the
+// view makes of it.
+struct Access {
+  uint32_t uid = 0, gid = 0, mode = 0;
+  bool operator==(const Access&) const = default;
+};
+
 // One rank shard file as handed to the builder (already parsed by the source layer).
 struct ShardInput {
   std::string name;  // file name relative to the checkpoint directory
@@ -41,6 +48,9 @@ struct ShardInput {
   // and its path below that rank's target. -1: a file in the checkpoint directory.
   int32_t owner = -1;
   std::string remote_path;
+  // A node-local shard's owner and mode: its record's (the writer's). Local shards' are their
+  // files' (the fs layer takes them from the directory listing).
+  Access access;
 };
 
 struct ShardFile {
@@ -50,6 +60,7 @@ struct ShardFile {
   format::ShardName parsed;
   int32_t owner = -1;  // as in ShardInput: not in the directory but on rank `owner`'s target
   std::string remote_path;
+  Access access;  // as in ShardInput (set for node-local shards)
 
   [[nodiscard]] bool remote() const { return owner >= 0; }
 };
@@ -122,6 +133,9 @@ struct Checkpoint {
   std::vector<OutputFile> outputs;
   std::string index_json;
   std::vector<Problem> problems;
+  // What the source layer ignored while reading it (stale or untrusted commit records): worth
+  // a log line, not a reason to refuse.
+  std::vector<std::string> notes;
   bool from_mapping = false;  // output assignment came from fqn_to_file_index_mapping.json
   // Tensors whose full shape the shards store; the others' is inferred from their chunks (as
   // every reader does), so a missing last chunk cannot be told from a smaller tensor.
@@ -176,6 +190,7 @@ struct BuildInput {
   std::optional<format::FqnMapping> mapping;   // .hf_metadata/fqn_to_file_index_mapping.json
   std::optional<format::DtypeMapping> dtypes;  // .hf_metadata/fqn_to_dtype_mapping.json
   std::vector<Problem> problems;               // found before building (unreadable mapping...)
+  std::vector<std::string> notes;              // see Checkpoint::notes
   std::vector<OutputOverride> overrides;
 };
 

@@ -94,14 +94,22 @@ class HeaderCache {
   uint64_t bytes_ = 0;
 };
 
+// Whether a file or directory of the write path's state may be trusted: owned by root or by
+// this process's user, and writable by no one else. Only the daemon writes .ckptfs; records
+// anyone else could have made or changed are never a source of bytes or of permissions.
+bool trusted_state(const struct stat& st);
+
 // The commit records of the write path in a directory (.ckptfs/*.commit), as (relative path,
-// lstat) pairs; empty when `entries` has no .ckptfs directory.
+// lstat) pairs; empty when `entries` has no .ckptfs directory. Only trusted ones (above):
+// `untrusted`, when given, counts the records (or the .ckptfs directory) left out for that.
 std::vector<std::pair<std::string, struct stat>> record_files(int dirfd,
-                                                              const std::vector<DirEntry>& entries);
+                                                              const std::vector<DirEntry>& entries,
+                                                              size_t* untrusted = nullptr);
 
 // Adds to `in` the output overrides of every valid commit record of the directory, and a
 // problem for each one that cannot be used yet (a commit still being completed). Records that
-// no longer match the shards are stale: ignored, with a warning.
+// no longer match the shards are stale, and untrusted ones are not read: both are ignored,
+// with a note (in.notes) saying so. Linear in the records' shards and the directory's entries.
 void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,
                   layout::BuildInput& in);
 
