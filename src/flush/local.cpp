@@ -234,6 +234,10 @@ class LocalTransaction final : public Transaction {
     rec.size = info.size;
     rec.header = info.header;
     rec.tx = name_;
+    rec.has_owner = true;
+    rec.uid = info.uid;
+    rec.gid = info.gid;
+    rec.mode = info.mode & 07777;
     if (!info.remote_shards.empty()) {
       // Node-local shards (the OpenMPI flusher): the record names them on their owners'
       // targets; nothing of theirs is staged here.
@@ -248,6 +252,10 @@ class LocalTransaction final : public Transaction {
     }
     const std::string text = format::serialize_record(rec);
     const std::string rec_display = fmt::format("{}/{}/{}/record", display_, kState, name_);
+    if (text.size() > format::kMaxSideFileSize) {  // it could never be read back
+      return make_error(EFBIG, "{}: the commit record would be {} bytes, over the {} byte limit",
+                        rec_display, text.size(), format::kMaxSideFileSize);
+    }
     {
       CKPTFS_TRY(UniqueFd fd, open_at(tx_.get(), "record", O_WRONLY | O_CREAT | O_TRUNC, 0644));
       CKPTFS_CHECK(pwrite_all(fd.get(), text.data(), text.size(), 0, rec_display));

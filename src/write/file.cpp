@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/write/sniff.hpp"
@@ -20,13 +21,31 @@ constexpr size_t kCopyChunk = 1 << 20;
 
 bool is_model_name(std::string_view name) { return format::parse_model_name(name).has_value(); }
 
+// The header length a prefix announces (its first 8 bytes), or 0 before they arrived.
+uint64_t announced_len(std::string_view prefix) {
+  if (prefix.size() < format::kHeaderLenBytes) return 0;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+  return n;
+}
+
+// What a routed file keeps in memory until it is closed: its header, every shard header and a
+// descriptor per chunk (an estimate, on the generous side).
+uint64_t retained_bytes(const format::Header& h, const ShardSet& s) {
+  uint64_t n = format::kHeaderLenBytes + h.json_len + 256 * h.tensors.size();
+  for (const auto& sh : s.shards) n += sh.header.size();
+  return n;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<WriteFile>> WriteFile::open(UniqueFd backing, int dirfd,
                                                    std::string dir_display, bool fresh,
                                                    flush::Flusher& flusher, PlanOptions plan,
-                                                   std::string what) {
+                                                   std::string what, MemoryBudget* budget) {
   auto f = std::shared_ptr<WriteFile>(new WriteFile());
+  f->budget_ = budget;
+  f->charge_.bind(budget);
   struct stat st {};
   if (::fstat(backing.get(), &st) != 0) return errno_error(what + ": stat failed");
   int d = ::fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
@@ -57,6 +76,11 @@ WriteFile::State WriteFile::state() const {
   return state_;
 }
 
+std::optional<Error> WriteFile::stored_whole() const {
+  std::lock_guard lock(mu_);
+  return whole_;
+}
+
 std::vector<std::string> WriteFile::stored_names() const {
   std::lock_guard lock(mu_);
   return stored_;
@@ -84,7 +108,35 @@ Status WriteFile::fail_locked(Error e) {
   prefix_.shrink_to_fit();
   state_ = State::Failed;
   error_ = e;
+  charge_.reset();
   return e;
+}
+
+Status WriteFile::spill_locked(std::string_view why) {
+  if (!spilled_) {
+    spilled_ = true;
+    spdlog::info("{}: {}; held on disk instead (split at close)", what_, why);
+  }
+  return to_plain_locked(true);
+}
+
+std::optional<Error> WriteFile::admit_locked(const format::Header& h, const ShardSet& s,
+                                             uint64_t extra) {
+  // The commit record holds the header and, for node-local shards, every shard header, each as
+  // a JSON string: valid JSON text escapes to at most twice its size (a quote, a backslash or
+  // whitespace becomes two bytes; it has no raw control character). A record over the
+  // side-file limit could never be read back.
+  uint64_t record = 1024 + 2 * (format::kHeaderLenBytes + h.json_len);
+  for (const auto& sh : s.shards) record += 256 + 2 * sh.header.size();
+  if (record > format::kMaxSideFileSize) {
+    return Error{EFBIG, fmt::format("{}: its commit record would pass the {} byte limit", what_,
+                                    format::kMaxSideFileSize)};
+  }
+  if (!charge_.hold(extra + retained_bytes(h, s))) {
+    return Error{ENOMEM, fmt::format("{}: the daemon's write memory ({} MiB) is in use", what_,
+                                     budget_ ? budget_->limit() >> 20 : 0)};
+  }
+  return std::nullopt;
 }
 
 Status WriteFile::write(uint64_t off, std::string_view bytes) {
@@ -105,6 +157,10 @@ Status WriteFile::write_locked(uint64_t off, std::string_view bytes) {
     case State::Sniffing:
       dirty_ = true;
       if (off == prefix_.size()) {
+        if (!charge_.hold(prefix_.size() + bytes.size())) {
+          CKPTFS_CHECK(spill_locked("the daemon's write memory is in use"));
+          break;  // now Plain
+        }
         prefix_.append(bytes);
         size_ = std::max(size_, end);
         return decide_locked();
@@ -133,6 +189,12 @@ Status WriteFile::write_locked(uint64_t off, std::string_view bytes) {
 
 Status WriteFile::decide_locked() {
   const uint64_t known = size_ > prefix_.size() ? size_ : 0;  // sized by ftruncate
+  // Parsing and planning a large header costs a multiple of its size: one file at a time.
+  const uint64_t n = announced_len(prefix_);
+  std::unique_lock<std::mutex> big;
+  if (budget_ && n > MemoryBudget::kBigHeader && prefix_.size() >= format::kHeaderLenBytes + n) {
+    big = std::unique_lock(budget_->big());
+  }
   Sniffed s = sniff(prefix_, known, what_);
   switch (s.kind) {
     case Kind::NeedMore:
@@ -151,6 +213,11 @@ Status WriteFile::enter_routed_locked(const format::Header& h) {
   auto s = p ? shard_headers(h, *p, what_) : Result<ShardSet>(p.error());
   if (!s) {
     spdlog::warn("{}: stored whole, not split: {}", what_, s.error().message);
+    return to_plain_locked(true);
+  }
+  if (auto no = admit_locked(h, *s, prefix_.size())) {
+    if (no->code == ENOMEM) return spill_locked(no->message);
+    spdlog::warn("{}; stored whole, not split", no->message);
     return to_plain_locked(true);
   }
   auto tx = flusher_->begin(target(), *s, what_);
@@ -175,6 +242,7 @@ Status WriteFile::enter_routed_locked(const format::Header& h) {
   }
   prefix_.clear();
   prefix_.shrink_to_fit();
+  (void)charge_.hold(retained_bytes(h, *s));  // less than it held: never refused
   state_ = State::Routed;
   return {};
 }
@@ -219,6 +287,7 @@ Status WriteFile::to_plain_locked(bool keep_all) {
     return fail_locked(errno_error(what_ + ": cannot size the file"));
   }
   state_ = State::Plain;
+  charge_.reset();  // a plain file's bytes are its backing file's
   return {};
 }
 
@@ -332,25 +401,37 @@ Result<bool> WriteFile::is_backing(const Place& where) const {
 Status WriteFile::finalize(const Place& where) {
   std::lock_guard lock(mu_);
   const bool was_dirty = dirty_.exchange(false);
+  whole_.reset();
+  const bool model = is_model_name(where.name);
   switch (state_) {
     case State::Failed:
       return *error_;
     case State::Committed:
       return {};
     case State::Sniffing:
-      return to_plain_locked(true);
+      CKPTFS_CHECK(to_plain_locked(true));
+      if (model) {
+        whole_ = Error{EINVAL,
+                       fmt::format("{}: {} bytes, not a complete safetensors file", what_, size_)};
+      }
+      return {};
     case State::Plain:
-      if (was_dirty && is_model_name(where.name)) return split_plain_locked(where, durable_);
+      if (was_dirty && model) return split_plain_locked(where, durable_);
       return {};
     case State::Routed:
       break;
   }
-  if (!is_model_name(where.name)) return to_plain_locked(true);
+  if (!model) return to_plain_locked(true);
   if (!router_->complete()) {
     spdlog::warn(
         "{}: closed after {} of its {} bytes; stored as written up to there (a consolidated "
         "file cut short is never shown as complete)",
         what_, router_->received(), router_->file_size());
+    // Sized (ftruncate) beyond what arrived, it is kept shorter than the writer made it: EIO.
+    // Otherwise it is exactly what was written, just not a complete safetensors file.
+    whole_ = Error{size_ > router_->received() ? EIO : EINVAL,
+                   fmt::format("{}: closed after {} of its {} bytes", what_, router_->received(),
+                               router_->file_size())};
     return to_plain_locked(false);
   }
   return commit_locked(where, durable_);
@@ -358,6 +439,7 @@ Status WriteFile::finalize(const Place& where) {
 
 Status WriteFile::store(const Place& where) {
   std::lock_guard lock(mu_);
+  whole_.reset();
   if (state_ != State::Plain || !is_model_name(where.name)) return {};
   return split_plain_locked(where, durable_);
 }
@@ -370,6 +452,7 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
     tx_.reset();
     router_.reset();
     state_ = State::Plain;
+    charge_.reset();
     return {};
   }
   struct stat a {
@@ -389,6 +472,9 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
   info.m = mn->m;
   info.header = router_->header();
   info.size = router_->file_size();
+  info.uid = bst.st_uid;
+  info.gid = bst.st_gid;
+  info.mode = bst.st_mode & 07777;
   if (auto st = tx_->commit(info, durable); !st) return fail_locked(std::move(st).error());
   state_ = State::Committed;
   stored_.clear();
@@ -403,29 +489,73 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
         fmt::format("{}/{}: cannot remove the placeholder", where.dir_display, where.name));
   }
   spdlog::info("{}/{}: stored as {} rank shard(s)", where.dir_display, where.name, ranks_);
+  return fill_other_links_locked();
+}
+
+// A hard link made in SRC to the backing file while it was written (the placeholder's other
+// names) must not end up empty: once the name is gone, any link left gets the file's bytes.
+Status WriteFile::fill_other_links_locked() {
+  struct stat st {};
+  if (::fstat(backing_.get(), &st) != 0 || st.st_nlink == 0) return {};
+  spdlog::info("{}: also linked elsewhere in SRC ({} link(s)); its bytes are written there too",
+               what_, st.st_nlink);
+  std::string buf(std::min<uint64_t>(kCopyChunk, std::max<uint64_t>(size_, 1)), '\0');
+  auto pread = [this](uint32_t rank, uint64_t off, char* dst, size_t n) {
+    return tx_->pread(rank, off, dst, n);
+  };
+  for (uint64_t x = 0; x < size_; x += buf.size()) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size_ - x));
+    CKPTFS_TRY(size_t got, router_->read(x, n, buf.data(), pread));
+    CKPTFS_CHECK(pwrite_all(backing_.get(), buf.data(), got, x, what_ + " (another link)"));
+  }
+  if (::ftruncate(backing_.get(), static_cast<off_t>(size_)) != 0) {
+    return errno_error(what_ + ": cannot size another link");
+  }
+  if (durable_ && ::fsync(backing_.get()) != 0) return errno_error(what_ + ": fsync failed");
   return {};
 }
 
 Status WriteFile::split_plain_locked(const Place& where, bool durable) {
+  auto whole = [&](int code, std::string why) -> Status {
+    whole_ = Error{code, fmt::format("{}: {}", what_, why)};
+    return {};
+  };
   struct stat st {};
   if (::fstat(backing_.get(), &st) != 0) return errno_error(what_ + ": stat failed");
   const auto size = static_cast<uint64_t>(st.st_size);
-  if (size < format::kHeaderLenBytes + kMinHeaderLen) return {};
+  if (size < format::kHeaderLenBytes + kMinHeaderLen) {
+    return whole(EINVAL, fmt::format("{} bytes, not a safetensors file", size));
+  }
   unsigned char len8[8];
   CKPTFS_CHECK(pread_exact(backing_.get(), len8, 8, 0, what_));
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len8[i];
-  if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) return {};
+  const uint64_t n = announced_len(std::string_view(reinterpret_cast<const char*>(len8), 8));
+  if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) {
+    return whole(EINVAL,
+                 fmt::format("header length {} does not fit a {} byte safetensors file", n, size));
+  }
+  // Parsing and planning a large header costs a multiple of its size: one file at a time.
+  std::unique_lock<std::mutex> big;
+  if (budget_ && n > MemoryBudget::kBigHeader) big = std::unique_lock(budget_->big());
   std::string prefix(static_cast<size_t>(format::kHeaderLenBytes + n), '\0');
   CKPTFS_CHECK(pread_exact(backing_.get(), prefix.data(), prefix.size(), 0, what_));
   Sniffed s = sniff(prefix, size, what_);
-  if (s.kind != Kind::Consolidated) return {};
+  if (s.kind == Kind::RankShard) return whole(EINVAL, "a rank shard (it has DCP_SHARDING_INFO)");
+  if (s.kind != Kind::Consolidated) return whole(EINVAL, s.why);
   auto p = plan(*s.header, plan_opts_, what_);
   auto set = p ? shard_headers(*s.header, *p, what_) : Result<ShardSet>(p.error());
-  if (!set) return {};  // stored whole
+  if (!set) {
+    whole_ = set.error();
+    return {};
+  }
+  if (auto no = admit_locked(*s.header, *set, 0)) {
+    whole_ = std::move(no);
+    return {};
+  }
   auto tx = flusher_->begin(target(), *set, what_);
   if (!tx) {  // no staging here: the file stays whole, as written
     spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
+    charge_.reset();
+    whole_ = std::move(tx).error();
     return {};
   }
   CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, *p, *set, **tx, what_));

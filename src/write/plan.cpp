@@ -189,6 +189,15 @@ Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::stri
     sh.rank = r;
     sh.header = format::serialize_header(entries[r], md, 8);
     sh.data_size = entries[r].empty() ? 0 : entries[r].back().end;
+    // Each shard carries its tensors' names twice (entries and DCP_SHARDING_INFO): a header
+    // near the limit can give shards no reader would open.
+    if (sh.header.size() - format::kHeaderLenBytes > format::kMaxHeaderSize) {
+      return make_error(EFBIG,
+                        "{}: rank {}'s shard header would be {} bytes, over the {} byte "
+                        "safetensors limit",
+                        what, r, sh.header.size() - format::kHeaderLenBytes,
+                        format::kMaxHeaderSize);
+    }
   }
   // Absolute chunk offsets, now that each header's length is known.
   std::vector<size_t> next(p.ranks, 0);

@@ -48,6 +48,11 @@ struct CommitInfo {
   uint32_t k = 1, m = 1;
   std::string header;  // the file's original 8 + N bytes
   uint64_t size = 0;   // the file's size
+  // The file's owner and permission bits, written into the record (the view of node-local
+  // shards shows and enforces them).
+  uid_t uid = 0;
+  gid_t gid = 0;
+  mode_t mode = 0600;
   // Set by a flusher whose shards live elsewhere (node-local targets): the record lists these
   // (owner, path, header) instead of the staged shards, and none is moved into the directory.
   std::vector<format::RecordShard> remote_shards;

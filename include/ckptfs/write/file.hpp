@@ -30,6 +30,7 @@
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/result.hpp"
+#include "ckptfs/write/budget.hpp"
 #include "ckptfs/write/plan.hpp"
 #include "ckptfs/write/router.hpp"
 
@@ -48,11 +49,12 @@ class WriteFile {
 
   // `backing` is the file open read-write; `dirfd` its directory, where shards are staged
   // (dup'd). `fresh`: the file was empty (created, or opened with O_TRUNC), so its content is
-  // sniffed. `what` names it in messages.
+  // sniffed. `what` names it in messages. `budget` (may be null: unbounded) bounds what all
+  // files hold in memory together; a file that cannot get its share is staged to disk.
   static Result<std::shared_ptr<WriteFile>> open(UniqueFd backing, int dirfd,
                                                  std::string dir_display, bool fresh,
                                                  flush::Flusher& flusher, PlanOptions plan,
-                                                 std::string what);
+                                                 std::string what, MemoryBudget* budget = nullptr);
   ~WriteFile();
   WriteFile(const WriteFile&) = delete;
   WriteFile& operator=(const WriteFile&) = delete;
@@ -75,6 +77,12 @@ class WriteFile {
   // A closed plain file renamed onto a model name: stored as rank shards now if it holds a
   // consolidated safetensors file (state() is then Committed).
   Status store(const Place& where);
+  // Why the last finalize() or store() left a file under a model name whole in its backing
+  // file rather than stored as rank shards (not a consolidated safetensors file, cut short,
+  // too large a header, no memory or staging for it); empty when it was stored as shards or
+  // the name is no model name. The fs layer decides from it whether the name can show the
+  // file (docs/semantics.md, "A model name holds what was written").
+  [[nodiscard]] std::optional<Error> stored_whole() const;
 
   [[nodiscard]] State state() const;
   // Once committed: the files its stored form is made of, relative to its directory (the
@@ -97,7 +105,13 @@ class WriteFile {
   Status enter_routed_locked(const format::Header& h);
   Status split_plain_locked(const Place& where, bool durable);
   Status commit_locked(const Place& where, bool durable);
+  Status fill_other_links_locked();
   Status fail_locked(Error e);
+  // Stages the file to disk (Plain) because the memory budget is spent; logs once.
+  Status spill_locked(std::string_view why);
+  // Whether the retained state of a routed file (header, shard headers, chunks) fits the budget
+  // and the record's size limit; the reason it does not otherwise.
+  std::optional<Error> admit_locked(const format::Header& h, const ShardSet& s, uint64_t extra);
   Result<bool> is_backing(const Place& where) const;
   flush::Target target() const;
 
@@ -117,7 +131,11 @@ class WriteFile {
   std::optional<Error> error_;       // Failed
   std::vector<std::string> stored_;  // Committed: see stored_names()
   std::atomic<bool> dirty_{false};
-  bool durable_ = false;  // fsync was asked: the commit is made durable too
+  bool durable_ = false;            // fsync was asked: the commit is made durable too
+  MemoryBudget* budget_ = nullptr;  // shared by the mount's files; null: unbounded
+  Charge charge_;                   // this file's share of it
+  bool spilled_ = false;            // staged to disk for lack of memory (logged once)
+  std::optional<Error> whole_;      // see stored_whole()
 };
 
 }  // namespace ckptfs::write
