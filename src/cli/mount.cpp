@@ -53,6 +53,9 @@ ckptfs -o options:
   prefetch_threads=N     threads pushing (default: half the cores, 2 to 8)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
   read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
+  write_mem_mb=N         memory all files being written may hold in the daemon (headers
+                         being sniffed or split; default 256); past it a file is staged to disk
+                         and split at close
   settle=SECONDS         quiet time before a changed checkpoint is shown (default 1)
   revalidate=SECONDS     how long a directory's view is trusted before re-checking (default 1)
   attr_timeout=SECONDS, entry_timeout=SECONDS   kernel cache timeouts (default 1)
@@ -144,6 +147,10 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, const std::string& opt) {
     CKPTFS_TRY(o.splice, parse_onoff(val, "splice"));
   } else if (key == "read_ahead_kb") {
     CKPTFS_TRY(o.read_ahead_kb, parse_unsigned(val, "read_ahead_kb"));
+  } else if (key == "write_mem_mb") {
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "write_mem_mb"));
+    if (n < 1 || n > 1u << 20) return make_error(EINVAL, "write_mem_mb: must be 1..1048576");
+    o.fs.write_memory = uint64_t{n} << 20;
   } else if (key == "settle") {
     CKPTFS_TRY(double s, parse_seconds(val, "settle"));
     o.fs.settle = ms(s);

@@ -25,8 +25,11 @@
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/watcher.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/log_limit.hpp"
 #include "ckptfs/util/path.hpp"
+#include "ckptfs/write/budget.hpp"
 #include "ckptfs/write/file.hpp"
+#include "ckptfs/write/sniff.hpp"
 
 namespace ckptfs::fs {
 namespace {
@@ -100,56 +103,6 @@ uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
   x ^= x >> 27;
   x *= 0x94d049bb133111ebull;
   return x ^ (x >> 31);
-}
-
-// --- access -------------------------------------------------------------------------------
-
-// Owner and mode of one input of a synthesized file.
-struct Perm {
-  uid_t uid = 0;
-  gid_t gid = 0;
-  mode_t mode = 0;
-};
-
-// The kernel's rule for reading a file: the owner class if the caller owns it, else the group
-// class if the caller is in its group, else other; root reads anything.
-bool may_read(const Perm& p, const Caller& c) {
-  if (c.uid == 0) return true;
-  if (c.uid == p.uid) return (p.mode & S_IRUSR) != 0;
-  if (c.gid == p.gid || std::find(c.groups.begin(), c.groups.end(), p.gid) != c.groups.end()) {
-    return (p.mode & S_IRGRP) != 0;
-  }
-  return (p.mode & S_IROTH) != 0;
-}
-
-// The owner and read bits shown for a file made of `inputs`: the inputs' common owner and
-// group (else the directory's), and a read bit for a class only where every input grants it.
-// The kernel checks these (default_permissions); open() then applies may_read to every input,
-// which also covers what a mode alone cannot say (a caller who owns one shard but not another).
-Perm shown_perm(const std::vector<Perm>& inputs, uid_t dir_uid, gid_t dir_gid) {
-  Perm out{dir_uid, dir_gid, 0};
-  if (!inputs.empty()) {
-    auto same = [&](auto field) {
-      return std::all_of(inputs.begin(), inputs.end(),
-                         [&](const Perm& p) { return field(p) == field(inputs[0]); });
-    };
-    if (same([](const Perm& p) { return p.uid; })) out.uid = inputs[0].uid;
-    if (same([](const Perm& p) { return p.gid; })) out.gid = inputs[0].gid;
-  }
-  auto all = [&](auto pred) { return std::all_of(inputs.begin(), inputs.end(), pred); };
-  // The shown owner may not be in a shard's group: only its own bits or other's count.
-  if (all([&](const Perm& p) {
-        return p.uid == out.uid ? (p.mode & S_IRUSR) : (p.mode & S_IROTH);
-      })) {
-    out.mode |= S_IRUSR;
-  }
-  if (all([&](const Perm& p) {
-        return p.gid == out.gid ? (p.mode & S_IRGRP) : (p.mode & S_IROTH);
-      })) {
-    out.mode |= S_IRGRP;
-  }
-  if (all([](const Perm& p) { return (p.mode & S_IROTH) != 0; })) out.mode |= S_IROTH;
-  return out;
 }
 
 // --- readers --------------------------------------------------------------------------
@@ -435,6 +388,9 @@ struct Filesystem::Impl {
   std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
   Notifier* notifier = nullptr;
   std::shared_ptr<flush::Flusher> flusher;
+  std::unique_ptr<write::MemoryBudget> budget;  // the write path's memory (Options::write_memory)
+  int protected_regular = 0;                    // Options::protected_regular, resolved
+  LogLimiter logs;                              // repeated lines about one directory
 
   // What .ckptfs/status.json reports beyond the current state of each directory.
   const int64_t started_ns = now_realtime_ns();
@@ -751,7 +707,14 @@ struct Filesystem::Impl {
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
     for (const auto& e : entries) {
-      if (source::is_shard_entry(e)) v->inputs.push_back({e.st.st_uid, e.st.st_gid, e.st.st_mode});
+      if (source::is_shard_entry(e)) v->inputs.push_back(Perm::of(e.st));
+    }
+    // Node-local shards have no file here: their owner and mode are their record's.
+    for (const auto& sh : v->ckpt->shards) {
+      if (sh.remote()) {
+        v->inputs.push_back(Perm{sh.access.uid, sh.access.gid,
+                                 static_cast<mode_t>(S_IFREG | (sh.access.mode & 07777))});
+      }
     }
     v->shown = shown_perm(v->inputs, dst.st_uid, dst.st_gid);
     return v;
@@ -789,12 +752,8 @@ struct Filesystem::Impl {
       auto ck =
           source::load_checkpoint(dirfd->get(), entries, source_path(rel), headers, opts.build);
       builds.fetch_add(1, std::memory_order_relaxed);
-      if (!ck->valid()) {
-        refusals.fetch_add(1, std::memory_order_relaxed);
-        for (const auto& p : ck->problems) {
-          spdlog::error("{}: checkpoint not shown: {}", source_path(rel), p.to_string());
-        }
-      }
+      if (!ck->valid()) refusals.fetch_add(1, std::memory_order_relaxed);
+      log_build(rel, *ck);
       v = make_view(std::move(ck), rel, ddst, sig, entries, settled);
     }
     lock.lock();
@@ -903,6 +862,32 @@ struct Filesystem::Impl {
       pending->problems.push_back({"", "", "shard headers not read yet"});
       st.view = make_view(std::move(pending), rel, dst, st.sig, st.entries, st.settled);
       drop_hidden_kids(dir_ino);
+    }
+  }
+
+  // What a build found, in one line per checkpoint: a refusal names its first problems and
+  // how many more there are (ckptfs inspect lists them all), then the source layer's notes.
+  // A directory that keeps changing logs at most a few such lines a minute (logs).
+  void log_build(const std::string& rel, const layout::Checkpoint& ck) {
+    constexpr size_t kShown = 4;
+    if (!ck.valid()) {
+      if (auto v = logs.allow("refused:" + rel); v.log) {
+        std::string first;
+        for (size_t i = 0; i < ck.problems.size() && i < kShown; ++i) {
+          first += (i ? "; " : "") + ck.problems[i].to_string();
+        }
+        spdlog::error("{}: checkpoint not shown: {}{}{}", source_path(rel), first,
+                      ck.problems.size() > kShown
+                          ? fmt::format("; and {} more problem(s) (ckptfs inspect lists them)",
+                                        ck.problems.size() - kShown)
+                          : std::string(),
+                      v.suppressed
+                          ? fmt::format(" ({} earlier refusal(s) not logged)", v.suppressed)
+                          : std::string());
+      }
+    }
+    for (const auto& note : ck.notes) {
+      if (auto v = logs.allow("note:" + rel); v.log) spdlog::warn("{}", note);
     }
   }
 
@@ -1018,7 +1003,9 @@ struct Filesystem::Impl {
       st.st_mode = S_IFDIR | 0555;
       st.st_nlink = 2;
     } else {
-      st.st_mode = S_IFREG | 0444;  // size 0: made at open, read with direct I/O
+      // The mount's owner's alone (and root's): it names what the daemon serves, private
+      // directories included. Size 0: made at open, read with direct I/O.
+      st.st_mode = S_IFREG | 0400;
       st.st_nlink = 1;
     }
     return st;
@@ -1313,6 +1300,44 @@ struct Filesystem::Impl {
     return d;
   }
 
+  // --- the kernel's checks, for what it cannot see (fs/access.hpp) -------------------------
+
+  // May `who` remove entry `name` of directory `d` as it is in SRC (ENOENT: nothing to check).
+  Status may_delete_entry(const DirRef& d, const std::string& name, const Caller& who) {
+    if (who.root()) return {};
+    struct stat st {};
+    if (::fstatat(d.fd.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return {};
+    return may_delete(Perm::of(d.st), Perm::of(st), who, source_path(join_rel(d.node.rel, name)));
+  }
+
+  // May `who` remove every input of a consolidated file (its shards) from directory `d`.
+  Status may_delete_all(const DirRef& d, const std::vector<Perm>& inputs, const Caller& who,
+                        const std::string& what) {
+    for (const auto& p : inputs)
+      CKPTFS_CHECK(may_delete(Perm::of(d.st), p, who, source_path(what)));
+    return {};
+  }
+
+  // Whether `who` could empty directory `dirfd` (at `rel`) entry by entry, subdirectories
+  // first: what rmdir removes with a directory whose view is empty. The daemon's own .ckptfs
+  // counts as one entry (nobody but the daemon writes inside it).
+  Status may_empty(int dirfd, const Caller& who, const std::string& rel, int depth) {
+    if (who.root()) return {};
+    if (depth > 8) return make_error(ENOTEMPTY, "{}: too deep", rel);
+    struct stat dst {};
+    if (::fstat(dirfd, &dst) != 0) return errno_error(rel);
+    CKPTFS_TRY(auto entries, source::list_dir(dirfd));
+    for (const auto& e : entries) {
+      const std::string what = join_rel(rel, e.name);
+      CKPTFS_CHECK(may_delete(Perm::of(dst), Perm::of(e.st), who, what));
+      if (S_ISDIR(e.st.st_mode) && !is_state_name(e.name)) {
+        CKPTFS_TRY(UniqueFd sub, open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+        CKPTFS_CHECK(may_empty(sub.get(), who, what, depth + 1));
+      }
+    }
+    return {};
+  }
+
   struct Shown {
     std::shared_ptr<const View> v;  // set when the view shows `name` as a consolidated file
     const layout::OutputFile* output = nullptr;  // null: the synthesized index
@@ -1365,9 +1390,10 @@ struct Filesystem::Impl {
     if (::fstat(fd.get(), &st) != 0) return make_error(errno, "stat failed");
     const DevIno key{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
     if (auto wf = writing(key.first, key.second)) return wf;
-    CKPTFS_TRY(auto wf, write::WriteFile::open(std::move(fd), d.fd.get(), source_path(d.node.rel),
-                                               fresh, *flusher, plan_options(d.fd.get()),
-                                               source_path(join_rel(d.node.rel, name))));
+    CKPTFS_TRY(auto wf,
+               write::WriteFile::open(std::move(fd), d.fd.get(), source_path(d.node.rel), fresh,
+                                      *flusher, plan_options(d.fd.get()),
+                                      source_path(join_rel(d.node.rel, name)), budget.get()));
     std::lock_guard lock(writes_mu_);
     auto& w = writes_[key];
     if (auto other = w.wf.lock()) return other;  // opened meanwhile by another thread
@@ -1497,6 +1523,93 @@ struct Filesystem::Impl {
     st->next_check = Clock::now();
   }
 
+  // --- a model name holds a consolidated file or nothing ------------------------------------
+  //
+  // In a checkpoint directory the view shows, under a model name, the consolidated file its
+  // shards make: a real file of that name is hidden. So a file that ends up whole under such a
+  // name (not a consolidated safetensors file, cut short, too large a header to split, no
+  // memory or staging for it) must not be reported stored when nobody could read it back.
+
+  struct NameState {
+    bool stored = false;  // the name has a stored form (its record and shards, or DCP shards)
+    bool others = false;  // the directory holds rank shards or records of other files
+  };
+  NameState name_state(int dirfd, const std::vector<source::DirEntry>& entries,
+                       std::string_view name) {
+    NameState ns;
+    const auto mn = format::parse_model_name(name);
+    if (!mn) return ns;
+    bool mine_recorded = false, other_same_km = false;
+    for (const auto& [rel, st] : source::record_files(dirfd, entries)) {
+      const std::string_view file = std::string_view(rel).substr(
+          format::kStateDirName.size() + 1,
+          rel.size() - format::kStateDirName.size() - 1 - format::kRecordSuffix.size());
+      if (file == name) {
+        mine_recorded = true;
+        continue;
+      }
+      ns.others = true;
+      if (auto om = format::parse_model_name(file); om && om->k == mn->k && om->m == mn->m) {
+        other_same_km = true;
+      }
+    }
+    // Shards of (k, m) are this name's when its record names them, or when the name is the
+    // one the view synthesizes for them and no record gives them another name.
+    const bool km_mine = mine_recorded || (!mn->single && !other_same_km);
+    for (const auto& e : entries) {
+      auto p = format::parse_shard_name(e.name);
+      if (!p) continue;
+      if (p->k == mn->k && p->m == mn->m && km_mine) {
+        ns.stored = true;
+      } else {
+        ns.others = true;
+      }
+    }
+    ns.stored = ns.stored || mine_recorded;
+    return ns;
+  }
+
+  // After a close left file `name` of directory `dirfd` whole for reason `why`: the name keeps
+  // its stored consolidated file if it has one (a writer killed mid-save must not cost the
+  // version it was replacing), and a directory of rank shards would hide it; either way close()
+  // fails with `why`. Otherwise it is a plain file of a plain directory, shown as written.
+  Status place_whole(int dirfd, const std::string& display, const std::string& name,
+                     const Error& why) {
+    if (why.code == EIO) {
+      // Cut short: kept as the bytes received (a consolidated file that ends early must never
+      // read as complete), which is not what the writer made; close() says so.
+      return Error{EIO, why.message + "; kept as the bytes received"};
+    }
+    auto entries = source::list_dir(dirfd);
+    if (!entries) return std::move(entries).error().context(display);
+    const NameState ns = name_state(dirfd, *entries, name);
+    if (!ns.stored && !ns.others) return {};
+    const std::string msg = fmt::format(
+        "{}; not stored: {}", why.message,
+        ns.stored ? "the name keeps the consolidated file stored under it (write a complete "
+                    "consolidated safetensors file, or rename a file over it)"
+                  : "in a directory of rank shards a model name shows a consolidated file, and "
+                    "this one would be hidden");
+    spdlog::warn("{}", msg);
+    return Error{why.code ? why.code : EINVAL, msg};
+  }
+
+  // Whether a closed regular file holds a consolidated safetensors file (its header checked).
+  static bool holds_consolidated(int fd, std::string_view what) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
+    const auto size = static_cast<uint64_t>(st.st_size);
+    if (size < format::kHeaderLenBytes + write::kMinHeaderLen) return false;
+    unsigned char len8[8];
+    if (!pread_exact(fd, len8, 8, 0, what)) return false;
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | len8[i];
+    if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) return false;
+    std::string prefix(static_cast<size_t>(format::kHeaderLenBytes + n), '\0');
+    if (!pread_exact(fd, prefix.data(), prefix.size(), 0, what)) return false;
+    return write::sniff(prefix, size, what).kind == write::Kind::Consolidated;
+  }
+
   // Renames the nodes under `old_rel` to `new_rel` (and the reverse for an exchange).
   void renamed(Ino op, const std::string& oname, const std::string& old_rel, Ino np,
                const std::string& nname, const std::string& new_rel, bool exchange) {
@@ -1612,6 +1725,9 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   impl->fd_budget = limit - std::clamp<int64_t>(limit / 4, 16, 256);
   impl->flusher = impl->opts.flusher ? impl->opts.flusher
                                      : std::shared_ptr<flush::Flusher>(flush::make_local_flusher());
+  impl->budget = std::make_unique<write::MemoryBudget>(impl->opts.write_memory);
+  impl->protected_regular =
+      impl->opts.protected_regular >= 0 ? impl->opts.protected_regular : read_protected_regular();
   impl->root_dev = static_cast<uint64_t>(st.st_dev);
   impl->root_ino = static_cast<uint64_t>(st.st_ino);
   Node root;
@@ -1798,6 +1914,9 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
       h->reader = std::make_shared<MemoryReader>(n->view, n->view->pending);
       break;
     case Kind::StatusFile: {
+      if (!who.root() && who.uid != ::geteuid()) {  // as its mode says (the kernel checks too)
+        return make_error(EACCES, "status: uid {} is not the mount's owner", who.uid);
+      }
       auto text = std::make_shared<const std::string>(impl_->status_json());
       h->reader = std::make_shared<MemoryReader>(text, *text);
       out.direct_io = true;
@@ -1888,23 +2007,61 @@ Result<CreateOut> Filesystem::create(Ino parent, std::string_view name, mode_t m
                                      const Caller& who) {
   CKPTFS_WRITABLE();
   CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name));
-  if ((flags & O_EXCL) && impl_->shown_virtual(d, name)) {
-    return make_error(EEXIST, "{}: exists", join_rel(d.node.rel, name));
-  }
   const std::string n(name);
-  int fd = ::openat(d.fd.get(), n.c_str(),
-                    O_CREAT | O_RDWR | O_NOFOLLOW | O_CLOEXEC | (flags & (O_EXCL | O_TRUNC)),
-                    mode & 07777);
-  if (fd < 0) return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
-  UniqueFd file(fd);
-  impl_->give_to(file.get(), d, n, who, false);
+  const std::string where = impl_->source_path(join_rel(d.node.rel, name));
+  if (auto shown = impl_->shown_output(d, name); shown.v) {
+    // The name shows a consolidated file (or the index) the kernel had not looked up: it is
+    // opened as open() opens that file, after the check the kernel makes on the mode shown.
+    if (flags & O_EXCL) return make_error(EEXIST, "{}: exists", where);
+    const int acc = flags & O_ACCMODE;
+    const int mask =
+        (acc != O_WRONLY ? R_OK : 0) | (acc != O_RDONLY || (flags & O_TRUNC) ? W_OK : 0);
+    if (!may(shown.v->shown, who, mask)) {
+      return make_error(EACCES, "{}: uid {} may not open it that way", where, who.uid);
+    }
+    const bool index = shown.output == nullptr;
+    const auto output =
+        static_cast<uint32_t>(index ? 0 : shown.output - shown.v->ckpt->outputs.data());
+    CKPTFS_TRY(EntryOut e, impl_->lookup_virtual(shown.v, d.node.rel, d.node.ino,
+                                                 index ? Kind::Index : Kind::Output, output, n));
+    auto opened = open(e.ino, flags & ~(O_CREAT | O_EXCL), who);
+    if (!opened) {
+      forget(e.ino, 1);  // the kernel never gets this entry
+      return std::move(opened).error();
+    }
+    return CreateOut{e, *opened};
+  }
+  UniqueFd file;
+  const int fd = ::openat(d.fd.get(), n.c_str(), O_CREAT | O_EXCL | O_RDWR | O_NOFOLLOW | O_CLOEXEC,
+                          mode & 07777);
+  const bool made = fd >= 0;
+  if (made) {
+    file.reset(fd);
+    impl_->give_to(file.get(), d, n, who, false);
+  } else {
+    if (errno != EEXIST || (flags & O_EXCL)) return errno_error(where);
+    // An entry the kernel did not see (a name the view hides, or one made meanwhile): opened as
+    // the file it is, with the checks the kernel makes for an existing file. Its owner never
+    // changes. A symlink answers ELOOP (none is followed), a directory EISDIR.
+    const int raw =
+        ::openat(d.fd.get(), n.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (raw < 0) return errno_error(where);
+    struct stat st {};
+    CKPTFS_TRY(file, require_regular(UniqueFd(raw), where, &st));
+    CKPTFS_CHECK(may_open_existing(Perm::of(d.st), Perm::of(st), flags, who,
+                                   impl_->protected_regular, where));
+  }
   impl_->touched(d.dev, d.ino);
   CKPTFS_TRY(EntryOut e, impl_->lookup_real(join_rel(d.node.rel, name), parent, name));
-  CKPTFS_TRY(auto wf, impl_->start_writing(std::move(file), d, n, true));
-  if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));  // the inode may have been open already
+  auto wf = impl_->start_writing(std::move(file), d, n, made || (flags & O_TRUNC));
+  if (!wf) {
+    forget(e.ino, 1);
+    return std::move(wf).error();
+  }
+  if (flags & O_TRUNC) CKPTFS_CHECK((*wf)->truncate(0));  // the inode may have been open already
   CreateOut out;
   out.entry = e;
-  out.open.fh = impl_->adopt_writer(std::move(wf), e.ino);
+  out.open.fh = impl_->adopt_writer(std::move(*wf), e.ino);
   return out;
 }
 
@@ -1950,7 +2107,8 @@ Result<EntryOut> Filesystem::symlink(std::string_view target, Ino parent, std::s
   return impl_->lookup_real(join_rel(d.node.rel, name), parent, name);
 }
 
-Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_name) {
+Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_name,
+                                  const Caller& /*who*/) {
   CKPTFS_WRITABLE();
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
@@ -1958,6 +2116,18 @@ Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_
     return make_error(EPERM, "only plain files that are not being written can be linked");
   }
   CKPTFS_TRY(auto d, impl_->dir_for_change(new_parent, new_name));
+  // A link never replaces anything (a hidden name exists in SRC: EEXIST from linkat), and in a
+  // checkpoint directory a model name shows a consolidated file or nothing: a real file linked
+  // there would be hidden, its bytes unreachable under the name just made.
+  if (impl_->shown_virtual(d, new_name)) {
+    return make_error(EEXIST, "{}: exists", join_rel(d.node.rel, new_name));
+  }
+  if (is_model_output_name(new_name) && impl_->view_of(d.node.rel, d.st, d.node.ino, Need::Any)) {
+    return make_error(EPERM,
+                      "{}: a model name in a checkpoint directory shows its consolidated "
+                      "file; link under another name",
+                      join_rel(d.node.rel, new_name));
+  }
   CKPTFS_TRY(UniqueFd from,
              open_beneath(impl_->root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
   const std::string last = last_of(n->rel);
@@ -1968,12 +2138,15 @@ Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_
   return impl_->lookup_real(join_rel(d.node.rel, new_name), new_parent, new_name);
 }
 
-Status Filesystem::unlink(Ino parent, std::string_view name) {
+Status Filesystem::unlink(Ino parent, std::string_view name, const Caller& who) {
   CKPTFS_WRITABLE();
   CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name, ENOENT));
   const std::string n(name);
   if (auto out = impl_->shown_output(d, name); out.v) {
     if (!out.output) return {};  // a synthesized index: nothing is stored, it goes with them
+    // The kernel checked the mode shown; what goes is every shard, each checked as the kernel
+    // would check its removal (the sticky bit: shards of several owners).
+    CKPTFS_CHECK(impl_->may_delete_all(d, out.v->inputs, who, join_rel(d.node.rel, name)));
     auto st = d.state();
     std::unique_lock lock(st->mu);
     st->built.wait(lock, [&] { return !st->building; });
@@ -1985,6 +2158,7 @@ Status Filesystem::unlink(Ino parent, std::string_view name) {
     impl_->touched(d.dev, d.ino);
     return {};
   }
+  CKPTFS_CHECK(impl_->may_delete_entry(d, n, who));
   if (::unlinkat(d.fd.get(), n.c_str(), 0) != 0) {
     return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
   }
@@ -1993,11 +2167,12 @@ Status Filesystem::unlink(Ino parent, std::string_view name) {
   return {};
 }
 
-Status Filesystem::rmdir(Ino parent, std::string_view name) {
+Status Filesystem::rmdir(Ino parent, std::string_view name, const Caller& who) {
   CKPTFS_WRITABLE();
   CKPTFS_TRY(auto d, impl_->dir_for_change(parent, name, ENOENT));
   const std::string n(name);
   const std::string rel = join_rel(d.node.rel, name);
+  CKPTFS_CHECK(impl_->may_delete_entry(d, n, who));
   if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) == 0) {
     impl_->touched(d.dev, d.ino);
     return {};
@@ -2022,6 +2197,12 @@ Status Filesystem::rmdir(Ino parent, std::string_view name) {
   }
   CKPTFS_TRY(UniqueFd cfd, open_at(d.fd.get(), n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
   CKPTFS_TRY(auto left, source::list_dir(cfd.get()));
+  // Only what the caller could have removed itself, were it shown (the daemon's own .ckptfs
+  // counts as an entry of the directory).
+  if (auto may = impl_->may_empty(cfd.get(), who, rel, 0); !may) {
+    return make_error(ENOTEMPTY, "{}: not empty ({})", impl_->source_path(rel),
+                      may.error().message);
+  }
   for (const auto& e : left) flush::remove_tree(cfd.get(), e.name);
   if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) != 0) {
     return errno_error(impl_->source_path(rel));
@@ -2031,7 +2212,7 @@ Status Filesystem::rmdir(Ino parent, std::string_view name) {
 }
 
 Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
-                          std::string_view new_name, unsigned flags) {
+                          std::string_view new_name, unsigned flags, const Caller& who) {
   CKPTFS_WRITABLE();
   CKPTFS_TRY(auto from, impl_->dir_for_change(parent, name, ENOENT));
   CKPTFS_TRY(auto to, impl_->dir_for_change(new_parent, new_name));
@@ -2039,7 +2220,8 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
     return make_error(EXDEV, "{}: a consolidated file is not renamed in place (copy it)",
                       join_rel(from.node.rel, name));
   }
-  const bool over_virtual = impl_->shown_virtual(to, new_name);
+  const auto shown_over = impl_->shown_output(to, new_name);
+  const bool over_virtual = shown_over.v != nullptr;
   if (over_virtual && (flags & RENAME_NOREPLACE)) {
     return make_error(EEXIST, "{}: exists", join_rel(to.node.rel, new_name));
   }
@@ -2048,6 +2230,48 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
                       join_rel(to.node.rel, new_name));
   }
   const std::string o(name), nn(new_name);
+  if (format::parse_model_name(new_name) && !(flags & RENAME_EXCHANGE)) {
+    // Onto a model name of a directory of other files' rank shards: only a consolidated file
+    // (split into shards here) can be seen there. Anything else would be hidden: refused now.
+    CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
+    if (impl_->name_state(to.fd.get(), entries, nn).others) {
+      struct stat sst {};
+      bool ok = false;
+      if (::fstatat(from.fd.get(), o.c_str(), &sst, AT_SYMLINK_NOFOLLOW) == 0 &&
+          S_ISREG(sst.st_mode)) {
+        auto open =
+            impl_->writing(static_cast<uint64_t>(sst.st_dev), static_cast<uint64_t>(sst.st_ino));
+        if (open && open->writers.load() > 0) {
+          ok = true;  // decided when its writer closes it
+        } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); fd) {
+          ok = Impl::holds_consolidated(fd->get(), o);
+        }
+      }
+      if (!ok) {
+        return make_error(EINVAL,
+                          "{}: not a consolidated safetensors file; in a directory of rank "
+                          "shards a model name shows a consolidated file, and {} would be hidden",
+                          impl_->source_path(join_rel(to.node.rel, new_name)), o);
+      }
+    }
+  }
+  // What the kernel checked on what it sees, the daemon checks on what is really there: the
+  // source, and the entry replaced (it may be hidden: a shard file, a real model file), or the
+  // shards of the consolidated file replaced.
+  CKPTFS_CHECK(impl_->may_delete_entry(from, o, who));
+  if (!(flags & RENAME_NOREPLACE)) {
+    struct stat victim {};
+    if (::fstatat(to.fd.get(), nn.c_str(), &victim, AT_SYMLINK_NOFOLLOW) == 0) {
+      CKPTFS_CHECK(may_delete(Perm::of(to.st), Perm::of(victim), who,
+                              impl_->source_path(join_rel(to.node.rel, new_name))));
+    } else if (flags & RENAME_EXCHANGE) {
+      return make_error(ENOENT, "{}: nothing to exchange with", join_rel(to.node.rel, new_name));
+    }
+  }
+  if (over_virtual) {
+    CKPTFS_CHECK(
+        impl_->may_delete_all(to, shown_over.v->inputs, who, join_rel(to.node.rel, new_name)));
+  }
   if (::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags) != 0) {
     return errno_error(fmt::format("rename {} to {}",
                                    impl_->source_path(join_rel(from.node.rel, name)),
@@ -2078,10 +2302,18 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
   std::unique_lock lock(dst->mu);
   dst->built.wait(lock, [&] { return !dst->building; });
   CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, impl_->source_path(to.node.rel)}));
-  if (wf->state() != write::WriteFile::State::Committed && over_virtual) {
-    // Not a consolidated file: it replaces the shown one, whose shards go.
-    auto mn = format::parse_model_name(new_name);
-    CKPTFS_CHECK(impl_->flusher->remove(to.target(impl_->source_path(to.node.rel)), mn->k, mn->m));
+  if (auto why = wf->stored_whole()) {
+    // Stored whole: it replaces what the name stored (the rename says so), whose shards go;
+    // if other files' shards remain, it is hidden (the check above let only consolidated
+    // files through: splitting this one failed).
+    CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
+    const auto ns = impl_->name_state(to.fd.get(), entries, nn);
+    if (ns.others) return *why;
+    if (ns.stored) {
+      auto mn = format::parse_model_name(new_name);
+      CKPTFS_CHECK(
+          impl_->flusher->remove(to.target(impl_->source_path(to.node.rel)), mn->k, mn->m));
+    }
   }
   dst->next_check = Clock::now();
   impl_->touched(to.dev, to.ino);
@@ -2158,8 +2390,13 @@ Result<size_t> Filesystem::write(uint64_t fh, uint64_t off, std::string_view byt
 Status Filesystem::flush(uint64_t fh) {
   auto* h = reinterpret_cast<FileHandle*>(fh);
   if (!h->wf || !h->writable) return {};
-  return impl_->settle_file(
-      *h, [](write::WriteFile& wf, const write::Place& p) { return wf.finalize(p); });
+  return impl_->settle_file(*h, [this](write::WriteFile& wf, const write::Place& p) -> Status {
+    CKPTFS_CHECK(wf.finalize(p));
+    if (p.dirfd < 0) return {};
+    auto why = wf.stored_whole();
+    if (!why) return {};
+    return impl_->place_whole(p.dirfd, p.dir_display, p.name, *why);
+  });
 }
 
 Status Filesystem::fsync(uint64_t fh, bool datasync) {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/fs/access.hpp"
 #include "ckptfs/fs/gather.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/util/result.hpp"
@@ -59,6 +60,11 @@ struct Options {
   uint32_t ranks = 0;
   write::PlanOptions::Split split = write::PlanOptions::EvenDim0;
   std::shared_ptr<flush::Flusher> flusher;  // null: flush::make_local_flusher()
+  // What all files being written may hold in memory together (headers being sniffed, routed
+  // files' headers and shard headers); past it a file is staged to disk and split at close.
+  uint64_t write_memory = 256ull << 20;
+  // fs.protected_regular, applied to names the kernel cannot see (-1: this kernel's).
+  int protected_regular = -1;
   // A path relative to the source that is never looked at: the mount point itself when it
   // lies inside the source (stat'ing it would call the daemon from inside the daemon).
   std::string hide_rel;
@@ -139,13 +145,6 @@ class FileReader {
   virtual Result<size_t> read_direct(uint64_t off, size_t len, char* dst) const;
 };
 
-// Who is asking: the credentials of the request, for the access check of synthesized files.
-struct Caller {
-  uid_t uid = 0;
-  gid_t gid = 0;
-  std::vector<gid_t> groups;  // supplementary groups
-};
-
 struct OpenOut {
   uint64_t fh = 0;
   bool keep_cache = false;  // page cache still matches this file's bytes
@@ -199,21 +198,29 @@ class Filesystem {
   // --- writes (EROFS on a read-only view) ---------------------------------------------
   // Everything but a consolidated safetensors file is written through to SRC. Entries made
   // for a caller other than root belong to the caller. The reserved name .ckptfs is refused.
+  //
+  // The kernel checks permissions against what it sees; the daemon acts as root in SRC, so for
+  // what the kernel cannot see (a name the view hides, the shards behind a consolidated file)
+  // it makes the kernel's checks itself against `who` (fs/access.hpp; docs/semantics.md, trust
+  // model): create on an existing hidden file opens it as that file (EEXIST with O_EXCL,
+  // may_open, protected_regular) and never changes its owner; what rename, unlink and rmdir
+  // remove or replace passes may_delete (the sticky bit included).
   Result<CreateOut> create(Ino parent, std::string_view name, mode_t mode, int flags,
                            const Caller& who = {});
   Result<EntryOut> mkdir(Ino parent, std::string_view name, mode_t mode, const Caller& who = {});
   Result<EntryOut> mknod(Ino parent, std::string_view name, mode_t mode, const Caller& who = {});
   Result<EntryOut> symlink(std::string_view target, Ino parent, std::string_view name,
                            const Caller& who = {});
-  Result<EntryOut> link(Ino ino, Ino new_parent, std::string_view new_name);
+  Result<EntryOut> link(Ino ino, Ino new_parent, std::string_view new_name, const Caller& who = {});
   // Unlinking a consolidated file removes its rank shards and commit record.
-  Status unlink(Ino parent, std::string_view name);
-  // A directory whose view is empty is removed with what the view hides in it.
-  Status rmdir(Ino parent, std::string_view name);
+  Status unlink(Ino parent, std::string_view name, const Caller& who = {});
+  // A directory whose view is empty is removed with what the view hides in it, when `who`
+  // could have removed each of those entries.
+  Status rmdir(Ino parent, std::string_view name, const Caller& who = {});
   // A consolidated file is not renamed (EXDEV: mv copies it). RENAME_NOREPLACE and
   // RENAME_EXCHANGE are honoured.
   Status rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name,
-                unsigned flags);
+                unsigned flags, const Caller& who = {});
   // `fh`: the handle the kernel gave, if any (ftruncate, fchmod).
   Result<struct stat> setattr(Ino ino, const SetAttr& a, std::optional<uint64_t> fh = {});
   Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
