@@ -797,7 +797,11 @@ TEST(Fs, StatusFileAtTheRootOnly) {
   auto file = t.f->lookup(dir->ino, "status.json");
   ASSERT_TRUE(file.ok());
   EXPECT_TRUE(S_ISREG(file->attr.st_mode));
-  EXPECT_EQ(file->attr.st_mode & 07777, 0444u);
+  // The mount's owner's alone: it names what the daemon serves, private directories too.
+  EXPECT_EQ(file->attr.st_mode & 07777, 0400u);
+  EXPECT_EQ(file->attr.st_uid, ::geteuid());
+  fs::Caller other{::geteuid() + 1000, 12345, {}};
+  EXPECT_EQ(t.f->open(file->ino, O_RDONLY, other).error().code, EACCES);
   // Read-only, and nothing is made in the directory.
   EXPECT_EQ(t.f->open(file->ino, O_WRONLY).error().code, EACCES);
   EXPECT_EQ(t.f->create(dir->ino, "x", 0644, O_WRONLY).error().code, EPERM);

@@ -50,8 +50,9 @@ std::string consolidated(uint64_t seed, uint64_t rows = 96) {
 struct Src {
   test::TempDir dir;
   std::unique_ptr<fs::Filesystem> f;
-  explicit Src(uint32_t ranks = 3) {
+  explicit Src(uint32_t ranks = 3, uint64_t write_memory = 256ull << 20) {
     fs::Options o;
+    o.write_memory = write_memory;
     o.settle = std::chrono::milliseconds(60'000);  // written files must not wait for it
     o.revalidate = std::chrono::milliseconds(0);
     o.ranks = ranks;
@@ -208,8 +209,12 @@ TEST(WriteFile, FileCutShortUnderAModelNameNeverReadsComplete) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(mid.substr(0, half), bytes.substr(0, half));
   EXPECT_EQ(mid.substr(half), std::string(bytes.size() - half, '\0'));
-  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  // Kept as the bytes received, which is not what the writer made (it sized the file for
+  // all of them): close() says so.
+  auto closed = s.f->flush(c->open.fh);
   s.f->release(c->open.fh);
+  ASSERT_FALSE(closed.ok());
+  EXPECT_EQ(closed.error().code, EIO);
   EXPECT_TRUE(
       same(*read_small_file(s.path("ckpt/model.safetensors"), 1 << 24), bytes.substr(0, half)));
   EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
@@ -576,4 +581,92 @@ TEST(WriteFile, NodeLocalRecordReadsThroughTheShardReaderAndNeverAsZeros) {
         << n.error().message;
     f->release(o->fh);
   }
+}
+
+// --- what close() returned 0 for reads back (issue 18) ----------------------------------------
+
+TEST(WriteFile, PlainBytesOverACommittedNameAreRefusedAtCloseAndTheOldOneStays) {
+  Src s(2);
+  const std::string v1 = consolidated(40);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  const fs::Ino d = s.ckpt();
+  // Rewritten in place (O_TRUNC) with bytes that are no safetensors file: a writer killed
+  // mid-save looks the same, so the stored version stays, and close() says so.
+  auto o = s.f->open(s.lookup(d, "model.safetensors"), O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(o.ok()) << o.error().message;
+  ASSERT_TRUE(s.f->write(o->fh, 0, "not a safetensors file").ok());
+  auto st = s.f->flush(o->fh);
+  s.f->release(o->fh);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EINVAL);
+  EXPECT_NE(st.error().message.find("model.safetensors"), std::string::npos) << st.error().message;
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model.safetensors")), v1));
+  // Renamed over it, a closed plain file replaces it (an explicit, atomic replacement).
+  auto c = s.f->create(d, "plain.bin", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, "plain bytes").ok());
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  ASSERT_TRUE(s.f->rename(d, "plain.bin", d, "model.safetensors", 0).ok());
+  EXPECT_EQ(s.read(s.lookup(d, "model.safetensors")), "plain bytes");
+  EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
+}
+
+TEST(WriteFile, AModelNameAmongOtherFilesShardsHoldsOnlyAConsolidatedFile) {
+  Src s(2);
+  const std::string v1 = consolidated(41);
+  ASSERT_TRUE(s.save(v1, "model-00001-of-00002.safetensors").ok());
+  // Would be hidden by file 1's shards: refused at close, file 1 untouched.
+  auto st = s.save("plain, not safetensors", "model-00002-of-00002.safetensors");
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EINVAL);
+  const fs::Ino d = s.ckpt();
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model-00001-of-00002.safetensors")), v1));
+  // A closed plain file renamed there: refused before anything moves.
+  auto c = s.f->create(d, "x.bin", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, "x").ok());
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  EXPECT_EQ(s.f->rename(d, "x.bin", d, "model-00002-of-00002.safetensors", 0).error().code, EINVAL);
+  EXPECT_TRUE(stdfs::exists(s.path("ckpt/x.bin")));
+  // A consolidated file is welcome there.
+  EXPECT_TRUE(s.save(consolidated(42), "model-00002-of-00002.safetensors").ok());
+}
+
+TEST(WriteFile, ALinkMadeInSrcWhileWritingGetsTheBytes) {
+  Src s(2);
+  const std::string bytes = consolidated(43);
+  const fs::Ino d = s.ckpt();
+  auto c = s.f->create(d, ".tmplink", 0600, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  fs::SetAttr a;
+  a.size = bytes.size();
+  ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
+  const size_t half = bytes.size() / 2;
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, std::string_view(bytes).substr(0, half)).ok());
+  ASSERT_EQ(::link(s.path("ckpt/.tmplink").c_str(), s.path("kept.bin").c_str()), 0);
+  ASSERT_TRUE(s.f->write(c->open.fh, half, std::string_view(bytes).substr(half)).ok());
+  ASSERT_TRUE(s.f->rename(d, ".tmplink", d, "model.safetensors", 0).ok());
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  EXPECT_TRUE(has_prefix(s.src_names(), "shard-"));  // stored as shards, and also...
+  EXPECT_TRUE(same(*read_small_file(s.path("kept.bin"), 1 << 24), bytes));  // ...kept there
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model.safetensors")), bytes));
+}
+
+TEST(WriteFile, PastTheMemoryBudgetFilesAreHeldOnDiskAndStillSplit) {
+  // 8 KiB for every file's header: a 64 KiB first write cannot be held, so the file goes to
+  // disk at once; at close its header (a few KiB) fits, and it is split.
+  Src s(2, 8 << 10);
+  const std::string bytes = consolidated(44);
+  ASSERT_TRUE(s.save(bytes, "model.safetensors", 64 << 10).ok());
+  EXPECT_TRUE(has_prefix(s.src_names(), "shard-00002-model-00001-of-00001"));
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), bytes));
+  // With 1 KiB even the split cannot be held: stored whole, and (no shard of another file
+  // there) shown whole, byte for byte.
+  Src t(2, 1 << 10);
+  ASSERT_TRUE(t.save(bytes, "model.safetensors", 64 << 10).ok());
+  EXPECT_FALSE(has_prefix(t.src_names(), "shard-"));
+  EXPECT_TRUE(same(t.read(t.lookup(t.ckpt(), "model.safetensors")), bytes));
 }
