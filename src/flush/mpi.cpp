@@ -620,19 +620,17 @@ std::string base_name(std::string_view path) {
 std::vector<std::pair<int, std::string>> remote_dirs(int dirfd, uint32_t k, uint32_t m,
                                                      const std::string& display) {
   std::vector<std::pair<int, std::string>> out;
-  auto state =
-      open_at(dirfd, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-  if (!state) return out;
-  auto list = source::list_dir(state->get());
-  if (!list) return out;
-  for (const auto& e : *list) {
-    if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
+  auto entries = source::list_dir(dirfd);
+  if (!entries) return out;
+  // Trusted records only (source::record_files): one anyone else could write names nothing.
+  for (const auto& [rel, st] : source::record_files(dirfd, *entries)) {
+    const size_t base = format::kStateDirName.size() + 1;
     auto mn = format::parse_model_name(
-        std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
+        std::string_view(rel).substr(base, rel.size() - base - format::kRecordSuffix.size()));
     if (!mn || mn->k != k || mn->m != m) continue;
-    auto text = read_small_file_beneath(state->get(), e.name, format::kMaxSideFileSize);
+    auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
     if (!text) continue;
-    auto rec = format::parse_record(*text, display + "/" + e.name);
+    auto rec = format::parse_record(*text, display + "/" + rel);
     if (!rec || !rec->remote()) continue;
     for (const auto& sh : rec->shards) {
       std::pair<int, std::string> d{sh.owner, tx_dir_of(sh.path)};
@@ -878,7 +876,14 @@ bool referenced_dirs(int dirfd, const std::string& display, int depth,
   struct stat self {};
   if (::fstat(dirfd, &self) != 0) return false;
   bool ok = true;
-  for (const auto& [rel, st] : source::record_files(dirfd, *entries)) {
+  size_t untrusted = 0;
+  const auto records = source::record_files(dirfd, *entries, &untrusted);
+  if (untrusted > 0) {
+    // Not ours, so never read; but whether they name something cannot be known: keep all.
+    spdlog::warn("mpi: {}: {} commit record(s) others may write; not swept", display, untrusted);
+    ok = false;
+  }
+  for (const auto& [rel, st] : records) {
     auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
     if (!text) {
       ok = false;
