@@ -1594,20 +1594,76 @@ struct Filesystem::Impl {
     return Error{why.code ? why.code : EINVAL, msg};
   }
 
-  // Whether a closed regular file holds a consolidated safetensors file (its header checked).
-  static bool holds_consolidated(int fd, std::string_view what) {
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
-    const auto size = static_cast<uint64_t>(st.st_size);
-    if (size < format::kHeaderLenBytes + write::kMinHeaderLen) return false;
-    unsigned char len8[8];
-    if (!pread_exact(fd, len8, 8, 0, what)) return false;
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | len8[i];
-    if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) return false;
-    std::string prefix(static_cast<size_t>(format::kHeaderLenBytes + n), '\0');
-    if (!pread_exact(fd, prefix.data(), prefix.size(), 0, what)) return false;
-    return write::sniff(prefix, size, what).kind == write::Kind::Consolidated;
+  // Whether storing file `name` of directory `dirfd` as rank shards would hide plain files: the
+  // directory is no checkpoint yet, and regular files under other model names (not being
+  // written through the mount) are shown there now. Such a file is stored whole instead.
+  bool split_hides_plain(int dirfd, std::string_view name) {
+    auto entries = source::list_dir(dirfd);
+    if (!entries || source::is_checkpoint_dir(dirfd, *entries)) return false;
+    for (const auto& e : *entries) {
+      if (!S_ISREG(e.st.st_mode) || e.name == name || !format::parse_model_name(e.name)) continue;
+      auto w = writing(static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino));
+      if (!w || w->writers.load() == 0) return true;
+    }
+    return false;
+  }
+
+  // Whether the directory's checkpoint stays valid with file `name` stored as the rank shards of
+  // `p`, in place of what the name (its file number) stores now: the same builder the view
+  // uses, on the directory's other shards and records plus these. EINVAL names the first
+  // problem (another file count, a tensor already in another file, no tensor at all, ...).
+  Status validate_store(int dirfd, const std::string& display, std::string_view name,
+                        const write::Prospect& p) {
+    const auto mn = format::parse_model_name(name);
+    if (!mn) return make_error(EINVAL, "{}: not a model name", name);
+    CKPTFS_TRY(auto entries, source::list_dir(dirfd));
+    std::erase_if(entries, [&](const source::DirEntry& e) {
+      auto sh = format::parse_shard_name(e.name);
+      return sh && sh->k == mn->k && sh->m == mn->m;  // what the commit replaces
+    });
+    auto in = source::read_input(dirfd, entries, display, headers, opts.build);
+    const auto unsized = [](std::string_view bytes, const std::string& what) {
+      return write::parse_header_unsized(bytes.substr(format::kHeaderLenBytes), what);
+    };
+    for (uint32_t r = 0; r < p.shard_headers.size(); ++r) {
+      layout::ShardInput si;
+      si.name = format::shard_file_name(r + 1, mn->k, mn->m);
+      CKPTFS_TRY(auto h, unsized(p.shard_headers[r], si.name));
+      si.header = std::make_shared<const format::Header>(std::move(h));
+      in.shards.push_back(std::move(si));
+    }
+    layout::OutputOverride o;
+    o.k = mn->k;
+    o.name = std::string(name);
+    o.header = std::string(p.header);
+    CKPTFS_TRY(auto h, unsized(p.header, o.name));
+    o.parsed = std::make_shared<const format::Header>(std::move(h));
+    o.record = o.name;
+    in.overrides.push_back(std::move(o));
+    auto ck = layout::build_checkpoint(std::move(in), opts.build);
+    if (!ck->valid()) {
+      return make_error(EINVAL, "{}/{}: the directory's checkpoint would be invalid with it: {}",
+                        display, name, ck->problems.front().to_string());
+    }
+    if (ck->find_output(name) == nullptr) {  // a file of no tensors has no shard to show it
+      return make_error(EINVAL, "{}/{}: it holds no tensor, so no rank shard would show it",
+                        display, name);
+    }
+    return {};
+  }
+
+  // The rules for storing file `name` of directory `dirfd` (write::StoreRules).
+  write::StoreRules store_rules(int dirfd, const std::string& display, std::string_view name) {
+    write::StoreRules r;
+    if (!format::parse_model_name(name)) return r;
+    if (split_hides_plain(dirfd, name)) {
+      r.whole = Error{0, ""};
+      return r;
+    }
+    r.validate = [this, dirfd, display](std::string_view n, const write::Prospect& p) {
+      return validate_store(dirfd, display, n, p);
+    };
+    return r;
   }
 
   // Renames the nodes under `old_rel` to `new_rel` (and the reverse for an exchange).
@@ -2232,26 +2288,37 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
   const std::string o(name), nn(new_name);
   if (format::parse_model_name(new_name) && !(flags & RENAME_EXCHANGE)) {
     // Onto a model name of a directory of other files' rank shards: only a consolidated file
-    // (split into shards here) can be seen there. Anything else would be hidden: refused now.
+    // that fits its checkpoint (split into shards here) can be seen there. Anything else would
+    // be hidden: refused now, before anything moves. A file still being written is decided
+    // when its writer closes it.
     CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
     if (impl_->name_state(to.fd.get(), entries, nn).others) {
       struct stat sst {};
-      bool ok = false;
+      Status why = make_error(EINVAL, "{}: not a regular file", o);
       if (::fstatat(from.fd.get(), o.c_str(), &sst, AT_SYMLINK_NOFOLLOW) == 0 &&
           S_ISREG(sst.st_mode)) {
         auto open =
             impl_->writing(static_cast<uint64_t>(sst.st_dev), static_cast<uint64_t>(sst.st_ino));
         if (open && open->writers.load() > 0) {
-          ok = true;  // decided when its writer closes it
-        } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); fd) {
-          ok = Impl::holds_consolidated(fd->get(), o);
+          why = {};
+        } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); !fd) {
+          why = std::move(fd).error();
+        } else if (auto sp = write::WriteFile::prospect(
+                       fd->get(), impl_->plan_options(to.fd.get()),
+                       impl_->source_path(join_rel(from.node.rel, name)));
+                   !sp) {
+          why = std::move(sp).error();
+        } else {
+          why = impl_->validate_store(to.fd.get(), impl_->source_path(to.node.rel), nn,
+                                      write::Prospect{sp->header, sp->shard_headers});
         }
       }
-      if (!ok) {
+      if (!why) {
         return make_error(EINVAL,
-                          "{}: not a consolidated safetensors file; in a directory of rank "
-                          "shards a model name shows a consolidated file, and {} would be hidden",
-                          impl_->source_path(join_rel(to.node.rel, new_name)), o);
+                          "{}: in a directory of rank shards a model name shows a consolidated "
+                          "file that fits its checkpoint, and {} would be hidden: {}",
+                          impl_->source_path(join_rel(to.node.rel, new_name)), o,
+                          why.error().message);
       }
     }
   }
@@ -2301,14 +2368,26 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
   auto dst = to.state();
   std::unique_lock lock(dst->mu);
   dst->built.wait(lock, [&] { return !dst->building; });
-  CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, impl_->source_path(to.node.rel)}));
+  const std::string to_display = impl_->source_path(to.node.rel);
+  CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, to_display},
+                         impl_->store_rules(to.fd.get(), to_display, nn)));
   if (auto why = wf->stored_whole()) {
     // Stored whole: it replaces what the name stored (the rename says so), whose shards go;
     // if other files' shards remain, it is hidden (the check above let only consolidated
     // files through: splitting this one failed).
     CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
     const auto ns = impl_->name_state(to.fd.get(), entries, nn);
-    if (ns.others) return *why;
+    if (ns.others) {
+      // It would be hidden (it could not be split after all: memory, staging, a header too
+      // large): the rename is undone, and fails.
+      if (::renameat2(to.fd.get(), nn.c_str(), from.fd.get(), o.c_str(), RENAME_NOREPLACE) == 0) {
+        impl_->renamed(new_parent, nn, join_rel(to.node.rel, new_name), parent, o,
+                       join_rel(from.node.rel, name), false);
+      } else {
+        spdlog::error("{}: cannot undo the rename: {}", why->message, std::strerror(errno));
+      }
+      return *why;
+    }
     if (ns.stored) {
       auto mn = format::parse_model_name(new_name);
       CKPTFS_CHECK(
@@ -2391,7 +2470,8 @@ Status Filesystem::flush(uint64_t fh) {
   auto* h = reinterpret_cast<FileHandle*>(fh);
   if (!h->wf || !h->writable) return {};
   return impl_->settle_file(*h, [this](write::WriteFile& wf, const write::Place& p) -> Status {
-    CKPTFS_CHECK(wf.finalize(p));
+    CKPTFS_CHECK(wf.finalize(
+        p, p.dirfd < 0 ? write::StoreRules{} : impl_->store_rules(p.dirfd, p.dir_display, p.name)));
     if (p.dirfd < 0) return {};
     auto why = wf.stored_whole();
     if (!why) return {};

@@ -200,6 +200,12 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
                                                           const std::string& display,
                                                           HeaderCache& cache,
                                                           const layout::BuildOptions& opts) {
+  return layout::build_checkpoint(read_input(dirfd, entries, display, cache, opts), opts);
+}
+
+layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
+                              const std::string& display, HeaderCache& cache,
+                              const layout::BuildOptions& opts) {
   layout::BuildInput in;
   in.dir = display;
   for (const auto& e : entries) {
@@ -291,7 +297,7 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
     }
   }
   read_records(dirfd, entries, display, in);
-  return layout::build_checkpoint(std::move(in), opts);
+  return in;
 }
 
 void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -60,6 +61,7 @@ Result<std::shared_ptr<WriteFile>> WriteFile::open(UniqueFd backing, int dirfd,
   f->plan_opts_ = std::move(plan);
   f->size_ = static_cast<uint64_t>(st.st_size);
   f->state_ = fresh && st.st_size == 0 ? State::Sniffing : State::Plain;
+  f->fresh_ = f->state_ == State::Sniffing;
   return f;
 }
 
@@ -398,9 +400,10 @@ Result<bool> WriteFile::is_backing(const Place& where) const {
   return st.st_dev == dev_ && st.st_ino == ino_;
 }
 
-Status WriteFile::finalize(const Place& where) {
+Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
   std::lock_guard lock(mu_);
-  const bool was_dirty = dirty_.exchange(false);
+  // Written since the last close, or made by this open (an empty file is a file too).
+  const bool was_dirty = dirty_.exchange(false) || std::exchange(fresh_, false);
   whole_.reset();
   const bool model = is_model_name(where.name);
   switch (state_) {
@@ -416,8 +419,12 @@ Status WriteFile::finalize(const Place& where) {
       }
       return {};
     case State::Plain:
-      if (was_dirty && model) return split_plain_locked(where, durable_);
-      return {};
+      if (!was_dirty || !model) return {};
+      if (rules.whole) {
+        if (rules.whole->code) whole_ = rules.whole;
+        return {};
+      }
+      return split_plain_locked(where, durable_, rules);
     case State::Routed:
       break;
   }
@@ -434,14 +441,42 @@ Status WriteFile::finalize(const Place& where) {
                                router_->file_size())};
     return to_plain_locked(false);
   }
+  if (auto no = refused_locked(where, rules)) {
+    if (no->code) {
+      whole_ = std::move(no);
+    } else {
+      spdlog::info("{}: stored whole: the other model files of {} are plain files", what_,
+                   dir_display_);
+    }
+    return to_plain_locked(true);
+  }
   return commit_locked(where, durable_);
 }
 
-Status WriteFile::store(const Place& where) {
+std::optional<Error> WriteFile::refused_locked(const Place& where, const StoreRules& rules) {
+  if (rules.whole) return rules.whole;
+  if (!rules.validate) return std::nullopt;
+  // Parsing the file's headers again costs a multiple of their size: one large one at a time.
+  std::unique_lock<std::mutex> big;
+  if (budget_ && router_->header().size() > MemoryBudget::kBigHeader) {
+    big = std::unique_lock(budget_->big());
+  }
+  if (auto st = rules.validate(where.name, Prospect{router_->header(), router_->shard_headers()});
+      !st) {
+    return std::move(st).error();
+  }
+  return std::nullopt;
+}
+
+Status WriteFile::store(const Place& where, const StoreRules& rules) {
   std::lock_guard lock(mu_);
   whole_.reset();
   if (state_ != State::Plain || !is_model_name(where.name)) return {};
-  return split_plain_locked(where, durable_);
+  if (rules.whole) {
+    if (rules.whole->code) whole_ = rules.whole;
+    return {};
+  }
+  return split_plain_locked(where, durable_, rules);
 }
 
 Status WriteFile::commit_locked(const Place& where, bool durable) {
@@ -515,7 +550,7 @@ Status WriteFile::fill_other_links_locked() {
   return {};
 }
 
-Status WriteFile::split_plain_locked(const Place& where, bool durable) {
+Status WriteFile::split_plain_locked(const Place& where, bool durable, const StoreRules& rules) {
   auto whole = [&](int code, std::string why) -> Status {
     whole_ = Error{code, fmt::format("{}: {}", what_, why)};
     return {};
@@ -551,6 +586,15 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable) {
     whole_ = std::move(no);
     return {};
   }
+  if (rules.validate) {
+    std::vector<std::string> shard_headers;
+    for (const auto& sh : set->shards) shard_headers.push_back(sh.header);
+    if (auto st = rules.validate(where.name, Prospect{prefix, shard_headers}); !st) {
+      charge_.reset();
+      whole_ = std::move(st).error();
+      return {};
+    }
+  }
   auto tx = flusher_->begin(target(), *set, what_);
   if (!tx) {  // no staging here: the file stays whole, as written
     spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
@@ -572,6 +616,36 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable) {
   size_ = size;
   state_ = State::Routed;
   return commit_locked(where, durable);
+}
+
+Result<WriteFile::Split> WriteFile::prospect(int fd, const PlanOptions& plan_opts,
+                                             std::string_view what) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return errno_error(fmt::format("{}: stat failed", what));
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < format::kHeaderLenBytes + kMinHeaderLen) {
+    return make_error(EINVAL, "{}: {} bytes, not a safetensors file", what, size);
+  }
+  unsigned char len8[8];
+  CKPTFS_CHECK(pread_exact(fd, len8, 8, 0, what));
+  const uint64_t n = announced_len(std::string_view(reinterpret_cast<const char*>(len8), 8));
+  if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) {
+    return make_error(EINVAL, "{}: header length {} does not fit a {} byte file", what, n, size);
+  }
+  Split out;
+  out.header.resize(static_cast<size_t>(format::kHeaderLenBytes + n));
+  CKPTFS_CHECK(pread_exact(fd, out.header.data(), out.header.size(), 0, what));
+  Sniffed s = sniff(out.header, size, what);
+  if (s.kind != Kind::Consolidated) {
+    return make_error(EINVAL, "{}",
+                      s.kind == Kind::RankShard
+                          ? fmt::format("{}: a rank shard, not a consolidated file", what)
+                          : s.why);
+  }
+  CKPTFS_TRY(auto p, plan(*s.header, plan_opts, what));
+  CKPTFS_TRY(auto set, shard_headers(*s.header, p, what));
+  for (auto& sh : set.shards) out.shard_headers.push_back(std::move(sh.header));
+  return out;
 }
 
 }  // namespace ckptfs::write

@@ -29,15 +29,15 @@ namespace {
 // A consolidated file whose header is laid out unlike ckptfs's own (keys out of order,
 // __metadata__ last, spaces, extra padding), so an exact read-back proves the header bytes
 // were kept rather than re-synthesized.
-std::string consolidated(uint64_t seed, uint64_t rows = 96) {
+std::string consolidated(uint64_t seed, uint64_t rows = 96, std::string_view prefix = "") {
   std::mt19937_64 rng(seed);
   const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;
-  std::string json =
-      fmt::format(R"({{"z.weight": {{"dtype":"F32","shape":[{},64],"data_offsets":[0,{}]}}, )"
-                  R"("a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{},{}]}},)"
-                  R"("m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{},{}]}},)"
-                  R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
-                  rows, w, w, w + b, w + b, w + b + e);
+  std::string json = fmt::format(
+      R"({{"{3}z.weight": {{"dtype":"F32","shape":[{0},64],"data_offsets":[0,{1}]}}, )"
+      R"("{3}a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{1},{2}]}},)"
+      R"("{3}m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{2},{4}]}},)"
+      R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
+      rows, w, w + b, prefix, w + b + e);
   json.append(13, ' ');
   while ((8 + json.size()) % 8 != 0) json.push_back(' ');
   std::string out(8, '\0');
@@ -630,8 +630,17 @@ TEST(WriteFile, AModelNameAmongOtherFilesShardsHoldsOnlyAConsolidatedFile) {
   s.f->release(c->open.fh);
   EXPECT_EQ(s.f->rename(d, "x.bin", d, "model-00002-of-00002.safetensors", 0).error().code, EINVAL);
   EXPECT_TRUE(stdfs::exists(s.path("ckpt/x.bin")));
-  // A consolidated file is welcome there.
-  EXPECT_TRUE(s.save(consolidated(42), "model-00002-of-00002.safetensors").ok());
+  // A consolidated file that fits the checkpoint is welcome there; one repeating file 1's
+  // tensors, or of another file count, is not (both would stop showing).
+  auto dup = s.save(consolidated(42), "model-00002-of-00002.safetensors");
+  ASSERT_FALSE(dup.ok());
+  EXPECT_EQ(dup.error().code, EINVAL);
+  EXPECT_NE(dup.error().message.find("z.weight"), std::string::npos) << dup.error().message;
+  EXPECT_FALSE(s.save(consolidated(43, 8, "other."), "model-00001-of-00003.safetensors").ok());
+  EXPECT_TRUE(s.save(consolidated(44, 8, "two."), "model-00002-of-00002.safetensors").ok());
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model-00001-of-00002.safetensors")), v1));
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model-00002-of-00002.safetensors")),
+                   consolidated(44, 8, "two.")));
 }
 
 TEST(WriteFile, ALinkMadeInSrcWhileWritingGetsTheBytes) {

@@ -113,6 +113,12 @@ std::vector<std::pair<std::string, struct stat>> record_files(int dirfd,
 void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::string& display,
                   layout::BuildInput& in);
 
+// What load_checkpoint builds from: the shards' headers (through `cache`), the mapping files
+// and the commit records of `entries` (a listing of `dirfd`, or part of one).
+layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
+                              const std::string& display, HeaderCache& cache,
+                              const layout::BuildOptions& opts = {});
+
 // Reads and builds the checkpoint held by `dirfd`. `display` names the directory in
 // messages. Never fails: problems are recorded in the result.
 std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,

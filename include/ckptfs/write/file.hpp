@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -35,6 +36,23 @@
 #include "ckptfs/write/router.hpp"
 
 namespace ckptfs::write {
+
+// What a consolidated file would be stored as: its own header bytes (8 + N) and the header of
+// each rank shard it is split into (8 + N, rank order).
+struct Prospect {
+  std::string_view header;
+  const std::vector<std::string>& shard_headers;
+};
+
+// How a file closed under a model name may be stored (the fs layer's rules for its directory).
+struct StoreRules {
+  // Set: stored whole whatever it holds (code 0: quietly, it will be shown as a plain file; an
+  // errno: the reason, reported by stored_whole()).
+  std::optional<Error> whole;
+  // Asked before the file is stored as rank shards under `name`; an error stores it whole and
+  // is reported by stored_whole(). Empty: always yes.
+  std::function<Status(std::string_view name, const Prospect&)> validate;
+};
 
 // Where the file is now: its directory (open) and name, for finalize().
 struct Place {
@@ -73,10 +91,18 @@ class WriteFile {
   // file. A consolidated file cut short under a model name keeps only the bytes received (it
   // must not read as complete). A committed file takes no more writes (EIO): a new version is
   // a new file.
-  Status finalize(const Place& where);
+  // `rules`: the fs layer's say on how it may be stored (see StoreRules).
+  Status finalize(const Place& where, const StoreRules& rules = {});
   // A closed plain file renamed onto a model name: stored as rank shards now if it holds a
   // consolidated safetensors file (state() is then Committed).
-  Status store(const Place& where);
+  Status store(const Place& where, const StoreRules& rules = {});
+  // What the closed file `fd` would be stored as: its header and its shard headers under
+  // `plan` (an error when it is no consolidated safetensors file or cannot be split).
+  struct Split {
+    std::string header;
+    std::vector<std::string> shard_headers;
+  };
+  static Result<Split> prospect(int fd, const PlanOptions& plan, std::string_view what);
   // Why the last finalize() or store() left a file under a model name whole in its backing
   // file rather than stored as rank shards (not a consolidated safetensors file, cut short,
   // too large a header, no memory or staging for it); empty when it was stored as shards or
@@ -103,8 +129,10 @@ class WriteFile {
   Status decide_locked();
   Status to_plain_locked(bool keep_all);
   Status enter_routed_locked(const format::Header& h);
-  Status split_plain_locked(const Place& where, bool durable);
+  Status split_plain_locked(const Place& where, bool durable, const StoreRules& rules);
   Status commit_locked(const Place& where, bool durable);
+  // Why a complete routed file must be stored whole under `where` (StoreRules), if it must.
+  std::optional<Error> refused_locked(const Place& where, const StoreRules& rules);
   Status fill_other_links_locked();
   Status fail_locked(Error e);
   // Stages the file to disk (Plain) because the memory budget is spent; logs once.
@@ -135,6 +163,7 @@ class WriteFile {
   MemoryBudget* budget_ = nullptr;  // shared by the mount's files; null: unbounded
   Charge charge_;                   // this file's share of it
   bool spilled_ = false;            // staged to disk for lack of memory (logged once)
+  bool fresh_ = false;              // made empty by its open and not closed since
   std::optional<Error> whole_;      // see stored_whole()
 };
 

@@ -53,6 +53,8 @@ class StreamRouter {
   using ShardRead = std::function<Status(uint32_t rank, uint64_t off, char* dst, size_t n)>;
   Result<size_t> read(uint64_t off, size_t len, char* dst, const ShardRead& pread) const;
   [[nodiscard]] const std::string& header() const { return header_; }
+  // Each rank's shard header (8 + N bytes), in rank order.
+  [[nodiscard]] const std::vector<std::string>& shard_headers() const { return shard_headers_; }
 
   [[nodiscard]] bool complete() const { return pos_ == file_size_; }
   [[nodiscard]] bool failed() const { return failed_; }
