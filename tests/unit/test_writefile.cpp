@@ -102,6 +102,15 @@ struct Src {
     return st;
   }
 
+  // A plain file written and closed under `name` in directory `d`; the status of its close.
+  Status put(fs::Ino d, const std::string& name, std::string_view bytes) {
+    CKPTFS_TRY(auto c, f->create(d, name, 0644, O_RDWR | O_CREAT | O_EXCL));
+    auto w = f->write(c.open.fh, 0, bytes);
+    auto st = w ? f->flush(c.open.fh) : Status(std::move(w).error());
+    f->release(c.open.fh);
+    return st;
+  }
+
   std::string read(fs::Ino ino) {
     auto o = f->open(ino, O_RDONLY);
     EXPECT_TRUE(o.ok()) << o.error().message;
@@ -602,11 +611,7 @@ TEST(WriteFile, PlainBytesOverACommittedNameAreRefusedAtCloseAndTheOldOneStays) 
   EXPECT_NE(st.error().message.find("model.safetensors"), std::string::npos) << st.error().message;
   EXPECT_TRUE(same(s.read(s.lookup(d, "model.safetensors")), v1));
   // Renamed over it, a closed plain file replaces it (an explicit, atomic replacement).
-  auto c = s.f->create(d, "plain.bin", 0644, O_RDWR | O_CREAT | O_EXCL);
-  ASSERT_TRUE(c.ok());
-  ASSERT_TRUE(s.f->write(c->open.fh, 0, "plain bytes").ok());
-  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
-  s.f->release(c->open.fh);
+  ASSERT_TRUE(s.put(d, "plain.bin", "plain bytes").ok());
   ASSERT_TRUE(s.f->rename(d, "plain.bin", d, "model.safetensors", 0).ok());
   EXPECT_EQ(s.read(s.lookup(d, "model.safetensors")), "plain bytes");
   EXPECT_FALSE(has_prefix(s.src_names(), "shard-"));
@@ -623,11 +628,7 @@ TEST(WriteFile, AModelNameAmongOtherFilesShardsHoldsOnlyAConsolidatedFile) {
   const fs::Ino d = s.ckpt();
   EXPECT_TRUE(same(s.read(s.lookup(d, "model-00001-of-00002.safetensors")), v1));
   // A closed plain file renamed there: refused before anything moves.
-  auto c = s.f->create(d, "x.bin", 0644, O_RDWR | O_CREAT | O_EXCL);
-  ASSERT_TRUE(c.ok());
-  ASSERT_TRUE(s.f->write(c->open.fh, 0, "x").ok());
-  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
-  s.f->release(c->open.fh);
+  ASSERT_TRUE(s.put(d, "x.bin", "x").ok());
   EXPECT_EQ(s.f->rename(d, "x.bin", d, "model-00002-of-00002.safetensors", 0).error().code, EINVAL);
   EXPECT_TRUE(stdfs::exists(s.path("ckpt/x.bin")));
   // A consolidated file that fits the checkpoint is welcome there; one repeating file 1's
