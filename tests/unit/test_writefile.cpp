@@ -32,12 +32,12 @@ namespace {
 std::string consolidated(uint64_t seed, uint64_t rows = 96, std::string_view prefix = "") {
   std::mt19937_64 rng(seed);
   const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;
-  std::string json = fmt::format(
-      R"({{"{3}z.weight": {{"dtype":"F32","shape":[{0},64],"data_offsets":[0,{1}]}}, )"
-      R"("{3}a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{1},{2}]}},)"
-      R"("{3}m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{2},{4}]}},)"
-      R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
-      rows, w, w + b, prefix, w + b + e);
+  std::string json =
+      fmt::format(R"({{"{3}z.weight": {{"dtype":"F32","shape":[{0},64],"data_offsets":[0,{1}]}}, )"
+                  R"("{3}a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{1},{2}]}},)"
+                  R"("{3}m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{2},{4}]}},)"
+                  R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
+                  rows, w, w + b, prefix, w + b + e);
   json.append(13, ' ');
   while ((8 + json.size()) % 8 != 0) json.push_back(' ');
   std::string out(8, '\0');
@@ -640,8 +640,8 @@ TEST(WriteFile, AModelNameAmongOtherFilesShardsHoldsOnlyAConsolidatedFile) {
   EXPECT_FALSE(s.save(consolidated(43, 8, "other."), "model-00001-of-00003.safetensors").ok());
   EXPECT_TRUE(s.save(consolidated(44, 8, "two."), "model-00002-of-00002.safetensors").ok());
   EXPECT_TRUE(same(s.read(s.lookup(d, "model-00001-of-00002.safetensors")), v1));
-  EXPECT_TRUE(same(s.read(s.lookup(d, "model-00002-of-00002.safetensors")),
-                   consolidated(44, 8, "two.")));
+  EXPECT_TRUE(
+      same(s.read(s.lookup(d, "model-00002-of-00002.safetensors")), consolidated(44, 8, "two.")));
 }
 
 TEST(WriteFile, ALinkMadeInSrcWhileWritingGetsTheBytes) {
