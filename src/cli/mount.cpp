@@ -56,6 +56,10 @@ ckptfs -o options:
   write_mem_mb=N         memory all files being written may hold in the daemon (headers
                          being sniffed or split; default 256); past it a file is staged to disk
                          and split at close
+  writer_view=SECONDS    a process that wrote through the mount in a checkpoint directory,
+                         its parent or a child sees it as written (its shard files) for this
+                         long after its last write, so a consolidating writer reads back what
+                         it wrote (default 600; 0: never)
   settle=SECONDS         quiet time before a changed checkpoint is shown (default 1)
   revalidate=SECONDS     how long a directory's view is trusted before re-checking (default 1)
   attr_timeout=SECONDS, entry_timeout=SECONDS   kernel cache timeouts (default 1)
@@ -151,6 +155,9 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, const std::string& opt) {
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "write_mem_mb"));
     if (n < 1 || n > 1u << 20) return make_error(EINVAL, "write_mem_mb: must be 1..1048576");
     o.fs.write_memory = uint64_t{n} << 20;
+  } else if (key == "writer_view") {
+    CKPTFS_TRY(double sec, parse_seconds(val, "writer_view"));
+    o.fs.writer_view = ms(sec);
   } else if (key == "settle") {
     CKPTFS_TRY(double s, parse_seconds(val, "settle"));
     o.fs.settle = ms(s);

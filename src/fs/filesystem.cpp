@@ -21,6 +21,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/fs/writers.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/watcher.hpp"
@@ -133,6 +134,7 @@ class PassthroughReader final : public FileReader {
   PassthroughReader(UniqueFd fd, uint64_t size, std::string name)
       : fd_(std::move(fd)), raw_(fd_.get()), size_(size), name_(std::move(name)) {}
   uint64_t size() const override { return size_; }
+  [[nodiscard]] int fd() const { return raw_; }
   void plan(uint64_t off, uint64_t len, ReadPlan& out) const override {
     out.segs.clear();
     out.direct = nullptr;
@@ -165,6 +167,9 @@ struct View {
   uint64_t dir_dev = 0, dir_ino = 0;
   std::vector<Perm> inputs;  // owner and mode of every shard: who may read the synthesized files
   Perm shown;                // owner and mode shown for them (see shown_perm)
+  // The directory holds commit records: files written through the mount show as written to
+  // everyone, so the writer's view (rank shards listed) is only for directories without.
+  bool records = false;
 
   mutable std::mutex fd_mu;  // guards fds
   mutable std::weak_ptr<const struct ShardFds> fds;
@@ -246,6 +251,9 @@ struct Node {
   layout::FileStamp cached;  // stamp when last opened: decides keep_cache
   // (parent, name) pairs it was looked up under: the entries the kernel may cache for it.
   std::vector<std::pair<Ino, std::string>> links;
+  // Its backing file is gone for good (unlinked through the mount, or a placeholder removed
+  // at commit): its number may name another file now, which must never take this node over.
+  bool retired = false;
 };
 
 // What a caller of view_of needs.
@@ -391,6 +399,43 @@ struct Filesystem::Impl {
   std::unique_ptr<write::MemoryBudget> budget;  // the write path's memory (Options::write_memory)
   int protected_regular = 0;                    // Options::protected_regular, resolved
   LogLimiter logs;                              // repeated lines about one directory
+  std::unique_ptr<WriterViews> writers;         // who sees which directory as written
+
+  // Directory node `dir` as the writer's view tells directories apart (its birth time too).
+  WriterViews::DirId dir_id(const Node& dir) {
+    struct statx sx {};
+    const bool top = dir.rel.empty();
+    int64_t birth = 0;
+    if (::statx(root.get(), top ? "" : dir.rel.c_str(),
+                AT_SYMLINK_NOFOLLOW | (top ? AT_EMPTY_PATH : 0), STATX_BTIME, &sx) == 0 &&
+        (sx.stx_mask & STATX_BTIME)) {
+      birth = static_cast<int64_t>(sx.stx_btime.tv_sec) * kNsPerSec + sx.stx_btime.tv_nsec;
+    }
+    return WriterViews::DirId{dir.dev, dir.bino, birth};
+  }
+  // The parent of directory node `dir` in SRC (none for the root).
+  std::optional<WriterViews::DirId> parent_id(const Node& dir) {
+    if (dir.links.empty()) return std::nullopt;
+    auto p = get(dir.links.front().first);
+    if (!p) return std::nullopt;
+    return dir_id(*p);
+  }
+  // `who` wrote in directory `dir`.
+  void note_writer(const Node& dir, const Caller& who) {
+    if (who.pid > 0) writers->note(dir_id(dir), parent_id(dir), who.pid);
+  }
+  // `who` wrote in the directory of file node `ino`.
+  void note_writer_of(Ino ino, const Caller& who) {
+    if (who.pid <= 0) return;
+    auto n = get(ino);
+    if (!n || n->links.empty()) return;
+    if (auto d = get(n->links.front().first)) note_writer(*d, who);
+  }
+  // Whether `who` sees checkpoint directory `dir` as written.
+  bool sees_written(const Node& dir, const Caller& who) {
+    if (who.pid <= 0 || writers->none()) return false;
+    return writers->sees_written(dir_id(dir), parent_id(dir), who.pid);
+  }
 
   // What .ckptfs/status.json reports beyond the current state of each directory.
   const int64_t started_ns = now_realtime_ns();
@@ -704,6 +749,9 @@ struct Filesystem::Impl {
     v->settling = !v->complete && !settled;
     if (v->settling) v->pending = pending_text(*v->ckpt, source_path(rel));
     v->rel = rel;
+    v->records = std::any_of(sig.files.begin(), sig.files.end(), [](const auto& f) {
+      return f.first.starts_with(std::string(format::kStateDirName) + "/");
+    });
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
     for (const auto& e : entries) {
@@ -945,10 +993,17 @@ struct Filesystem::Impl {
   // Fresh attributes of a real node, or ESTALE when its path now names another file (or the
   // same number reused for another type).
   Result<struct stat> real_attr(const Node& n) {
-    CKPTFS_TRY(struct stat st, stat_beneath(root.get(), n.rel));
-    if (!(real_key(st) == n.key) && n.ino != kRootIno) {
-      return make_error(ESTALE, "{}: replaced", n.rel);
+    auto found = n.retired ? Result<struct stat>(make_error(ENOENT, "{}: gone", n.rel))
+                           : stat_beneath(root.get(), n.rel);
+    if (!found || !(real_key(*found) == n.key)) {
+      if (n.ino == kRootIno) return found;
+      // The path the node had no longer names it: another of its names (a hard link), or a
+      // handle still open on it (an unlinked file), or ESTALE: the kernel looks it up again.
+      if (auto st = by_other_link(n)) return *st;
+      if (auto st = by_open_handle(n)) return *st;
+      return make_error(ESTALE, "{}: {}", n.rel, found ? "replaced" : "gone");
     }
+    struct stat st = *found;
     decorate_real(n.ino, n.rel, st);
     if (S_ISREG(st.st_mode)) {
       if (auto wf = writing(n.dev, n.bino)) {
@@ -958,6 +1013,57 @@ struct Filesystem::Impl {
         }
       }
     }
+    return st;
+  }
+
+  // Attributes of node `n` under another name it was looked up by (its hard links), which it
+  // takes as its path from now on.
+  std::optional<struct stat> by_other_link(const Node& n) {
+    if (n.retired) return std::nullopt;  // its number may name another file under those names
+    for (const auto& [parent, name] : n.links) {
+      auto p = get(parent);
+      if (!p || p->kind != Kind::Dir) continue;
+      const std::string rel = join_rel(p->rel, name);
+      auto st = stat_beneath(root.get(), rel);
+      if (!st || !(real_key(*st) == n.key)) continue;
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = nodes_.find(n.ino); it != nodes_.end()) it->second->rel = rel;
+      }
+      decorate_real(n.ino, rel, *st);
+      return *st;
+    }
+    return std::nullopt;
+  }
+
+  // Attributes of node `n` through a handle still open on it (fstat of an unlinked file).
+  std::optional<struct stat> by_open_handle(const Node& n) {
+    std::shared_ptr<write::WriteFile> wf;
+    struct stat st {};
+    bool found = false;
+    {
+      std::lock_guard lock(handles_mu_);
+      for (const auto& [id, h] : files_) {
+        if (h->ino != n.ino) continue;
+        if (h->wf) {
+          wf = h->wf;
+          break;
+        }
+        const auto* pr = dynamic_cast<const PassthroughReader*>(h->reader.get());
+        if (pr && ::fstat(pr->fd(), &st) == 0 && real_key(st) == n.key) {
+          found = true;
+          break;
+        }
+      }
+    }
+    if (wf) {  // outside the handles' lock: its own mutex may be held through a long copy
+      auto ws = wf->stat();
+      if (!ws) return std::nullopt;
+      st = *ws;
+      found = true;
+    }
+    if (!found) return std::nullopt;
+    st.st_ino = shown_ino(n.dev, n.bino);
     return st;
   }
 
@@ -985,7 +1091,27 @@ struct Filesystem::Impl {
     set_times(st, n.view->mtime_ns);
     st.st_uid = n.view->shown.uid;
     st.st_gid = n.view->shown.gid;
+    if (n.kind == Kind::Output && n.view->ckpt->outputs[n.output].written) written_attr(n, st);
     return st;
+  }
+
+  // A file written through the mount shows what its writer gave it (carried by its shards,
+  // each set alike at commit and by setattr): its owner, its mode (write bits included) and
+  // its mtime. Shards that disagree (changed in SRC) show as a synthesized file does.
+  static void written_attr(const Node& n, struct stat& st) {
+    const auto& ck = *n.view->ckpt;
+    const auto& out = ck.outputs[n.output];
+    if (out.shards.empty()) return;
+    const layout::Access& a = ck.shards[out.shards.front()].access;
+    int64_t mtime = INT64_MIN;
+    for (uint32_t s : out.shards) {
+      if (!(ck.shards[s].access == a)) return;
+      mtime = std::max(mtime, ck.shards[s].stamp.mtime_ns);
+    }
+    st.st_mode = S_IFREG | (a.mode & 07777);
+    st.st_uid = a.uid;
+    st.st_gid = a.gid;
+    set_times(st, mtime);
   }
 
   // --- the status directory --------------------------------------------------------------
@@ -1061,7 +1187,7 @@ struct Filesystem::Impl {
     return {};
   }
 
-  Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv) {
+  Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv, const Caller& who) {
     std::string name(name_sv);
     if (name == hidden_child(dir.rel)) return make_error(ENOENT, "the mount point itself");
     if (dir.ino == kRootIno && name == kStatusDirName) {
@@ -1069,10 +1195,17 @@ struct Filesystem::Impl {
     }
     if (is_state_name(name)) return make_error(ENOENT, "{}: the write path's own state", name);
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
+    const std::string rel = join_rel(dir.rel, name);
+    if (auto w = is_model_output_name(name) ? nullptr : view_of(dir.rel, dst, dir.ino, Need::Any);
+        w && !w->records && sees_written(dir, who)) {
+      // The writer's view: the names it wrote resolve to what it wrote, for it alone.
+      auto real = lookup_real(rel, dir.ino, name);
+      if (real.ok()) real->uncached = true;
+      if (real.ok() || real.error().code != ENOENT) return real;
+    }
     const bool consolidated_name = is_model_output_name(name);
     auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
     if (consolidated_name) v = wait_settled(dir, std::move(v));
-    const std::string rel = join_rel(dir.rel, name);
     if (!v) return lookup_real(rel, dir.ino, name);
     if (name == kPendingName && v->settling) {
       return lookup_virtual(v, dir.rel, dir.ino, Kind::Pending, 0, name);
@@ -1128,7 +1261,7 @@ struct Filesystem::Impl {
 
   // --- listings --------------------------------------------------------------------------
 
-  Result<std::vector<DirEntryOut>> list(const Node& dir) {
+  Result<std::vector<DirEntryOut>> list(const Node& dir, const Caller& who = {}) {
     CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
     CKPTFS_TRY(UniqueFd fd, open_beneath(root.get(), dir.rel, O_RDONLY | O_DIRECTORY));
     CKPTFS_TRY(auto entries, source::list_dir(fd.get(), hidden_child(dir.rel)));
@@ -1145,7 +1278,18 @@ struct Filesystem::Impl {
       }
       return out;
     }
-    auto v = view_of(dir.rel, dst, dir.ino, Need::Current);
+    // The writer's view lists what was written, as in SRC (the view's own check first: it
+    // also watches the directory and recovers what a crash left).
+    const bool writer = dir.kind == Kind::Dir && sees_written(dir, who);
+    auto v = view_of(dir.rel, dst, dir.ino, writer ? Need::Any : Need::Current);
+    const bool as_written = writer && v && !v->records;
+    if (as_written) {  // the writer's view: rank shards and side files as in SRC
+      for (const auto& e : entries) {
+        if (!is_state_name(e.name)) real(e);
+      }
+      return out;
+    }
+    if (writer && v) v = view_of(dir.rel, dst, dir.ino, Need::Current);
     if (!v) {
       for (const auto& e : entries) {
         if (!is_state_name(e.name)) real(e);
@@ -1275,6 +1419,9 @@ struct Filesystem::Impl {
   // The directory `parent`, about to get or lose `name`. The write path's own name is refused
   // (`reserved`: EPERM to make it, ENOENT to use it), as is the mount point itself.
   Result<DirRef> dir_for_change(Ino parent, std::string_view name, int reserved = EPERM) {
+    if (name.size() > NAME_MAX) {
+      return make_error(ENAMETOOLONG, "a name of {} bytes", name.size());
+    }
     if (!is_valid_component(name)) return make_error(EINVAL, "invalid name");
     auto n = get(parent);
     if (!n) return make_error(ESTALE, "unknown inode {}", parent);
@@ -1308,6 +1455,58 @@ struct Filesystem::Impl {
     struct stat st {};
     if (::fstatat(d.fd.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return {};
     return may_delete(Perm::of(d.st), Perm::of(st), who, source_path(join_rel(d.node.rel, name)));
+  }
+
+  // chmod, chown and utimens of a consolidated file written through the mount (it has a commit
+  // record): they are its shards' (every one of them, alike), as written_attr shows them. The
+  // shards change, so the view is a new version. Node-local shards live elsewhere: EPERM.
+  Result<struct stat> set_written_attr(const Node& n, const SetAttr& a,
+                                       const struct timespec times[2]) {
+    const auto& ck = *n.view->ckpt;
+    const auto& out = ck.outputs[n.output];
+    const std::string where = source_path(join_rel(n.rel, n.key.name));
+    CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), n.rel, O_RDONLY | O_DIRECTORY));
+    for (uint32_t s : out.shards) {
+      const auto& sh = ck.shards[s];
+      if (sh.remote()) {
+        return make_error(EPERM,
+                          "{}: its shards are on node-local targets; its attributes are "
+                          "its commit record's",
+                          where);
+      }
+      const char* name = sh.name.c_str();
+      if ((a.mode && ::fchmodat(dir.get(), name, *a.mode & 07777, 0) != 0) ||
+          ((a.uid || a.gid) &&
+           ::fchownat(dir.get(), name, a.uid ? *a.uid : static_cast<uid_t>(-1),
+                      a.gid ? *a.gid : static_cast<gid_t>(-1), AT_SYMLINK_NOFOLLOW) != 0) ||
+          ((a.atime || a.mtime) && ::utimensat(dir.get(), name, times, AT_SYMLINK_NOFOLLOW) != 0)) {
+        return errno_error(fmt::format("{}: {}", where, sh.name));
+      }
+    }
+    force_revalidate(*n.view);
+    // What the next version shows: these attributes (stat after the change reads the shards).
+    struct stat st = virtual_attr(n);
+    if (a.mode) st.st_mode = S_IFREG | (*a.mode & 07777);
+    if (a.uid) st.st_uid = *a.uid;
+    if (a.gid) st.st_gid = *a.gid;
+    if (a.mtime) {
+      struct timespec now {};
+      ::clock_gettime(CLOCK_REALTIME, &now);
+      st.st_mtim = a.mtime->tv_nsec == UTIME_NOW ? now : *a.mtime;
+      st.st_atim = st.st_mtim;
+    }
+    ::clock_gettime(CLOCK_REALTIME, &st.st_ctim);
+    return st;
+  }
+
+  // Owner and mode of every shard output `o` of view `v` is made of.
+  static std::vector<Perm> output_perms(const View& v, const layout::OutputFile& o) {
+    std::vector<Perm> out;
+    for (uint32_t s : o.shards) {
+      const auto& a = v.ckpt->shards[s].access;
+      out.push_back(Perm{a.uid, a.gid, static_cast<mode_t>(S_IFREG | (a.mode & 07777))});
+    }
+    return out;
   }
 
   // May `who` remove every input of a consolidated file (its shards) from directory `d`.
@@ -1367,13 +1566,14 @@ struct Filesystem::Impl {
     }
   }
 
-  write::PlanOptions plan_options(int dirfd) {
+  // `display`: the directory's path, which its messages name.
+  write::PlanOptions plan_options(int dirfd, const std::string& display) {
     write::PlanOptions p;
     p.ranks = opts.ranks ? opts.ranks : flusher->default_ranks();
     p.split = opts.split;
     if (p.split == write::PlanOptions::TpPlan) {
       if (auto text = read_small_file_beneath(dirfd, "config.json", 16u << 20); text) {
-        if (auto plan = format::parse_tp_plan(*text, "config.json"); plan) {
+        if (auto plan = format::parse_tp_plan(*text, display + "/config.json"); plan) {
           p.tp_plan = std::move(plan).value();
         } else {
           spdlog::warn("{}; splitting on dim 0", plan.error().message);
@@ -1389,14 +1589,16 @@ struct Filesystem::Impl {
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0) return make_error(errno, "stat failed");
     const DevIno key{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
-    if (auto wf = writing(key.first, key.second)) return wf;
+    // The state registered under this number, unless it belongs to a file since unlinked
+    // (committed, or removed while open) whose number this one reuses.
+    if (auto wf = writing(key.first, key.second); wf && wf->linked()) return wf;
     CKPTFS_TRY(auto wf,
                write::WriteFile::open(std::move(fd), d.fd.get(), source_path(d.node.rel), fresh,
-                                      *flusher, plan_options(d.fd.get()),
+                                      *flusher, plan_options(d.fd.get(), source_path(d.node.rel)),
                                       source_path(join_rel(d.node.rel, name)), budget.get()));
     std::lock_guard lock(writes_mu_);
     auto& w = writes_[key];
-    if (auto other = w.wf.lock()) return other;  // opened meanwhile by another thread
+    if (auto other = w.wf.lock(); other && other->linked()) return other;  // opened meanwhile
     w = Writing{wf, {d.dev, d.ino}, format::looks_like_shard_name(name)};
     return wf;
   }
@@ -1504,6 +1706,7 @@ struct Filesystem::Impl {
       }
     }
     touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+    if (h.wf->state() == write::WriteFile::State::Committed) retire(*n);
     if (notifier &&
         (h.wf->state() == write::WriteFile::State::Committed || format::parse_model_name(name))) {
       // The name now shows the consolidated file (committed, or still the older one when this
@@ -1521,6 +1724,37 @@ struct Filesystem::Impl {
     auto st = d.state();
     std::lock_guard lock(st->mu);
     st->next_check = Clock::now();
+  }
+
+  // The backing file of real node `n` is gone for good: ext4 hands its number to the next
+  // file made, which must get a node of its own (with the key kept, a lookup of that file
+  // would take this node over, and the kernel's names for this one would show that file).
+  void retire(const Node& n) {
+    std::lock_guard lock(mu_);
+    auto it = nodes_.find(n.ino);
+    if (it == nodes_.end() || it->second->retired || it->second->key.type != 0) return;
+    it->second->retired = true;
+    if (auto k = keys_.find(it->second->key); k != keys_.end() && k->second == n.ino)
+      keys_.erase(k);
+  }
+  void retire_key(const Key& key) {
+    std::optional<Node> n;
+    {
+      std::lock_guard lock(mu_);
+      if (auto k = keys_.find(key); k != keys_.end()) {
+        if (auto it = nodes_.find(k->second); it != nodes_.end()) n = *it->second;
+      }
+    }
+    if (n) retire(*n);
+  }
+  // The same for the file `name` of directory `dirfd` as it is now, when this is its last name.
+  void retire_if_last(int dirfd, const std::string& name) {
+    struct stat st {};
+    if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_nlink > 1 ||
+        S_ISDIR(st.st_mode)) {
+      return;
+    }
+    retire_key(real_key(st));
   }
 
   // --- a model name holds a consolidated file or nothing ------------------------------------
@@ -1622,6 +1856,15 @@ struct Filesystem::Impl {
       return sh && sh->k == mn->k && sh->m == mn->m;  // what the commit replaces
     });
     auto in = source::read_input(dirfd, entries, display, headers, opts.build);
+    // ...and what the records of that file number name (node-local shards are no entries).
+    std::erase_if(in.shards, [&](const layout::ShardInput& si) {
+      auto sh = format::parse_shard_name(si.name);
+      return sh && sh->k == mn->k && sh->m == mn->m;
+    });
+    std::erase_if(in.overrides, [&](const layout::OutputOverride& o) {
+      auto om = format::parse_model_name(o.name);
+      return om && om->k == mn->k && om->m == mn->m;
+    });
     const auto unsized = [](std::string_view bytes, const std::string& what) {
       return write::parse_header_unsized(bytes.substr(format::kHeaderLenBytes), what);
     };
@@ -1782,6 +2025,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   impl->flusher = impl->opts.flusher ? impl->opts.flusher
                                      : std::shared_ptr<flush::Flusher>(flush::make_local_flusher());
   impl->budget = std::make_unique<write::MemoryBudget>(impl->opts.write_memory);
+  impl->writers = std::make_unique<WriterViews>(impl->opts.writer_view);
   impl->protected_regular =
       impl->opts.protected_regular >= 0 ? impl->opts.protected_regular : read_protected_regular();
   impl->root_dev = static_cast<uint64_t>(st.st_dev);
@@ -1803,11 +2047,12 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
 
 void Filesystem::set_notifier(Notifier* n) { impl_->notifier = n; }
 
-Result<EntryOut> Filesystem::lookup(Ino parent, std::string_view name) {
+Result<EntryOut> Filesystem::lookup(Ino parent, std::string_view name, const Caller& who) {
+  if (name.size() > NAME_MAX) return make_error(ENAMETOOLONG, "a name of {} bytes", name.size());
   if (!is_valid_component(name)) return make_error(ENOENT, "invalid name");
   auto dir = impl_->get(parent);
   if (!dir) return make_error(ESTALE, "unknown inode {}", parent);
-  if (dir->kind == Kind::Dir) return impl_->lookup_in_dir(*dir, name);
+  if (dir->kind == Kind::Dir) return impl_->lookup_in_dir(*dir, name, who);
   if (dir->kind == Kind::ShardsDir) return impl_->lookup_in_shards(*dir, name);
   if (dir->kind == Kind::StatusDir) {
     if (name != kStatusFileName) return make_error(ENOENT, "no such status file");
@@ -1892,7 +2137,7 @@ Result<std::string> Filesystem::readlink(Ino ino) {
   return buf;
 }
 
-Result<uint64_t> Filesystem::opendir(Ino ino) {
+Result<uint64_t> Filesystem::opendir(Ino ino, const Caller& who) {
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
   if (n->kind != Kind::Dir && n->kind != Kind::ShardsDir && n->kind != Kind::StatusDir) {
@@ -1906,7 +2151,7 @@ Result<uint64_t> Filesystem::opendir(Ino ino) {
     file.key.name = std::string(kStatusFileName);
     entries.push_back({file.key.name, impl_->status_attr(file).st_ino, S_IFREG});
   } else {
-    CKPTFS_TRY(entries, impl_->list(*n));
+    CKPTFS_TRY(entries, impl_->list(*n, who));
   }
   auto h = std::make_unique<DirHandle>();
   // "." and ".." first, as a real directory lists them (d_ino as stat shows them).
@@ -1938,6 +2183,7 @@ Result<OpenOut> Filesystem::open(Ino ino, int flags, const Caller& who) {
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
     if (impl_->opts.read_only) return make_error(EROFS, "read-only view");
+    impl_->note_writer_of(ino, who);
     return impl_->open_for_write(*n, flags);
   }
   if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::Pending) {
@@ -2069,18 +2315,18 @@ Result<CreateOut> Filesystem::create(Ino parent, std::string_view name, mode_t m
     // The name shows a consolidated file (or the index) the kernel had not looked up: it is
     // opened as open() opens that file, after the check the kernel makes on the mode shown.
     if (flags & O_EXCL) return make_error(EEXIST, "{}: exists", where);
-    const int acc = flags & O_ACCMODE;
-    const int mask =
-        (acc != O_WRONLY ? R_OK : 0) | (acc != O_RDONLY || (flags & O_TRUNC) ? W_OK : 0);
-    if (!may(shown.v->shown, who, mask)) {
-      return make_error(EACCES, "{}: uid {} may not open it that way", where, who.uid);
-    }
     const bool index = shown.output == nullptr;
     const auto output =
         static_cast<uint32_t>(index ? 0 : shown.output - shown.v->ckpt->outputs.data());
     CKPTFS_TRY(EntryOut e, impl_->lookup_virtual(shown.v, d.node.rel, d.node.ino,
                                                  index ? Kind::Index : Kind::Output, output, n));
-    auto opened = open(e.ino, flags & ~(O_CREAT | O_EXCL), who);
+    const int acc = flags & O_ACCMODE;
+    const int mask =
+        (acc != O_WRONLY ? R_OK : 0) | (acc != O_RDONLY || (flags & O_TRUNC) ? W_OK : 0);
+    auto opened = may(Perm::of(e.attr), who, mask)
+                      ? open(e.ino, flags & ~(O_CREAT | O_EXCL), who)
+                      : Result<OpenOut>(make_error(EACCES, "{}: uid {} may not open it that way",
+                                                   where, who.uid));
     if (!opened) {
       forget(e.ino, 1);  // the kernel never gets this entry
       return std::move(opened).error();
@@ -2108,6 +2354,7 @@ Result<CreateOut> Filesystem::create(Ino parent, std::string_view name, mode_t m
                                    impl_->protected_regular, where));
   }
   impl_->touched(d.dev, d.ino);
+  impl_->note_writer(d.node, who);
   CKPTFS_TRY(EntryOut e, impl_->lookup_real(join_rel(d.node.rel, name), parent, name));
   auto wf = impl_->start_writing(std::move(file), d, n, made || (flags & O_TRUNC));
   if (!wf) {
@@ -2164,7 +2411,7 @@ Result<EntryOut> Filesystem::symlink(std::string_view target, Ino parent, std::s
 }
 
 Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_name,
-                                  const Caller& /*who*/) {
+                                  const Caller& who) {
   CKPTFS_WRITABLE();
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
@@ -2191,6 +2438,7 @@ Result<EntryOut> Filesystem::link(Ino ino, Ino new_parent, std::string_view new_
     return errno_error(impl_->source_path(join_rel(d.node.rel, new_name)));
   }
   impl_->touched(d.dev, d.ino);
+  impl_->note_writer(d.node, who);
   return impl_->lookup_real(join_rel(d.node.rel, new_name), new_parent, new_name);
 }
 
@@ -2202,7 +2450,8 @@ Status Filesystem::unlink(Ino parent, std::string_view name, const Caller& who) 
     if (!out.output) return {};  // a synthesized index: nothing is stored, it goes with them
     // The kernel checked the mode shown; what goes is every shard, each checked as the kernel
     // would check its removal (the sticky bit: shards of several owners).
-    CKPTFS_CHECK(impl_->may_delete_all(d, out.v->inputs, who, join_rel(d.node.rel, name)));
+    CKPTFS_CHECK(impl_->may_delete_all(d, Impl::output_perms(*out.v, *out.output), who,
+                                       join_rel(d.node.rel, name)));
     auto st = d.state();
     std::unique_lock lock(st->mu);
     st->built.wait(lock, [&] { return !st->building; });
@@ -2212,13 +2461,16 @@ Status Filesystem::unlink(Ino parent, std::string_view name, const Caller& who) 
     ::unlinkat(d.fd.get(), n.c_str(), 0);  // a placeholder of a newer version, if any
     st->next_check = Clock::now();
     impl_->touched(d.dev, d.ino);
+    impl_->note_writer(d.node, who);
     return {};
   }
   CKPTFS_CHECK(impl_->may_delete_entry(d, n, who));
+  impl_->retire_if_last(d.fd.get(), n);
   if (::unlinkat(d.fd.get(), n.c_str(), 0) != 0) {
     return errno_error(impl_->source_path(join_rel(d.node.rel, name)));
   }
   impl_->touched(d.dev, d.ino);
+  impl_->note_writer(d.node, who);
   impl_->recheck(d);
   return {};
 }
@@ -2304,7 +2556,7 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
         } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); !fd) {
           why = std::move(fd).error();
         } else if (auto sp = write::WriteFile::prospect(
-                       fd->get(), impl_->plan_options(to.fd.get()),
+                       fd->get(), impl_->plan_options(to.fd.get(), impl_->source_path(to.node.rel)),
                        impl_->source_path(join_rel(from.node.rel, name)));
                    !sp) {
           why = std::move(sp).error();
@@ -2336,8 +2588,15 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
     }
   }
   if (over_virtual) {
-    CKPTFS_CHECK(
-        impl_->may_delete_all(to, shown_over.v->inputs, who, join_rel(to.node.rel, new_name)));
+    CKPTFS_CHECK(impl_->may_delete_all(to,
+                                       shown_over.output
+                                           ? Impl::output_perms(*shown_over.v, *shown_over.output)
+                                           : shown_over.v->inputs,
+                                       who, join_rel(to.node.rel, new_name)));
+  }
+  if (!(flags & (RENAME_EXCHANGE | RENAME_NOREPLACE)) &&
+      !(from.dev == to.dev && from.ino == to.ino && o == nn)) {
+    impl_->retire_if_last(to.fd.get(), nn);  // the entry replaced, if any
   }
   if (::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags) != 0) {
     return errno_error(fmt::format("rename {} to {}",
@@ -2348,6 +2607,8 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
                  join_rel(to.node.rel, new_name), (flags & RENAME_EXCHANGE) != 0);
   impl_->touched(from.dev, from.ino);
   impl_->touched(to.dev, to.ino);
+  impl_->note_writer(from.node, who);
+  impl_->note_writer(to.node, who);
   impl_->recheck(from);
   impl_->recheck(to);
   if (!format::parse_model_name(new_name)) return {};
@@ -2371,6 +2632,12 @@ Status Filesystem::rename(Ino parent, std::string_view name, Ino new_parent,
   const std::string to_display = impl_->source_path(to.node.rel);
   CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, to_display},
                          impl_->store_rules(to.fd.get(), to_display, nn)));
+  if (wf->state() == write::WriteFile::State::Committed) {
+    // Its backing file is gone (the shards are the file now): the kernel's entry for the name
+    // still holds that file's node, which must look the name up again (ESTALE, then the view).
+    impl_->retire_key(Impl::real_key(st));
+    if (impl_->notifier) impl_->notifier->inval_entry(new_parent, nn);
+  }
   if (auto why = wf->stored_whole()) {
     // Stored whole: it replaces what the name stored (the rename says so), whose shards go;
     // if other files' shards remain, it is hidden (the check above let only consolidated
@@ -2403,15 +2670,22 @@ Result<struct stat> Filesystem::setattr(Ino ino, const SetAttr& a, std::optional
   CKPTFS_WRITABLE();
   auto n = impl_->get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  struct timespec times[2] = {{0, UTIME_OMIT}, {0, UTIME_OMIT}};
+  if (a.atime) times[0] = *a.atime;
+  if (a.mtime) times[1] = *a.mtime;
   if (n->kind == Kind::Output && fh) {
     // A new version being written through a handle opened with O_TRUNC: its writer sizes it
-    // (ftruncate before the data, as safetensors does); owner, mode and times follow the
-    // version it replaces.
+    // (ftruncate before the data, as safetensors does) and may set its mode and times (cp -a
+    // does, before closing it); its backing file carries them to its shards at commit.
     auto* h = reinterpret_cast<FileHandle*>(*fh);
     if (h->wf && h->writable) {
       if (a.size) CKPTFS_CHECK(h->wf->truncate(*a.size));
+      CKPTFS_CHECK(h->wf->set_attr(a.mode, a.uid, a.gid, times));
       return getattr_handle(*fh);
     }
+  }
+  if (n->kind == Kind::Output && !a.size && n->view->ckpt->outputs[n->output].written) {
+    return impl_->set_written_attr(*n, a, times);
   }
   if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir ||
       n->kind == Kind::Pending || n->kind == Kind::StatusDir || n->kind == Kind::StatusFile) {
@@ -2466,9 +2740,10 @@ Result<size_t> Filesystem::write(uint64_t fh, uint64_t off, std::string_view byt
   return bytes.size();
 }
 
-Status Filesystem::flush(uint64_t fh) {
+Status Filesystem::flush(uint64_t fh, const Caller& who) {
   auto* h = reinterpret_cast<FileHandle*>(fh);
   if (!h->wf || !h->writable) return {};
+  impl_->note_writer_of(h->ino, who);
   return impl_->settle_file(*h, [this](write::WriteFile& wf, const write::Place& p) -> Status {
     CKPTFS_CHECK(wf.finalize(
         p, p.dirfd < 0 ? write::StoreRules{} : impl_->store_rules(p.dirfd, p.dir_display, p.name)));

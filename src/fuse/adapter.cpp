@@ -136,8 +136,8 @@ Context& ctx(fuse_req_t req) {
 
 void reply_error(fuse_req_t req, const Error& e, std::string_view op) {
   // Answers that are part of normal operation are not logged as errors.
-  static constexpr int kQuiet[] = {ENOENT, EROFS, ESTALE,  EACCES, EEXIST, ENOTEMPTY,
-                                   EXDEV,  EPERM, ENOTDIR, EISDIR, EINVAL, ENOTSUP};
+  static constexpr int kQuiet[] = {ENOENT, EROFS,   ESTALE, EACCES, EEXIST,  ENOTEMPTY,    EXDEV,
+                                   EPERM,  ENOTDIR, EISDIR, EINVAL, ENOTSUP, ENAMETOOLONG, ELOOP};
   if (std::find(std::begin(kQuiet), std::end(kQuiet), e.code) == std::end(kQuiet)) {
     spdlog::error("{}: {}", op, e.message);
     ctx(req).fs->note_error(e.code);  // for .ckptfs/status.json
@@ -191,9 +191,16 @@ fuse_entry_param entry_of(const fs::EntryOut& e, const MountOptions& o) {
   p.ino = e.ino;
   p.generation = 1;
   p.attr = e.attr;
-  p.attr_timeout = o.attr_timeout;
-  p.entry_timeout = o.entry_timeout;
+  // A name of the writer's view is its alone: the kernel keeps no entry others could use.
+  p.attr_timeout = e.uncached ? 0 : o.attr_timeout;
+  p.entry_timeout = e.uncached ? 0 : o.entry_timeout;
   return p;
+}
+
+// Who asks, without the supplementary groups (enough for lookups and listings: the pid).
+fs::Caller requester(fuse_req_t req) {
+  const fuse_ctx* fc = fuse_req_ctx(req);
+  return fs::Caller{fc->uid, fc->gid, {}, fc->pid};
 }
 
 // --- operations ---------------------------------------------------------------------------
@@ -214,7 +221,7 @@ void op_init(void* userdata, fuse_conn_info* conn) {
 
 void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   auto& c = ctx(req);
-  auto r = c.fs->lookup(parent, name);
+  auto r = c.fs->lookup(parent, name, requester(req));
   if (!r) return reply_error(req, r.error(), "lookup");
   auto e = entry_of(*r, *c.opts);
   fuse_reply_entry(req, &e);
@@ -244,7 +251,7 @@ void op_readlink(fuse_req_t req, fuse_ino_t ino) {
 }
 
 void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  auto r = ctx(req).fs->opendir(ino);
+  auto r = ctx(req).fs->opendir(ino, requester(req));
   if (!r) return reply_error(req, r.error(), "opendir");
   fi->fh = *r;
   fuse_reply_open(req, fi);
@@ -276,7 +283,7 @@ void op_releasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 // The request's credentials, for the access check of synthesized files.
 fs::Caller caller_of(fuse_req_t req) {
   const fuse_ctx* fc = fuse_req_ctx(req);
-  fs::Caller who{fc->uid, fc->gid, {}};
+  fs::Caller who{fc->uid, fc->gid, {}, fc->pid};
   if (who.uid == 0) return who;
   who.groups.resize(64);
   int n = fuse_req_getgroups(req, static_cast<int>(who.groups.size()), who.groups.data());
@@ -441,7 +448,7 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
 }
 
 void op_flush(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  reply_status(req, ctx(req).fs->flush(fi->fh), "flush");
+  reply_status(req, ctx(req).fs->flush(fi->fh, requester(req)), "flush");
 }
 void op_fsync(fuse_req_t req, fuse_ino_t, int datasync, fuse_file_info* fi) {
   reply_status(req, ctx(req).fs->fsync(fi->fh, datasync != 0), "fsync");

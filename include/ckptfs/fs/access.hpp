@@ -20,6 +20,7 @@ struct Caller {
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;  // supplementary groups
+  pid_t pid = 0;              // the requesting thread (0: unknown), for the writer's view
 
   [[nodiscard]] bool root() const { return uid == 0; }
   [[nodiscard]] bool in_group(gid_t g) const;

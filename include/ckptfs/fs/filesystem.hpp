@@ -65,6 +65,10 @@ struct Options {
   uint64_t write_memory = 256ull << 20;
   // fs.protected_regular, applied to names the kernel cannot see (-1: this kernel's).
   int protected_regular = -1;
+  // The writer's view (fs/writers.hpp): a process that wrote through the mount in a checkpoint
+  // directory, its parent or a child of it within this long sees that directory as written
+  // (its shard files listed), so a consolidating writer reads back what it wrote. 0: off.
+  std::chrono::milliseconds writer_view{600'000};
   // A path relative to the source that is never looked at: the mount point itself when it
   // lies inside the source (stat'ing it would call the daemon from inside the daemon).
   std::string hide_rel;
@@ -86,6 +90,9 @@ class Notifier {
 struct EntryOut {
   Ino ino = 0;
   struct stat attr {};
+  // Found only in the writer's view (a shard file in a checkpoint directory): the kernel must
+  // not keep it for other processes (entry and attribute timeouts 0).
+  bool uncached = false;
 };
 
 struct DirEntryOut {
@@ -175,12 +182,13 @@ class Filesystem {
 
   void set_notifier(Notifier* n);
 
-  Result<EntryOut> lookup(Ino parent, std::string_view name);
+  // `who`: only its pid matters here, for the writer's view (Options::writer_view).
+  Result<EntryOut> lookup(Ino parent, std::string_view name, const Caller& who = {});
   void forget(Ino ino, uint64_t nlookup);
   Result<struct stat> getattr(Ino ino);
   Result<std::string> readlink(Ino ino);
 
-  Result<uint64_t> opendir(Ino ino);
+  Result<uint64_t> opendir(Ino ino, const Caller& who = {});
   // Calls `add(entry, next_offset)` from `offset` on; stops when it returns false.
   Status readdir(uint64_t dh, uint64_t offset,
                  const std::function<bool(const DirEntryOut&, uint64_t)>& add);
@@ -226,7 +234,7 @@ class Filesystem {
   Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
   // At each close: a consolidated file under a model name is committed as rank shards here,
   // so its errors reach close().
-  Status flush(uint64_t fh);
+  Status flush(uint64_t fh, const Caller& who = {});
   Status fsync(uint64_t fh, bool datasync);
   Status fsyncdir(Ino ino);
   // Attributes through an open handle (fstat): valid after the name is gone.
