@@ -1,6 +1,7 @@
 #include "ckptfs/util/path.hpp"
 
 #include <fcntl.h>
+#include <linux/limits.h>
 #include <linux/openat2.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -131,7 +132,11 @@ Result<UniqueFd> open_beneath(int rootfd, std::string_view rel, int flags, mode_
   oh.mode = (flags & O_CREAT) ? mode : 0;
   oh.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
   long fd = ::syscall(SYS_openat2, rootfd, path.c_str(), &oh, sizeof oh);
-  if (fd < 0 && errno == ENOSYS) return walk_beneath(rootfd, rel, flags, mode);
+  // A path longer than PATH_MAX (a deep tree the kernel resolves from a working directory in
+  // it) is walked one component at a time, as it was given.
+  if (fd < 0 && (errno == ENOSYS || (errno == ENAMETOOLONG && path.size() >= PATH_MAX))) {
+    return walk_beneath(rootfd, rel, flags, mode);
+  }
   if (fd < 0) return open_error(rel, errno);
   return UniqueFd(static_cast<int>(fd));
 }
