@@ -226,6 +226,12 @@ class LocalTransaction final : public Transaction {
   }
 
   Status commit(const CommitInfo& info, bool durable) override {
+    if (info.times) {  // the file's times, which its shards carry (and show through the view)
+      const struct timespec ts[2] = {info.atime, info.mtime};
+      for (uint32_t r = 0; r < fds_.size(); ++r) {
+        if (::futimens(fds_[r].get(), ts) != 0) return errno_error(shard_what(r) + ": utimens");
+      }
+    }
     if (durable) CKPTFS_CHECK(sync());
     format::Record rec;
     rec.name = info.name;
@@ -259,6 +265,10 @@ class LocalTransaction final : public Transaction {
     {
       CKPTFS_TRY(UniqueFd fd, open_at(tx_.get(), "record", O_WRONLY | O_CREAT | O_TRUNC, 0644));
       CKPTFS_CHECK(pwrite_all(fd.get(), text.data(), text.size(), 0, rec_display));
+      if (info.times && !info.remote_shards.empty()) {  // node-local shards' times are its
+        const struct timespec ts[2] = {info.atime, info.mtime};
+        if (::futimens(fd.get(), ts) != 0) return errno_error(rec_display + ": utimens");
+      }
       if (durable) CKPTFS_CHECK(fsync_fd(fd.get(), rec_display));
     }
     // The commit point.

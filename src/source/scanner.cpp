@@ -230,6 +230,7 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
       continue;
     }
     si.stamp = stamp_of(st);
+    si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
     if (auto hit = cache.find(si.stamp)) {
       si.header = hit->header;
       si.error = hit->error;

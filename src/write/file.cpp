@@ -78,6 +78,11 @@ WriteFile::State WriteFile::state() const {
   return state_;
 }
 
+bool WriteFile::linked() const {
+  struct stat st {};
+  return ::fstat(backing_.get(), &st) == 0 && st.st_nlink > 0;
+}
+
 std::optional<Error> WriteFile::stored_whole() const {
   std::lock_guard lock(mu_);
   return whole_;
@@ -112,6 +117,13 @@ Status WriteFile::fail_locked(Error e) {
   error_ = e;
   charge_.reset();
   return e;
+}
+
+// The backing file carries the file's times while its bytes are held or routed elsewhere: a
+// write or a size change marks it modified, as it would a plain file.
+void WriteFile::touch_locked() {
+  const struct timespec now[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
+  ::futimens(backing_.get(), now);
 }
 
 Status WriteFile::spill_locked(std::string_view why) {
@@ -165,6 +177,7 @@ Status WriteFile::write_locked(uint64_t off, std::string_view bytes) {
         }
         prefix_.append(bytes);
         size_ = std::max(size_, end);
+        touch_locked();
         return decide_locked();
       }
       CKPTFS_CHECK(to_plain_locked(true));
@@ -174,6 +187,7 @@ Status WriteFile::write_locked(uint64_t off, std::string_view bytes) {
       auto st = router_->write(off, bytes);
       if (st) {
         size_ = std::max(size_, end);
+        touch_locked();
         return {};
       }
       if (!needs_staging(st.error())) return fail_locked(std::move(st).error());
@@ -302,12 +316,24 @@ Status WriteFile::truncate(uint64_t size) {
       return make_error(EIO, "{}: already stored as rank shards when it was closed", what_);
     case State::Sniffing:
       if (size >= prefix_.size()) {
+        // The backing file system's own limit, at the call (EFBIG past its largest file):
+        // the empty placeholder is sized, then emptied again; its times change as the
+        // file's would.
+        if (size > 0 && ::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
+          return errno_error(what_ + ": truncate failed");
+        }
+        if (size > 0 && ::ftruncate(backing_.get(), 0) != 0) {
+          return errno_error(what_ + ": truncate failed");
+        }
         size_ = size;
         return {};
       }
       break;
     case State::Routed:
-      if (size == size_) return {};
+      if (size == size_) {
+        touch_locked();
+        return {};
+      }
       break;
     case State::Plain:
       break;
@@ -316,6 +342,21 @@ Status WriteFile::truncate(uint64_t size) {
   dirty_ = true;
   if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
     return errno_error(what_ + ": truncate failed");
+  }
+  return {};
+}
+
+Status WriteFile::set_attr(std::optional<mode_t> mode, std::optional<uid_t> uid,
+                           std::optional<gid_t> gid, const struct timespec times[2]) {
+  std::lock_guard lock(mu_);
+  if (mode && ::fchmod(backing_.get(), *mode & 07777) != 0) return errno_error(what_ + ": chmod");
+  if ((uid || gid) && ::fchown(backing_.get(), uid ? *uid : static_cast<uid_t>(-1),
+                               gid ? *gid : static_cast<gid_t>(-1)) != 0) {
+    return errno_error(what_ + ": chown");
+  }
+  if ((times[0].tv_nsec != UTIME_OMIT || times[1].tv_nsec != UTIME_OMIT) &&
+      ::futimens(backing_.get(), times) != 0) {
+    return errno_error(what_ + ": utimens");
   }
   return {};
 }
@@ -430,10 +471,12 @@ Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
   }
   if (!model) return to_plain_locked(true);
   if (!router_->complete()) {
-    spdlog::warn(
-        "{}: closed after {} of its {} bytes; stored as written up to there (a consolidated "
-        "file cut short is never shown as complete)",
-        what_, router_->received(), router_->file_size());
+    // torch's consolidator closes after the header, then reopens to append: nothing is lost
+    // then (info); a file sized for bytes that never came is (warning).
+    spdlog::log(size_ > router_->received() ? spdlog::level::warn : spdlog::level::info,
+                "{}: closed after {} of its {} bytes; stored as written up to there (a "
+                "consolidated file cut short is never shown as complete)",
+                what_, router_->received(), router_->file_size());
     // Sized (ftruncate) beyond what arrived, it is kept shorter than the writer made it: EIO.
     // Otherwise it is exactly what was written, just not a complete safetensors file.
     whole_ = Error{size_ > router_->received() ? EIO : EINVAL,
@@ -510,6 +553,9 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
   info.uid = bst.st_uid;
   info.gid = bst.st_gid;
   info.mode = bst.st_mode & 07777;
+  info.times = true;
+  info.atime = bst.st_atim;
+  info.mtime = bst.st_mtim;
   if (auto st = tx_->commit(info, durable); !st) return fail_locked(std::move(st).error());
   state_ = State::Committed;
   stored_.clear();

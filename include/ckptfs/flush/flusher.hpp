@@ -53,6 +53,11 @@ struct CommitInfo {
   uid_t uid = 0;
   gid_t gid = 0;
   mode_t mode = 0600;
+  // The file's access and modification times (`times` set): given to its shard files, or to
+  // the record of node-local shards, which the view takes them from.
+  bool times = false;
+  struct timespec atime {
+  }, mtime{};
   // Set by a flusher whose shards live elsewhere (node-local targets): the record lists these
   // (owner, path, header) instead of the staged shards, and none is moved into the directory.
   std::vector<format::RecordShard> remote_shards;

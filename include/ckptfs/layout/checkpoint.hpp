@@ -48,8 +48,7 @@ struct ShardInput {
   // and its path below that rank's target. -1: a file in the checkpoint directory.
   int32_t owner = -1;
   std::string remote_path;
-  // A node-local shard's owner and mode: its record's (the writer's). Local shards' are their
-  // files' (the fs layer takes them from the directory listing).
+  // Owner and mode: a local shard's file's, a node-local shard's record's (the writer's).
   Access access;
 };
 
@@ -60,7 +59,7 @@ struct ShardFile {
   format::ShardName parsed;
   int32_t owner = -1;  // as in ShardInput: not in the directory but on rank `owner`'s target
   std::string remote_path;
-  Access access;  // as in ShardInput (set for node-local shards)
+  Access access;  // as in ShardInput
 
   [[nodiscard]] bool remote() const { return owner >= 0; }
 };

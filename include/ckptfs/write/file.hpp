@@ -79,6 +79,10 @@ class WriteFile {
 
   Status write(uint64_t off, std::string_view bytes);
   Status truncate(uint64_t size);
+  // chmod, chown and utimens of the file: its backing file carries them (and its shards take
+  // them at commit). A time with tv_nsec UTIME_OMIT is left as it is.
+  Status set_attr(std::optional<mode_t> mode, std::optional<uid_t> uid, std::optional<gid_t> gid,
+                  const struct timespec times[2]);
   // Reads as a plain file would: what was written so far, zeros in holes.
   Result<size_t> read(uint64_t off, size_t len, char* dst);
   // The backing file's attributes, with the file's logical size.
@@ -121,6 +125,8 @@ class WriteFile {
   // finalize it, so a rename onto a model name stores it at once.
   std::atomic<int> writers{0};
   [[nodiscard]] dev_t dev() const { return dev_; }
+  // Its backing file still has a name (not unlinked, not a placeholder removed at commit).
+  [[nodiscard]] bool linked() const;
   [[nodiscard]] ino_t ino() const { return ino_; }
 
  private:
@@ -135,6 +141,7 @@ class WriteFile {
   std::optional<Error> refused_locked(const Place& where, const StoreRules& rules);
   Status fill_other_links_locked();
   Status fail_locked(Error e);
+  void touch_locked();
   // Stages the file to disk (Plain) because the memory budget is spent; logs once.
   Status spill_locked(std::string_view why);
   // Whether the retained state of a routed file (header, shard headers, chunks) fits the budget
