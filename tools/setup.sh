@@ -24,15 +24,18 @@ fi
 
 if [[ "${CKPTFS_NO_VENV:-0}" != 1 ]]; then
   req="$ROOT/tools/requirements.txt"
+  fw="$ROOT/tools/requirements-frameworks.txt"
   stamp="$VENV/.ckptfs-requirements"
-  if [[ ! -x "$VENV/bin/python" ]] || ! cmp -s "$req" "$stamp"; then
+  if [[ ! -x "$VENV/bin/python" ]] || ! cat "$req" "$fw" | cmp -s - "$stamp"; then
     echo "setup: creating Python venv in $VENV (torch, transformers, safetensors)" >&2
     mkdir -p "$CACHE"
     py=${PYTHON:-python3}
     if ! "$py" -m venv --help >/dev/null 2>&1; then py=/usr/bin/python3; fi
     [[ -x "$VENV/bin/python" ]] || "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
-    cp "$req" "$stamp"
+    # The frameworks' own writers, for the tests (their dependency pins are not ours).
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$fw"
+    cat "$req" "$fw" > "$stamp"
   fi
 fi
 echo "$VENV"

@@ -576,7 +576,7 @@ def test_shared_mpi_o_creat_on_a_hidden_shard(world, users):
 
 
 def test_node_local_private_file_and_records_not_ours(world, users):
-    """Node-local targets (np 2, -o target=T/%r): A's 0600 model shows as A's and 0400, reads
+    """Node-local targets (np 2, -o target=T/%r): A's 0600 model shows as A's and 0600, reads
     back for A, and is refused to C (it was shown 0444 to everyone: no shard file in SRC carries
     a mode, so the record does). A version 2 record C plants in a .ckptfs of its own, naming A's
     shards on the targets, is never read: nothing is shown there."""
@@ -593,7 +593,7 @@ def test_node_local_private_file_and_records_not_ours(world, users):
         body = model_bytes(10)
         as_user(a, "save", ma / MODEL, 0o600, data=body)
         uid, _, mode, size = as_user(a, "stat", ma / MODEL)
-        assert (uid, stat.S_IMODE(mode), size) == (a.uid, 0o400, len(body))  # read bits only
+        assert (uid, stat.S_IMODE(mode), size) == (a.uid, 0o600, len(body))  # the file's own
         assert as_user(a, "read", ma / MODEL) == len(body)
         assert errno_of(lambda: as_user(c, "read", ma / MODEL)) == errno.EACCES
         rec = json.loads((home_a / ".ckptfs" / f"{MODEL}.commit").read_text())

@@ -16,6 +16,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/fs/writers.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
 
@@ -848,4 +849,78 @@ TEST(Fs, StatusFileAtTheRootOnly) {
   j = nlohmann::json::parse(read_all(*t.f, file->ino));
   EXPECT_EQ(j["errors"]["total"], 1);
   EXPECT_EQ(j["errors"]["by_errno"]["EIO"], 1);
+}
+
+// --- the writer's view (fs/writers.hpp) ---------------------------------------------------------
+
+TEST(WriterViews, WhoWroteWhereAndForHowLong) {
+  using C = fs::WriterViews::Clock;
+  C::time_point now{};
+  fs::WriterViews w(
+      std::chrono::seconds(10), [&] { return now; }, [](pid_t tid) { return tid; });
+  const fs::WriterViews::DirId run{1, 10, 5}, step{1, 11, 5}, sharded{1, 12, 5}, other{1, 13, 5};
+  EXPECT_FALSE(w.sees_written(sharded, step, 100));
+  w.note(sharded, step, 100);  // rank 0 writes its shard in step/sharded
+  EXPECT_TRUE(w.sees_written(sharded, step, 100));
+  EXPECT_FALSE(w.sees_written(sharded, step, 200));  // another process: the consolidated view
+  EXPECT_TRUE(w.sees_written(step, run, 100));       // a child of step was written
+  now += std::chrono::seconds(11);
+  EXPECT_FALSE(w.sees_written(sharded, step, 100));  // a pause past the window
+  // Writing in the parent (the consolidated output beside sharded/) keeps it going...
+  w.note(step, run, 100);
+  EXPECT_TRUE(w.sees_written(sharded, step, 100));
+  // ...but a directory it never wrote in stays consolidated, sibling of a written one or not.
+  w.note(other, run, 300);
+  EXPECT_FALSE(w.sees_written(sharded, step, 300));
+  EXPECT_FALSE(w.sees_written(other, run, 100));
+  // A directory made since under a removed one's number is another directory.
+  w.note(sharded, step, 100);
+  EXPECT_FALSE(w.sees_written(fs::WriterViews::DirId{1, 12, 6}, step, 100));
+  fs::WriterViews off(
+      std::chrono::seconds(0), [&] { return now; }, [](pid_t tid) { return tid; });
+  off.note(sharded, step, 100);
+  EXPECT_FALSE(off.sees_written(sharded, step, 100));
+}
+
+TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
+  fs::Options o;
+  o.settle = std::chrono::milliseconds(0);
+  o.revalidate = std::chrono::milliseconds(0);
+  test::TempDir dir;
+  auto f = std::move(fs::Filesystem::create(dir.path(), o)).value();
+  const fs::Caller writer{0, 0, {}, ::getpid()}, reader{0, 0, {}, 1};
+  auto d = f->mkdir(fs::kRootIno, "out", 0755, writer);
+  ASSERT_TRUE(d.ok());
+  ChunkSpec c0{"w", DType::F32, {0, 0}, {2, 2}, std::nullopt, std::string(16, 'a')};
+  ChunkSpec c1{"w", DType::F32, {2, 0}, {2, 2}, std::nullopt, std::string(16, 'b')};
+  for (int r = 0; r < 2; ++r) {
+    const auto name = format::shard_file_name(r + 1, 1, 1);
+    auto cr = f->create(d->ino, name, 0644, O_CREAT | O_WRONLY | O_EXCL, writer);
+    ASSERT_TRUE(cr.ok()) << cr.error().message;
+    auto bytes = test::make_shard_bytes(ShardSpec{name, {r ? c1 : c0}});
+    ASSERT_TRUE(f->write(cr->open.fh, 0, bytes).ok());
+    ASSERT_TRUE(f->flush(cr->open.fh, writer).ok());
+    f->release(cr->open.fh);
+  }
+  auto list = [&](const fs::Caller& who) {
+    auto dh = f->opendir(d->ino, who);
+    EXPECT_TRUE(dh.ok());
+    std::vector<std::string> out;
+    EXPECT_TRUE(f->readdir(*dh, 0, [&](const fs::DirEntryOut& e, uint64_t) {
+                   if (e.name != "." && e.name != "..") out.push_back(e.name);
+                   return true;
+                 }).ok());
+    f->releasedir(*dh);
+    return out;
+  };
+  EXPECT_EQ(list(writer), (std::vector<std::string>{format::shard_file_name(1, 1, 1),
+                                                    format::shard_file_name(2, 1, 1)}));
+  EXPECT_EQ(list(reader), (std::vector<std::string>{"model-00001-of-00001.safetensors",
+                                                    "model.safetensors.index.json"}));
+  auto shard = f->lookup(d->ino, format::shard_file_name(1, 1, 1), writer);
+  ASSERT_TRUE(shard.ok());
+  EXPECT_TRUE(shard->uncached);  // the kernel keeps it for nobody else
+  EXPECT_EQ(f->lookup(d->ino, format::shard_file_name(1, 1, 1), reader).error().code, ENOENT);
+  // By name, the writer finds the consolidated file too (from_pretrained in the same process).
+  EXPECT_TRUE(f->lookup(d->ino, "model-00001-of-00001.safetensors", writer).ok());
 }

@@ -428,9 +428,6 @@ TEST(WriteFile, RewritingAConsolidatedFileWithOTruncAndFtruncate) {
   auto st = s.f->setattr(file, a, o->fh);
   ASSERT_TRUE(st.ok()) << st.error().message;
   EXPECT_EQ(st->st_size, static_cast<off_t>(v2.size()));
-  a.size.reset();
-  a.mode = 0600;
-  EXPECT_EQ(s.f->setattr(file, a).error().code, EPERM);  // without the writer's handle
   ASSERT_TRUE(s.f->write(o->fh, 0, v2).ok());
   ASSERT_TRUE(s.f->flush(o->fh).ok());
   s.f->release(o->fh);
@@ -679,4 +676,42 @@ TEST(WriteFile, PastTheMemoryBudgetFilesAreHeldOnDiskAndStillSplit) {
   ASSERT_TRUE(t.save(bytes, "model.safetensors", 64 << 10).ok());
   EXPECT_FALSE(has_prefix(t.src_names(), "shard-"));
   EXPECT_TRUE(same(t.read(t.lookup(t.ckpt(), "model.safetensors")), bytes));
+}
+
+TEST(WriteFile, AWrittenFileKeepsTheModeAndTimesItsWriterGives) {
+  // cp -a: times and mode set through the handle before close; tar and rsync: by name after.
+  Src s(2);
+  const std::string bytes = consolidated(45);
+  const fs::Ino d = s.ckpt();
+  auto c = s.f->create(d, "model.safetensors", 0600, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(s.f->write(c->open.fh, 0, bytes).ok());
+  fs::SetAttr a;
+  a.mode = 0664;
+  a.atime = timespec{1'600'000'000, 0};
+  a.mtime = timespec{1'600'000'000, 123};
+  ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
+  ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+  s.f->release(c->open.fh);
+  auto shown = s.f->getattr(s.lookup(d, "model.safetensors"));
+  ASSERT_TRUE(shown.ok());
+  EXPECT_EQ(shown->st_mode & 07777, 0664u);  // write bits too: it is the file written
+  EXPECT_EQ(shown->st_mtim.tv_sec, 1'600'000'000);
+  EXPECT_EQ(shown->st_mtim.tv_nsec, 123);
+  // By name, after the close: they stick and read back (a new version of the view).
+  fs::SetAttr b;
+  b.mode = 0640;
+  b.mtime = timespec{1'700'000'000, 0};
+  auto set = s.f->setattr(s.lookup(d, "model.safetensors"), b);
+  ASSERT_TRUE(set.ok()) << set.error().message;
+  EXPECT_EQ(set->st_mode & 07777, 0640u);
+  auto again = s.f->getattr(s.lookup(d, "model.safetensors"));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->st_mode & 07777, 0640u);
+  EXPECT_EQ(again->st_mtim.tv_sec, 1'700'000'000);
+  EXPECT_TRUE(same(s.read(s.lookup(d, "model.safetensors")), bytes));
+  // The size of a consolidated file is its bytes': truncate stays refused.
+  fs::SetAttr t;
+  t.size = 10;
+  EXPECT_EQ(s.f->setattr(s.lookup(d, "model.safetensors"), t).error().code, EPERM);
 }

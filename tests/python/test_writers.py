@@ -1,0 +1,179 @@
+"""Tier 4: consolidating writers save into the mount unmodified (issue 19).
+
+Each writer is the framework's own code, run from tests/python/writers/ as a separate
+process with 2 ranks on gloo (CPU):
+  torch_hf_save.py           torch DCP HuggingFaceStorageWriter(save_distributed=True,
+                             enable_consolidation=True), with and without a file mapping;
+  titan_hf_save.py           torchtitan 0.3.0's CheckpointManager with last_save_in_hf (its
+                             own HF writer choice and consolidation, with and without a mapping);
+  nemo_consolidated_save.py  NeMo AutoModel 0.7.0's Checkpointer, save_consolidated=True.
+
+Every save runs twice: into a plain directory and into the mount at the same relative path.
+Then every file the mount shows under the consolidated output is compared byte for byte with
+the plain save's; the rank shards (in SRC) hold the same tensors as the plain save's shards
+(their headers' __metadata__ key order varies from run to run in torch, so tensors are
+compared, not bytes); the consolidated output and the mount's own consolidated view of the
+shards both equal the reference state dict; and, for the HF models, from_pretrained loads
+both. Skipped (never faked) without root, /dev/fuse or the framework packages.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, Mount, requires_fuse
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+pytestmark = requires_fuse
+
+WRITERS = pathlib.Path(__file__).parent / "writers"
+
+
+def have(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:  # noqa: BLE001  (a framework that does not import here is absent)
+        return False
+
+
+def run_writer(script: str, out: pathlib.Path, *args: str, timeout: float = 240) -> list[str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(WRITERS / script), str(out), *args], capture_output=True,
+                       text=True, timeout=timeout, env=env, cwd=str(out.parent))
+    assert r.returncode == 0, f"{script} {out}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def tensors(path: pathlib.Path) -> dict:
+    return safetensors_torch.load_file(str(path))
+
+
+def same_tensors(a: dict, b: dict) -> list[str]:
+    if sorted(a) != sorted(b):
+        return [f"names differ: {sorted(set(a) ^ set(b))}"]
+    return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+def shard_tensors(d: pathlib.Path) -> dict:
+    """Every shard of `d` (in SRC): name -> {tensor: bytes} with the sharding info of each."""
+    out = {}
+    for p in sorted(d.glob("shard-*.safetensors")):
+        with safetensors_torch.safe_open(str(p), "pt") as f:
+            info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+            out[p.name] = {k: (f.get_tensor(k), info[k]["saved_offsets"]) for k in f.keys()}
+    return out
+
+
+def assert_same_shards(src: pathlib.Path, plain: pathlib.Path):
+    a, b = shard_tensors(src), shard_tensors(plain)
+    assert sorted(a) == sorted(b), f"shard files: {sorted(a)} vs {sorted(b)}"
+    for name in a:
+        assert sorted(a[name]) == sorted(b[name]), name
+        for k in a[name]:
+            (ta, oa), (tb, ob) = a[name][k], b[name][k]
+            assert oa == ob and ta.dtype == tb.dtype and torch.equal(ta, tb), f"{name}: {k}"
+
+
+def assert_same_files(view: pathlib.Path, plain: pathlib.Path, names: list[str]):
+    for n in names:
+        assert filecmp.cmp(view / n, plain / n, shallow=False), f"{view / n} differs from {plain / n}"
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    src, plain = tmp_path / "src", tmp_path / "plain"
+    src.mkdir()
+    plain.mkdir()
+    m = Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")).start()
+    yield src, pathlib.Path(m.mnt), plain, m
+    m.stop()
+
+
+@pytest.mark.parametrize("mapping", [False, True], ids=["one-file", "mapping"])
+def test_torch_hf_writer_with_consolidation(dirs, mapping):
+    """torch's HF writer with enable_consolidation: the writer lists and reads back its own
+    rank shards in out/sharded/ (it died with 'No DCP custom metadata found' on the
+    synthesized file before), and its consolidated output is the plain save's, byte for byte;
+    the mount's view of out/sharded/ is the same tensors."""
+    src, mnt, plain, m = dirs
+    args = ["--mapping"] if mapping else []
+    run_writer("torch_hf_save.py", plain / "out", *args)
+    run_writer("torch_hf_save.py", mnt / "out", *args)
+    want = sorted(n for n in os.listdir(plain / "out") if n != "sharded")
+    assert sorted(n for n in os.listdir(mnt / "out") if n != "sharded") == want
+    assert_same_files(mnt / "out", plain / "out", want)
+    assert_same_shards(src / "out" / "sharded", plain / "out" / "sharded")
+    ref = tensors(plain / "reference-out.safetensors")
+    got = {}
+    for n in want:
+        if n.endswith(".safetensors"):
+            got.update(tensors(mnt / "out" / n))
+    assert not same_tensors(got, ref)
+    view = {}
+    for n in os.listdir(mnt / "out" / "sharded"):
+        if n.endswith(".safetensors"):
+            view.update(tensors(mnt / "out" / "sharded" / n))
+    assert not same_tensors(view, ref), "the mount's view of the rank shards"
+    assert m.proc.poll() is None
+
+
+@pytest.mark.skipif(not have("torchtitan.components.checkpoint"), reason="torchtitan 0.3.0 not installed")
+@pytest.mark.parametrize("mapping", [False, True], ids=["one-file", "mapping"])
+def test_torchtitan_last_save_in_hf(dirs, mapping):
+    """torchtitan's CheckpointManager (last_save_in_hf): torch's consolidation, or with a
+    mapping every rank's own consolidate_safetensors_files_on_every_rank, into the mount."""
+    src, mnt, plain, m = dirs
+    args = ["--mapping"] if mapping else []
+    run_writer("titan_hf_save.py", plain / "t", *args)
+    run_writer("titan_hf_save.py", mnt / "t", *args)
+    step = pathlib.Path("checkpoint") / "step-1"
+    want = sorted(n for n in os.listdir(plain / "t" / step) if n != "sharded")
+    assert sorted(n for n in os.listdir(mnt / "t" / step) if n != "sharded") == want
+    assert_same_files(mnt / "t" / step, plain / "t" / step, want)
+    assert_same_shards(src / "t" / step / "sharded", plain / "t" / step / "sharded")
+    ref = tensors(plain / "t" / "reference.safetensors")
+    got = {}
+    for n in want:
+        if n.endswith(".safetensors"):
+            got.update(tensors(mnt / "t" / step / n))
+    assert not same_tensors(got, ref)
+    assert m.proc.poll() is None
+
+
+@pytest.mark.skipif(not have("nemo_automodel.components.checkpoint.checkpointing"),
+                    reason="nemo_automodel 0.7.0 not installed")
+def test_nemo_save_consolidated(dirs):
+    """NeMo AutoModel's Checkpointer with save_consolidated=True, 2 ranks: it lists the
+    .hf_metadata/ it made (FileNotFoundError before) and consolidates its shards into
+    model/consolidated/; every file there equals the plain save's; from_pretrained loads both
+    model/consolidated/ and the mount's own view of model/ (the rank shards, consolidated on
+    read) as the reference."""
+    src, mnt, plain, m = dirs
+    run_writer("nemo_consolidated_save.py", plain / "n")
+    run_writer("nemo_consolidated_save.py", mnt / "n")
+    cons = pathlib.Path("model") / "consolidated"
+    want = sorted(os.listdir(plain / "n" / cons))
+    assert sorted(os.listdir(mnt / "n" / cons)) == want
+    assert_same_files(mnt / "n" / cons, plain / "n" / cons, want)
+    assert_same_shards(src / "n" / "model", plain / "n" / "model")
+    for n in os.listdir(plain / "n" / "model" / ".hf_metadata"):
+        assert filecmp.cmp(src / "n" / "model" / ".hf_metadata" / n,
+                           plain / "n" / "model" / ".hf_metadata" / n, shallow=False), n
+    ref = tensors(plain / "n" / "reference.safetensors")
+    transformers = pytest.importorskip("transformers")
+    for d in (mnt / "n" / cons, mnt / "n" / "model"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+        sd = {k: v for k, v in model.state_dict().items() if k in ref}
+        assert not same_tensors(sd, ref), f"from_pretrained({d})"
+    assert m.proc.poll() is None
