@@ -1103,15 +1103,17 @@ struct Filesystem::Impl {
     const auto& out = ck.outputs[n.output];
     if (out.shards.empty()) return;
     const layout::Access& a = ck.shards[out.shards.front()].access;
-    int64_t mtime = INT64_MIN;
+    int64_t mtime = INT64_MIN, atime = INT64_MIN;
     for (uint32_t s : out.shards) {
       if (!(ck.shards[s].access == a)) return;
       mtime = std::max(mtime, ck.shards[s].stamp.mtime_ns);
+      atime = std::max(atime, ck.shards[s].atime_ns);
     }
     st.st_mode = S_IFREG | (a.mode & 07777);
     st.st_uid = a.uid;
     st.st_gid = a.gid;
     set_times(st, mtime);
+    st.st_atim = to_timespec(atime);
   }
 
   // --- the status directory --------------------------------------------------------------
@@ -1484,18 +1486,26 @@ struct Filesystem::Impl {
       }
     }
     force_revalidate(*n.view);
-    // What the next version shows: these attributes (stat after the change reads the shards).
+    // What the next version shows, from the shards as they are now (another change made since
+    // the view was built, a chmod before this utimens, is theirs too).
     struct stat st = virtual_attr(n);
-    if (a.mode) st.st_mode = S_IFREG | (*a.mode & 07777);
-    if (a.uid) st.st_uid = *a.uid;
-    if (a.gid) st.st_gid = *a.gid;
-    if (a.mtime) {
-      struct timespec now {};
-      ::clock_gettime(CLOCK_REALTIME, &now);
-      st.st_mtim = a.mtime->tv_nsec == UTIME_NOW ? now : *a.mtime;
-      st.st_atim = st.st_mtim;
+    int64_t mtime = INT64_MIN, atime = INT64_MIN, ctime = INT64_MIN;
+    for (uint32_t s : out.shards) {
+      struct stat sh {};
+      if (::fstatat(dir.get(), ck.shards[s].name.c_str(), &sh, AT_SYMLINK_NOFOLLOW) != 0) {
+        return errno_error(fmt::format("{}: {}", where, ck.shards[s].name));
+      }
+      st.st_mode = S_IFREG | (sh.st_mode & 07777);
+      st.st_uid = sh.st_uid;
+      st.st_gid = sh.st_gid;
+      mtime = std::max(mtime, mtime_ns(sh));
+      ctime = std::max(ctime, ctime_ns(sh));
+      atime =
+          std::max(atime, static_cast<int64_t>(sh.st_atim.tv_sec) * kNsPerSec + sh.st_atim.tv_nsec);
     }
-    ::clock_gettime(CLOCK_REALTIME, &st.st_ctim);
+    st.st_mtim = to_timespec(mtime);
+    st.st_atim = to_timespec(atime);
+    st.st_ctim = to_timespec(ctime);
     return st;
   }
 

@@ -100,7 +100,7 @@ class Builder {
       const auto& h = *in.header;
       auto sidx = static_cast<uint32_t>(ck_->shards.size());
       ck_->shards.push_back(ShardFile{in.name, in.stamp, h.data_start(), *parsed, in.owner,
-                                      in.remote_path, in.access});
+                                      in.remote_path, in.access, in.atime_ns});
 
       std::optional<format::ShardingInfo> info;
       if (const auto* s = h.find_metadata(format::kShardingInfoKey)) {

@@ -231,6 +231,7 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
     }
     si.stamp = stamp_of(st);
     si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
+    si.atime_ns = static_cast<int64_t>(st.st_atim.tv_sec) * 1'000'000'000 + st.st_atim.tv_nsec;
     if (auto hit = cache.find(si.stamp)) {
       si.header = hit->header;
       si.error = hit->error;

@@ -82,7 +82,10 @@ Error open_regular_error(int e, std::string_view what) {
 
 Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what,
                                  struct stat* st) {
-  int fd = ::openat(dirfd, name.c_str(), kOpenRegularFlags | O_CLOEXEC);
+  // O_NOATIME where allowed (the file's owner, or root): the daemon's own reads of headers
+  // and shards leave SRC's access times as their writers and readers set them.
+  int fd = ::openat(dirfd, name.c_str(), kOpenRegularFlags | O_CLOEXEC | O_NOATIME);
+  if (fd < 0 && errno == EPERM) fd = ::openat(dirfd, name.c_str(), kOpenRegularFlags | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
     if (e == ELOOP) {  // O_NOFOLLOW: the final component is a symlink

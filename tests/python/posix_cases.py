@@ -313,6 +313,34 @@ def c_deep(o: Obs):
         os.close(cwd)
 
 
+def st_bytes(n: int, name: str = "w") -> bytes:
+    import struct
+    h = json.dumps({name: {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + bytes(range(256)) * (4 * n // 256) + bytes(4 * n % 256)
+
+
+def c_model(o: Obs):
+    """A consolidated file saved as save_pretrained saves it (temp name, rename over the final
+    name): in the mount it is stored as rank shards, which the calls below meet."""
+    fd = os.open(o.p(".tmp1"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
+    body = st_bytes(4096)
+    os.write(fd, body)
+    o.call("rename over the final name", os.rename, o.p(".tmp1"), o.p("model.safetensors"))
+    o.call("close", os.close, fd)
+    o.stat("model.safetensors")
+    with open(o.p("model.safetensors"), "rb") as f:
+        o.note("reads back", f.read() == body)
+    o.call("chmod 0600", os.chmod, o.p("model.safetensors"), 0o600)
+    o.call("utime", os.utime, o.p("model.safetensors"), ns=(10**18, 10**18 + 7))
+    o.stat("model.safetensors", times=True)
+    o.call("truncate", os.truncate, o.p("model.safetensors"), 10)
+    o.call("link", os.link, o.p("model.safetensors"), o.p("hard"))
+    o.call("rename to another name", os.rename, o.p("model.safetensors"), o.p("x.safetensors"))
+    o.call("unlink", os.unlink, o.p("model.safetensors"))
+    o.call("stat at the end", os.stat, o.p("model.safetensors"))
+
+
 CASES = {name[2:]: fn for name, fn in dict(globals()).items() if name.startswith("c_")}
 
 

@@ -50,6 +50,7 @@ struct ShardInput {
   std::string remote_path;
   // Owner and mode: a local shard's file's, a node-local shard's record's (the writer's).
   Access access;
+  int64_t atime_ns = 0;  // its access time (not part of the stamp: reads move it)
 };
 
 struct ShardFile {
@@ -59,7 +60,8 @@ struct ShardFile {
   format::ShardName parsed;
   int32_t owner = -1;  // as in ShardInput: not in the directory but on rank `owner`'s target
   std::string remote_path;
-  Access access;  // as in ShardInput
+  Access access;         // as in ShardInput
+  int64_t atime_ns = 0;  // as in ShardInput
 
   [[nodiscard]] bool remote() const { return owner >= 0; }
 };
