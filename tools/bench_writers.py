@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Consolidating writers into the mount against a plain directory (issue 19; figures in
+docs/benchmarks.md).
+
+torch DCP's HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True) saves a
+state dict of --size-mb MB (bf16, 64 tensors, row-sharded over --ranks processes on gloo):
+rank shards into OUT/sharded/, then rank 0 lists them, reads them back and writes
+OUT/model-*.safetensors and the index. Rounds alternate the plain directory and a fresh mount
+(-o ranks=R) of another directory on the same file system; the machine is noisy, so compare
+medians within one run. Reported: wall time of the whole save (spawn excluded), the bytes the
+save left on the backing file system (du of the plain directory and of SRC), and, once, that
+the consolidated files read back through the mount equal the plain save's.
+
+Usage (as root, with the venv of tools/setup.sh):
+  bench_writers.py [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
+                   [--bin build/src/ckptfs] [--dir /tmp/ckptfs-bench-writers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(rank, world, init_file, out, mb, result):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    try:
+        mesh = DeviceMesh("cpu", list(range(world)))
+        rows = max(world, (mb << 20) // 64 // (4096 * 2))
+        g = torch.Generator().manual_seed(0)
+        full = {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
+                for i in range(64)}
+        sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(
+            out, save_distributed=True, enable_consolidation=True))
+        dist.barrier()
+        if rank == 0:
+            with open(result, "w") as f:
+                f.write(str(time.perf_counter() - t0))
+    finally:
+        dist.destroy_process_group()
+
+
+def save(out: str, mb: int, ranks: int) -> float:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "t")
+        mp.spawn(worker, args=(ranks, os.path.join(scratch, "init"), out, mb, result), nprocs=ranks)
+        with open(result) as f:
+            return float(f.read())
+
+
+def du(path: str) -> int:
+    return int(subprocess.run(["du", "-sb", path], capture_output=True, text=True,
+                              check=True).stdout.split()[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=int, default=512)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mount-ranks", type=int, default=1)
+    ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
+    ap.add_argument("--dir", default="/tmp/ckptfs-bench-writers")
+    a = ap.parse_args()
+    shutil.rmtree(a.dir, ignore_errors=True)
+    plain, src, mnt = (os.path.join(a.dir, n) for n in ("plain", "src", "mnt"))
+    for d in (plain, src, mnt):
+        os.makedirs(d)
+    times = {"plain": [], "mount": []}
+    sizes = {}
+    for rnd in range(a.rounds):
+        for kind in (("plain", "mount") if rnd % 2 == 0 else ("mount", "plain")):
+            if kind == "plain":
+                out = os.path.join(plain, f"r{rnd}")
+                times["plain"].append(save(out, a.size_mb, a.ranks))
+                sizes["plain"] = du(out)
+            else:
+                proc = subprocess.Popen([a.bin, "mount", src, mnt, "-f", "-o",
+                                         f"settle=0,ranks={a.mount_ranks}"], stderr=subprocess.DEVNULL)
+                while not os.path.ismount(mnt):
+                    time.sleep(0.02)
+                try:
+                    out = os.path.join(mnt, f"r{rnd}")
+                    times["mount"].append(save(out, a.size_mb, a.ranks))
+                    if rnd == 0:
+                        ref = os.path.join(plain, "r0")
+                        for n in os.listdir(ref):
+                            if n != "sharded":
+                                assert filecmp.cmp(os.path.join(out, n), os.path.join(ref, n),
+                                                   shallow=False), n
+                finally:
+                    subprocess.run(["fusermount3", "-u", mnt], check=False)
+                    proc.wait(timeout=60)
+                sizes["mount"] = du(os.path.join(src, f"r{rnd}"))
+            print(f"[bench_writers] round {rnd + 1} {kind}: {times[kind][-1]:.2f} s", flush=True)
+    print(f"\n{a.size_mb} MB bf16 state dict, {a.ranks} ranks, consolidation on "
+          f"(mount -o ranks={a.mount_ranks}); median of {a.rounds}")
+    print("| where | save (s) | bytes on disk |")
+    print("|---|---|---|")
+    for k in ("plain", "mount"):
+        print(f"| {k} | {statistics.median(times[k]):.2f} | {sizes[k] / 1e6:.0f} MB |")
+    shutil.rmtree(a.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
