@@ -30,16 +30,9 @@ No CUDA-only call is reached (nothing is monkeypatched); GPUs are hidden from th
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-from datetime import timedelta
 
-# Environment of the rank processes only (set around the spawn, so importing this file changes nothing):
-# CPU + gloo even on a GPU host, and no Hugging Face network access.
-RANK_ENV = {"CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-TIMEOUT = timedelta(seconds=90)  # every collective; a hung rank fails the run instead of blocking it
+from ranks import TIMEOUT, files_under, spawn
 
 DIM, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 64, 4, 2, 2, 128, 128
 
@@ -154,23 +147,9 @@ def main():
     out_dir = os.path.abspath(a.out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
-    import torch.multiprocessing as mp
-
-    scratch = tempfile.mkdtemp(prefix="titan-save-")  # rendezvous file + hf_assets, kept out of OUT_DIR
-    saved = {k: os.environ.get(k) for k in RANK_ENV}
-    os.environ.update(RANK_ENV)
-    try:
-        mp.spawn(worker, args=(a.ranks, scratch, out_dir, a.seed, a.mapping, a.step), nprocs=a.ranks, join=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(scratch, ignore_errors=True)
-
-    files = sorted(os.path.relpath(os.path.join(d, f), out_dir) for d, _, fs in os.walk(out_dir) for f in fs)
-    print(json.dumps(files))
+    # scratch: the rendezvous file and hf_assets, kept out of OUT_DIR
+    spawn(worker, a.ranks, "titan-save-", lambda scratch: (a.ranks, scratch, out_dir, a.seed, a.mapping, a.step))
+    print(json.dumps(files_under(out_dir)))
 
 
 if __name__ == "__main__":

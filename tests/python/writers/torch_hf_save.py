@@ -13,8 +13,8 @@ the files under OUT (relative paths).
 import argparse
 import json
 import os
-import tempfile
-from datetime import timedelta
+
+from ranks import TIMEOUT, files_under, spawn
 
 
 def worker(rank, world, init_file, out, mapping):
@@ -25,7 +25,7 @@ def worker(rank, world, init_file, out, mapping):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=90))
+                            timeout=TIMEOUT)
     try:
         mesh = DeviceMesh("cpu", list(range(world)))
         g = torch.Generator().manual_seed(0)
@@ -55,13 +55,8 @@ def main():
     ap.add_argument("--mapping", action="store_true")
     ap.add_argument("--ranks", type=int, default=2)
     a = ap.parse_args()
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as scratch:
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-        mp.spawn(worker, args=(a.ranks, os.path.join(scratch, "init"), a.out, a.mapping),
-                 nprocs=a.ranks)
-    print(json.dumps(sorted(os.path.relpath(os.path.join(r, f), a.out)
-                            for r, _, fs in os.walk(a.out) for f in fs)))
+    spawn(worker, a.ranks, "torch-hf-save-", lambda scratch: (a.ranks, os.path.join(scratch, "init"), a.out, a.mapping))
+    print(json.dumps(files_under(a.out)))
 
 
 if __name__ == "__main__":
