@@ -50,7 +50,7 @@ step "fuzzing (${CKPTFS_FUZZ_SECONDS:-60}s per target)"
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
 flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint \
-  tests/fuzz_side_files
+  tests/fuzz_side_files tests/fuzz_torch
 fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
@@ -61,6 +61,7 @@ fuzz() {  # target, seed directories...
 fuzz fuzz_header tests/fuzz/seeds tests/data/bad/headers
 fuzz fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers
 fuzz fuzz_side_files tests/fuzz/seeds-json
+fuzz fuzz_torch tests/fuzz/seeds-torch
 
 step "real-mount, hostile-source, CLI and ecosystem tests"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
