@@ -131,6 +131,11 @@ Result<DType> properties_dtype(const Walk& w, Ref props, std::string_view where)
 
 }  // namespace
 
+bool is_distcp_file_name(std::string_view name) {
+  return name == kDistcpMetadataName ||
+         (name.size() > kDistcpSuffix.size() && name.ends_with(kDistcpSuffix));
+}
+
 std::span<const pickle::GlobalName> distcp_metadata_globals() { return metadata_globals(); }
 std::span<const pickle::GlobalName> torch_tensor_globals() { return tensor_globals(); }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <map>
 
 #include <fmt/format.h>
@@ -42,9 +43,32 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
     return make_error(EINVAL, "{}: .metadata places it at bytes [{}, {}) of a file of {} bytes",
                       what, c.offset, c.offset + c.length, file_size);
   }
+  // torch puts everything but the tensor's bytes near the archive's start (data.pkl, the
+  // local headers before the data) and its end (the last members, the central directory, the
+  // end records): two windows read once each serve the zip and pickle reads, not a pread per
+  // record. Whatever falls outside them is read directly.
+  constexpr uint64_t kWindow = 4096;
+  struct Window {
+    uint64_t at = 0;
+    std::string bytes;
+    bool loaded = false;
+  };
+  Window head{0, {}, false};
+  Window tail{c.length - std::min(c.length, kWindow), {}, false};
   auto read = [&](uint64_t off, std::span<char> out) -> Status {
     if (off > c.length || out.size() > c.length - off) {
       return make_error(EINVAL, "{}: a read past the chunk", what);
+    }
+    for (Window* w : {&head, &tail}) {
+      const uint64_t len = std::min(c.length - w->at, kWindow);
+      if (off < w->at || off + out.size() > w->at + len) continue;
+      if (!w->loaded) {
+        w->bytes.resize(len);
+        CKPTFS_CHECK(pread_exact(fd, w->bytes.data(), len, c.offset + w->at, what));
+        w->loaded = true;
+      }
+      std::memcpy(out.data(), w->bytes.data() + (off - w->at), out.size());
+      return {};
     }
     return pread_exact(fd, out.data(), out.size(), c.offset + off, what);
   };
@@ -89,10 +113,7 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
 
 }  // namespace
 
-bool is_distcp_entry(const DirEntry& e) {
-  return e.name == format::kDistcpMetadataName ||
-         (e.name.size() > format::kDistcpSuffix.size() && e.name.ends_with(format::kDistcpSuffix));
-}
+bool is_distcp_entry(const DirEntry& e) { return format::is_distcp_file_name(e.name); }
 
 bool is_distcp_dir(const std::vector<DirEntry>& entries) {
   bool metadata = false, data = false;

@@ -30,6 +30,10 @@ inline constexpr std::string_view kDistcpMetadataName = ".metadata";
 inline constexpr std::string_view kDistcpSuffix = ".distcp";
 inline constexpr uint64_t kMaxDistcpMetadataBytes = 256ull << 20;
 
+// `.metadata` or `*.distcp`: a DCP checkpoint's own files (never copied into its consolidated
+// form, never hidden by the view).
+bool is_distcp_file_name(std::string_view name);
+
 std::span<const pickle::GlobalName> distcp_metadata_globals();
 std::span<const pickle::GlobalName> torch_tensor_globals();
 
