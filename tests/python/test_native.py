@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, Mount, requires_fuse
+from conftest import BIN, ROOT, Mount, requires_fuse
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -109,6 +109,39 @@ def test_dcp_checkpoint_is_served_as_hf(saved, tmp_path, name):
         if wrap:
             assert "'optimizer'" in r.stdout and "not served" in r.stdout, r.stdout
         assert m.proc.poll() is None
+
+
+def test_every_tool_accepts_it(saved, tmp_path):
+    """verify, consolidate, ckptfs load and the Python binding read the DCP checkpoint, and what
+    they make equals the mount's consolidated files."""
+    import filecmp
+
+    name = "3r-bf16-tied"
+    d = saved / name
+    want = reference(saved, name)
+    r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "consolidated"
+    r = subprocess.run([BIN, "consolidate", str(d), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The consolidated form only: the native files are not copied along.
+    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors",
+                                       "model.safetensors.index.json"]
+    with Mount(saved, tmp_path / "mnt") as m:
+        for n in os.listdir(out):
+            assert filecmp.cmp(out / n, pathlib.Path(m.mnt) / name / n, shallow=False), n
+    # ckptfs load of the native files and of the consolidated copy: one checksum.
+    sums = []
+    for src in (d, out):
+        r = subprocess.run([BIN, "load", str(src)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        sums.append([ln for ln in r.stdout.splitlines() if ln.startswith("checksum")])
+    assert sums[0] and sums[0] == sums[1], sums
+    os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
+    sys.path.insert(0, str(ROOT / "python"))
+    import ckptfs_load
+
+    assert_equal(ckptfs_load.load_state_dict(str(d)), want, "the Python binding")
 
 
 def test_dcp_load_reads_the_native_files_through_the_mount(saved, tmp_path):
