@@ -9,7 +9,9 @@
 #   5. tools/demo.py: from_pretrained(MNT/.../model), checked against the reference (tensors,
 #      logits, greedy generation from fixed token ids), and timed against "consolidate with
 #      torch first, then load"; one summary line
-#   6. unmount (always, from a trap)
+#   6. save_pretrained into the mount; 7. ckptfs load of the shards; 8. a native torch DCP
+#      save (FSDP2, 2 ranks) into the mount, served as HF
+#   9. unmount (always, from a trap)
 # Exit status: non-zero if any step or check fails. Needs no network beyond apt and PyPI
 # (set-up only); nothing is fetched from the HuggingFace hub.
 # Environment: CKPTFS_DEMO_DIR (work dir, default /tmp/ckptfs-demo), CKPTFS_CACHE (venv, see setup.sh)
@@ -29,12 +31,12 @@ GEN_OPTS=(--layout fsdp_tp --world 4 --tp 2 --nemo --files 2 --layers 4 --hidden
 step() { printf '\n=== %s\n' "$*"; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-step "1/8 set-up (tools/setup.sh)"
+step "1/9 set-up (tools/setup.sh)"
 VENV=$(tools/setup.sh | tail -n 1)
 PY=$VENV/bin/python
 echo "venv: $VENV ($("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
 
-step "2/8 build"
+step "2/9 build"
 mkdir -p "$WORK"
 if ! flock /tmp/ckptfs-build.lock bash -c '[[ -f build/build.ninja ]] || meson setup build; ninja -C build' \
      >"$WORK/build.log" 2>&1; then
@@ -45,7 +47,7 @@ fi
 tail -n 1 "$WORK/build.log"
 "$BIN" --help | head -n 1
 
-step "3/8 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
+step "3/9 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
 stamp=$WORK/generated.json          # written last: an interrupted generation is redone
 want="${GEN_OPTS[*]}"
 if [[ -f $stamp ]] && [[ "$(sed -n 1p "$stamp")" == "$want" ]] &&
@@ -60,7 +62,7 @@ else
 fi
 find "$CK" -type f -printf '  %12s B  %P\n' | sort -k3
 
-step "4/8 mount"
+step "4/9 mount"
 DAEMON=
 # shellcheck disable=SC2317  # invoked from the trap
 cleanup() {
@@ -103,12 +105,12 @@ ms=$(($(now_ms) - t0))
 mount_s=$((ms / 1000)).$(printf '%03d' $((ms % 1000)))
 echo "$BIN mount $SRC $MNT   (daemon pid $DAEMON, log $WORK/ckptfs.log)"
 
-step "5/8 from_pretrained through the mount, checked against the original model"
+step "5/9 from_pretrained through the mount, checked against the original model"
 status=0
 "$PY" tools/demo.py --view "$MNT/run/step_1000/model" --shards "$CK/model" --reference "$REF" \
   --daemon-pid "$DAEMON" --mount-seconds "$mount_s" --work "$WORK" || status=$?
 
-step "6/8 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
+step "6/9 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
 if ((status == 0)); then
   "$PY" tools/demo_write.py --reference "$REF" --out "$MNT/run/step_2000/model" \
     --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" || status=$?
@@ -119,7 +121,7 @@ if ((status == 0)); then
   "$BIN" status "$MNT" || status=$?
 fi
 
-step "7/8 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
+step "7/9 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
 if ((status == 0)); then
   # The loader reads the shards through the extent map; the mount serves the consolidated
   # files. The same tensors give the same checksum (XXH64 per tensor, in name order).
@@ -133,5 +135,31 @@ if ((status == 0)); then
   fi
 fi
 
-step "8/8 unmount"
+step "8/9 a native torch DCP checkpoint (dcp.save of FSDP2 on 2 ranks, with optimizer state) saved into the mount and served as HF"
+if ((status == 0)); then
+  # The writer is torch's own default (FileSystemWriter): .metadata and one .distcp per rank,
+  # stored as written; the mount adds model-*.safetensors and the index beside them.
+  rm -rf "$SRC/run/dcp_step_3000" "$SRC/run/reference-dcp_step_3000.safetensors"
+  "$PY" tests/python/writers/dcp_fsdp_save.py "$MNT/run/dcp_step_3000" --ranks 2 --wrap \
+    >"$WORK/dcp_save.log" 2>&1 || { tail -n 20 "$WORK/dcp_save.log"; status=1; }
+fi
+if ((status == 0)); then
+  ls -la "$MNT/run/dcp_step_3000"
+  "$BIN" inspect "$SRC/run/dcp_step_3000" | grep -E "format|left out|training state|non-tensor" || true
+  "$PY" - "$MNT/run/dcp_step_3000" "$MNT/run/reference-dcp_step_3000.safetensors" <<'PYEOF' || status=$?
+import sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+d, ref = sys.argv[1], sys.argv[2]
+want = {k: v.clone() for k, v in load_file(ref).items()}
+sd = AutoModelForCausalLM.from_pretrained(d).state_dict()
+bad = [k for k in want if not torch.equal(sd[k], want[k])]
+print(f"from_pretrained({d}): {len(want)} tensors, {'all equal to the trained model' if not bad else 'DIFFER: ' + str(bad)}")
+sys.exit(1 if bad else 0)
+PYEOF
+fi
+
+step "9/9 unmount"
 exit "$status"

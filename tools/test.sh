@@ -50,7 +50,7 @@ step "fuzzing (${CKPTFS_FUZZ_SECONDS:-60}s per target)"
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
 flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint \
-  tests/fuzz_side_files
+  tests/fuzz_side_files tests/fuzz_torch
 fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
@@ -61,6 +61,7 @@ fuzz() {  # target, seed directories...
 fuzz fuzz_header tests/fuzz/seeds tests/data/bad/headers
 fuzz fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers
 fuzz fuzz_side_files tests/fuzz/seeds-json
+fuzz fuzz_torch tests/fuzz/seeds-torch
 
 step "real-mount, hostile-source, CLI and ecosystem tests"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
@@ -76,8 +77,9 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print
   CKPTFS_WRITE_FUZZ_SECONDS="${CKPTFS_ASAN_WRITE_FUZZ_SECONDS:-30}" \
   "$VENV/bin/python" -m pytest tests/python/test_mount.py tests/python/test_hostile.py \
   tests/python/test_mount_fuzz.py tests/python/test_cli.py tests/python/test_write.py \
-  tests/python/test_trust.py tests/python/test_write_fuzz.py -q -p no:cacheprovider \
-  -k "not shared_mpi and not node_local"
+  tests/python/test_trust.py tests/python/test_write_fuzz.py tests/python/test_native.py -q \
+  -p no:cacheprovider \
+  -k "not shared_mpi and not node_local and not written_through and not every_tool"
 # The parallel flush under mpirun: OpenMPI keeps allocations past MPI_Finalize and unloads its
 # components (so their frames cannot be named): components stay loaded, and leaks whose stack
 # is in the OpenMPI libraries only are suppressed (tests/support/lsan_mpi.supp).

@@ -106,6 +106,9 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
     probs.push_back({{"file", p.file}, {"tensor", p.tensor}, {"message", p.message}});
   }
   j["problems"] = std::move(probs);
+  j["format"] = c.format;
+  j["notes"] = c.notes;
+  j["left_out"] = c.left_out;
   return j;
 }
 
@@ -114,6 +117,7 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
 // send escape sequences. --json output is JSON-escaped instead and keeps names exact.
 void print_text(const layout::Checkpoint& c) {
   fmt::print("checkpoint {}: {}\n", printable(c.dir), c.valid() ? "valid" : "INVALID");
+  fmt::print("  format: {}\n", c.format);
   fmt::print("  {} shard files, {} tensors, {} bytes of tensor data\n", c.shards.size(),
              c.tensors.size(), c.total_bytes());
   if (!c.outputs.empty()) {
@@ -144,14 +148,23 @@ void print_text(const layout::Checkpoint& c) {
     // What proves the checkpoint whole, beyond sizes, headers and tiling (docs/semantics.md).
     fmt::print(
         "  completeness evidence: tensor set {}; full shapes stored for {} of {} tensors{}\n",
-        c.from_mapping ? "listed by .hf_metadata/fqn_to_file_index_mapping.json"
-                       : "not listed anywhere (a tensor held by a missing rank alone "
-                         "would not be seen)",
+        c.declared       ? "listed by the checkpoint's own index (" + c.format + ")"
+        : c.from_mapping ? std::string("listed by .hf_metadata/fqn_to_file_index_mapping.json")
+                         : std::string("not listed anywhere (a tensor held by a missing rank "
+                                       "alone would not be seen)"),
         c.shapes_stored, c.tensors.size(),
         c.shapes_stored == c.tensors.size()
             ? ""
             : " (the others are inferred from their chunks: a missing last rank would "
               "look like a smaller tensor)");
+  }
+  if (!c.left_out.empty()) {
+    fmt::print("  left out:\n");
+    for (const auto& n : c.left_out) fmt::print("    {}\n", printable(n));
+  }
+  if (!c.notes.empty()) {
+    fmt::print("  notes:\n");
+    for (const auto& n : c.notes) fmt::print("    {}\n", printable(n));
   }
   if (!c.problems.empty()) {
     fmt::print("  problems:\n");
@@ -168,7 +181,9 @@ Result<Loaded> load_all(const std::string& dir) {
   CKPTFS_TRY(auto found, source::find_checkpoint_dirs(dir));
   if (found.dirs.empty() && found.too_deep.empty()) {
     return make_error(
-        ENOENT, "{}: no rank-sharded checkpoint found (no shard-R-model-K-of-M.safetensors files)",
+        ENOENT,
+        "{}: no rank-sharded checkpoint found (no shard-R-model-K-of-M.safetensors files, no "
+        "torch DCP .metadata with *.distcp files)",
         dir);
   }
   Loaded out;

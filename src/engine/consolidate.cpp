@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/fs/gather.hpp"
 #include "ckptfs/layout/extent_map.hpp"
@@ -251,8 +252,8 @@ class Copier {
   unsigned finished_ = 0;  // workers returned
 };
 
-// Regular files of the checkpoint besides the shards: SRC's own files, then
-// .hf_metadata/ content (the mapping file excluded) unless SRC already has that name.
+// Regular files of the checkpoint besides the shards (and a DCP checkpoint's own files): SRC's own
+// files, then .hf_metadata/ content (the mapping file excluded) unless SRC already has that name.
 std::vector<std::pair<std::string, std::string>> side_files(
     const std::string& src, const std::function<void(std::string_view)>& warn) {
   std::vector<std::pair<std::string, std::string>> out;  // (source path, name)
@@ -261,8 +262,9 @@ std::vector<std::pair<std::string, std::string>> side_files(
   for (const auto& e : stdfs::directory_iterator(src, ec)) {
     auto name = e.path().filename().string();
     // NeMo's consolidate.sh makes what this writes; its own export leaves it out (the view too).
+    // A DCP checkpoint's .metadata and .distcp files are its shards.
     if (format::looks_like_shard_name(name) || is_model_output_name(name) ||
-        name == "consolidate.sh") {
+        format::is_distcp_file_name(name) || name == "consolidate.sh") {
       continue;
     }
     if (e.is_symlink(ec)) {

@@ -755,7 +755,7 @@ struct Filesystem::Impl {
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
     for (const auto& e : entries) {
-      if (source::is_shard_entry(e)) v->inputs.push_back(Perm::of(e.st));
+      if (source::is_input_entry(e)) v->inputs.push_back(Perm::of(e.st));
     }
     // Node-local shards have no file here: their owner and mode are their record's.
     for (const auto& sh : v->ckpt->shards) {

@@ -38,10 +38,15 @@ class Builder {
     ck_->dir = in_.dir;
     ck_->problems = std::move(in_.problems);
     ck_->notes = std::move(in_.notes);
+    ck_->left_out = std::move(in_.left_out);
   }
 
   std::shared_ptr<const Checkpoint> run() {
-    collect_chunks();
+    if (in_.declared) {
+      collect_declared();
+    } else {
+      collect_chunks();
+    }
     check_output_counts();
     for (auto& tb : order_) finish_tensor(*tb);
     if (ck_->problems.empty()) assign_outputs();
@@ -122,73 +127,108 @@ class Builder {
         }
       }
       for (const auto& te : h.tensors) {
-        Chunk c;
-        c.shard = sidx;
-        c.file_offset = h.data_start() + te.begin;
-        c.sizes = te.shape;
         std::optional<std::vector<uint64_t>> full;
+        std::vector<uint64_t> offsets;
         if (info) {
           auto it = info->find(te.name);
           if (it == info->end()) {
             problem(in.name, te.name, "tensor has no DCP_SHARDING_INFO entry");
             continue;
           }
-          c.offsets = it->second.saved_offsets;
+          offsets = it->second.saved_offsets;
           full = it->second.full_shape;
         } else {
-          c.offsets.assign(te.shape.size(), 0);
+          offsets.assign(te.shape.size(), 0);
         }
-        auto& tb = tensor(te.name);
-        if (c.offsets.size() != te.shape.size()) {
-          problem(in.name, te.name,
-                  fmt::format("saved_offsets {} has rank {} but the chunk shape {} has rank {}",
-                              dims_str(c.offsets), c.offsets.size(), dims_str(te.shape),
-                              te.shape.size()));
-          tb.broken = true;
-          continue;
-        }
-        if (full && full->size() != te.shape.size()) {
-          problem(in.name, te.name,
-                  fmt::format("full shape {} has rank {} but the chunk has rank {}",
-                              dims_str(*full), full->size(), te.shape.size()));
-          tb.broken = true;
-          continue;
-        }
-        if (tb.chunks.empty() && !tb.broken) {
-          tb.dtype = te.dtype;
-          tb.rank = te.shape.size();
-          tb.full_shape = full;
-          tb.k = parsed->k;
-        } else {
-          if (te.dtype != tb.dtype) {
-            problem(in.name, te.name,
-                    fmt::format("dtype {} differs from {} in {}", format::dtype_name(te.dtype),
-                                format::dtype_name(tb.dtype), chunk_files(tb)));
-            tb.broken = true;
-          }
-          if (te.shape.size() != tb.rank) {
-            problem(in.name, te.name,
-                    fmt::format("number of dimensions {} differs from {} in {}", te.shape.size(),
-                                tb.rank, chunk_files(tb)));
-            tb.broken = true;
-          }
-          if (full && tb.full_shape && *full != *tb.full_shape) {
-            problem(in.name, te.name,
-                    fmt::format("full shape {} differs from {} in {}", dims_str(*full),
-                                dims_str(*tb.full_shape), chunk_files(tb)));
-            tb.broken = true;
-          }
-          if (full && !tb.full_shape) tb.full_shape = full;
-          if (tb.k != parsed->k && !in_.mapping) {
-            problem(in.name, te.name,
-                    fmt::format("tensor is in output file {} here but in file {} in {}", parsed->k,
-                                tb.k, chunk_files(tb)));
-            tb.broken = true;
-          }
-        }
-        tb.chunks.push_back(std::move(c));
+        add_chunk(sidx, te.name, te.dtype, h.data_start() + te.begin, std::move(offsets), te.shape,
+                  full, parsed->k);
       }
     }
+  }
+
+  // Chunks a checkpoint-wide index declares (BuildInput::declared): the shard files keep
+  // their order, and each chunk names its file, place, dtype and output.
+  void collect_declared() {
+    const auto m = in_.declared->outputs;
+    ck_->format = in_.declared->format;
+    ck_->declared = true;
+    for (size_t i = 0; i < in_.shards.size(); ++i) {
+      const auto& in = in_.shards[i];
+      ck_->shards.push_back(ShardFile{in.name, in.stamp, 0,
+                                      format::ShardName{static_cast<uint32_t>(i + 1), 1, m},
+                                      in.owner, in.remote_path, in.access, in.atime_ns});
+    }
+    for (auto& d : in_.declared->chunks) {
+      if (d.shard >= ck_->shards.size() || d.k == 0 || d.k > m) {
+        problem(in_.dir, d.tensor, "a declared chunk names no shard file or output");  // a bug
+        continue;
+      }
+      add_chunk(d.shard, d.tensor, d.dtype, d.file_offset, std::move(d.offsets), std::move(d.sizes),
+                d.full_shape, d.k);
+    }
+  }
+
+  // One chunk of tensor `name`: `sizes` at `offsets` of the full tensor, its bytes at
+  // `file_offset` of shard `sidx`, bound for output `k`. Checks it against the tensor's other
+  // chunks (dtype, rank, full shape, output).
+  void add_chunk(uint32_t sidx, const std::string& name, DType dtype, uint64_t file_offset,
+                 std::vector<uint64_t> offsets, std::vector<uint64_t> sizes,
+                 const std::optional<std::vector<uint64_t>>& full, uint32_t k) {
+    const std::string& file = shard_name(sidx);
+    Chunk c;
+    c.shard = sidx;
+    c.file_offset = file_offset;
+    c.sizes = std::move(sizes);
+    c.offsets = std::move(offsets);
+    auto& tb = tensor(name);
+    if (c.offsets.size() != c.sizes.size()) {
+      problem(
+          file, name,
+          fmt::format("saved_offsets {} has rank {} but the chunk shape {} has rank {}",
+                      dims_str(c.offsets), c.offsets.size(), dims_str(c.sizes), c.sizes.size()));
+      tb.broken = true;
+      return;
+    }
+    if (full && full->size() != c.sizes.size()) {
+      problem(file, name,
+              fmt::format("full shape {} has rank {} but the chunk has rank {}", dims_str(*full),
+                          full->size(), c.sizes.size()));
+      tb.broken = true;
+      return;
+    }
+    if (tb.chunks.empty() && !tb.broken) {
+      tb.dtype = dtype;
+      tb.rank = c.sizes.size();
+      tb.full_shape = full;
+      tb.k = k;
+    } else {
+      if (dtype != tb.dtype) {
+        problem(file, name,
+                fmt::format("dtype {} differs from {} in {}", format::dtype_name(dtype),
+                            format::dtype_name(tb.dtype), chunk_files(tb)));
+        tb.broken = true;
+      }
+      if (c.sizes.size() != tb.rank) {
+        problem(file, name,
+                fmt::format("number of dimensions {} differs from {} in {}", c.sizes.size(),
+                            tb.rank, chunk_files(tb)));
+        tb.broken = true;
+      }
+      if (full && tb.full_shape && *full != *tb.full_shape) {
+        problem(file, name,
+                fmt::format("full shape {} differs from {} in {}", dims_str(*full),
+                            dims_str(*tb.full_shape), chunk_files(tb)));
+        tb.broken = true;
+      }
+      if (full && !tb.full_shape) tb.full_shape = full;
+      if (tb.k != k && !in_.mapping) {
+        problem(file, name,
+                fmt::format("tensor is in output file {} here but in file {} in {}", k, tb.k,
+                            chunk_files(tb)));
+        tb.broken = true;
+      }
+    }
+    tb.chunks.push_back(std::move(c));
   }
 
   // Every shard name must agree on M (the number of output files): the most common value

@@ -15,6 +15,7 @@
 #include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/source/distcp.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 
@@ -85,8 +86,10 @@ bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries) {
 }
 
 bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries) {
-  return has_shards(entries) || has_remote_records(dirfd, entries);
+  return has_shards(entries) || is_distcp_dir(entries) || has_remote_records(dirfd, entries);
 }
+
+bool is_input_entry(const DirEntry& e) { return is_shard_entry(e) || is_distcp_entry(e); }
 
 bool trusted_state(const struct stat& st) {
   return (st.st_uid == 0 || st.st_uid == ::geteuid()) && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
@@ -121,7 +124,7 @@ std::vector<std::pair<std::string, struct stat>> record_files(int dirfd,
 Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
   Signature sig;
   for (const auto& e : entries) {
-    if (!is_shard_entry(e)) continue;
+    if (!is_input_entry(e)) continue;
     sig.files.emplace_back(e.name, stamp_of(e.st));
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(e.st));
     sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(e.st), ctime_ns(e.st)});
@@ -208,6 +211,10 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
                               const layout::BuildOptions& opts) {
   layout::BuildInput in;
   in.dir = display;
+  if (is_distcp_dir(entries)) {
+    read_distcp_input(dirfd, in);
+    return in;
+  }
   for (const auto& e : entries) {
     if (!is_shard_entry(e)) continue;
     layout::ShardInput si;
@@ -411,7 +418,10 @@ Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
   CKPTFS_TRY(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, list_dir(fd.get()));
   if (!is_checkpoint_dir(fd.get(), entries)) {
-    return make_error(ENOENT, "{}: no rank shard files (shard-R-model-K-of-M.safetensors)", dir);
+    return make_error(ENOENT,
+                      "{}: no rank shard files (shard-R-model-K-of-M.safetensors) and no DCP "
+                      "checkpoint (.metadata and *.distcp)",
+                      dir);
   }
   HeaderCache cache;
   return load_checkpoint(fd.get(), entries, dir, cache, opts);

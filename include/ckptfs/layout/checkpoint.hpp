@@ -129,6 +129,10 @@ struct Problem {
 
 struct Checkpoint {
   std::string dir;  // for messages
+  // What the shards are: "safetensors rank shards", or Declared::format. When declared, the
+  // declaring index lists every tensor (completeness evidence).
+  std::string format = "safetensors rank shards";
+  bool declared = false;
   std::vector<ShardFile> shards;
   std::vector<Tensor> tensors;
   std::vector<OutputFile> outputs;
@@ -137,6 +141,9 @@ struct Checkpoint {
   // What the source layer ignored while reading it (stale or untrusted commit records): worth
   // a log line, not a reason to refuse.
   std::vector<std::string> notes;
+  // What the source chose not to serve (a native checkpoint's optimizer state, non-tensor
+  // items): `inspect` lists it; nothing is wrong.
+  std::vector<std::string> left_out;
   bool from_mapping = false;  // output assignment came from fqn_to_file_index_mapping.json
   // Tensors whose full shape the shards store; the others' is inferred from their chunks (as
   // every reader does), so a missing last chunk cannot be told from a smaller tensor.
@@ -185,6 +192,26 @@ struct OutputOverride {
   std::string record;  // the record's file name, for messages
 };
 
+// Chunks that a checkpoint-wide index declares (torch DCP's `.metadata`), where the shard files
+// have no headers of their own: BuildInput::shards are then those files, in this order (their
+// `header` unused), and output files are numbered 1..outputs by the chunks' `k`.
+struct DeclaredChunk {
+  uint32_t shard = 0;  // index into BuildInput::shards
+  std::string tensor;  // the name served
+  format::DType dtype = format::DType::U8;
+  uint64_t file_offset = 0;  // absolute offset of the chunk's bytes in the file
+  std::vector<uint64_t> offsets;
+  std::vector<uint64_t> sizes;
+  std::optional<std::vector<uint64_t>> full_shape;
+  uint32_t k = 1;  // output file number
+};
+
+struct Declared {
+  std::string format;  // what declared them, for Checkpoint::format ("torch DCP (.metadata)")
+  std::vector<DeclaredChunk> chunks;
+  uint32_t outputs = 1;
+};
+
 struct BuildInput {
   std::string dir;
   std::vector<ShardInput> shards;
@@ -192,7 +219,9 @@ struct BuildInput {
   std::optional<format::DtypeMapping> dtypes;  // .hf_metadata/fqn_to_dtype_mapping.json
   std::vector<Problem> problems;               // found before building (unreadable mapping...)
   std::vector<std::string> notes;              // see Checkpoint::notes
+  std::vector<std::string> left_out;           // see Checkpoint::left_out
   std::vector<OutputOverride> overrides;
+  std::optional<Declared> declared;  // set: a checkpoint-wide index declares the chunks
 };
 
 // Builds and validates the model. Never fails: every problem is recorded in `problems`, and

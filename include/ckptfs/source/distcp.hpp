@@ -1,0 +1,35 @@
+// The source of torch DCP checkpoints: a directory's `.metadata` and `.distcp` files read into
+// the chunks the layout builds consolidated files from.
+//
+// A directory is a DCP checkpoint when it holds a regular `.metadata` (DCP's commit point,
+// written last) and at least one `*.distcp` file, and no rank shards of the safetensors form.
+// Which tensors are served, under which names (docs/formats.md):
+// - a top-level `model` key (`{"model": get_model_state_dict(m), "optimizer": ...}`) is the
+//   model: its tensors are served under their keys below it, and nothing else is;
+// - otherwise every tensor is served under its flattened key, except those under a top-level
+//   key that holds training state (optimizer, lr_scheduler, dataloader, train_state, rng...);
+// - non-tensor items (BytesStorageMetadata) are never served.
+// The served tensors are packed in `.metadata`'s order into output files of at most
+// kMaxOutputBytes each (a larger tensor has a file of its own).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ckptfs/layout/checkpoint.hpp"
+#include "ckptfs/source/scanner.hpp"
+
+namespace ckptfs::source {
+
+inline constexpr uint64_t kMaxOutputBytes = 5'000'000'000;  // as save_pretrained's "5GB"
+inline constexpr uint64_t kMaxTensorPickleBytes = 1 << 20;  // one chunk's data.pkl
+
+// `.metadata` or a `*.distcp` file: the inputs of a DCP checkpoint.
+bool is_distcp_entry(const DirEntry& e);
+bool is_distcp_dir(const std::vector<DirEntry>& entries);
+
+// Fills `in` (dir set by the caller) with the directory's DCP chunks, or with the problems
+// that keep it from being served. Reads `.metadata`, and each chunk's archive structure.
+void read_distcp_input(int dirfd, layout::BuildInput& in);
+
+}  // namespace ckptfs::source

@@ -1,0 +1,263 @@
+// Reading a torch DCP checkpoint directory (.metadata, *.distcp) into declared chunks.
+#include "ckptfs/source/distcp.hpp"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "ckptfs/format/distcp.hpp"
+#include "ckptfs/format/zip.hpp"
+#include "ckptfs/util/checked.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/path.hpp"
+
+namespace ckptfs::source {
+namespace {
+
+using format::DistcpChunk;
+using format::DistcpTensor;
+
+// Top-level state-dict keys that hold training state, not model weights.
+constexpr std::array<std::string_view, 14> kTrainingState = {
+    "optimizer",     "optim",      "optimizers",  "optimizer_state", "lr_scheduler",
+    "lr_schedulers", "scheduler",  "dataloader",  "train_state",     "rng",
+    "rng_state",     "rng_states", "extra_state", "trainer_state"};
+
+std::string_view top_key(const DistcpTensor& t) {
+  if (!t.path.empty()) return t.path.front();
+  return std::string_view(t.key).substr(0, t.key.find('.'));
+}
+
+std::string dims(const std::vector<uint64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
+
+// A chunk's archive, located: where its tensor's bytes are in the file.
+Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_size,
+                              const DistcpTensor& t, const DistcpChunk& c) {
+  const std::string what = fmt::format("{} (chunk of '{}' at {})", file, t.key, dims(c.offsets));
+  if (c.offset > file_size || c.length > file_size - c.offset) {
+    return make_error(EINVAL, "{}: .metadata places it at bytes [{}, {}) of a file of {} bytes",
+                      what, c.offset, c.offset + c.length, file_size);
+  }
+  // torch puts everything but the tensor's bytes near the archive's start (data.pkl, the
+  // local headers before the data) and its end (the last members, the central directory, the
+  // end records): two windows read once each serve the zip and pickle reads, not a pread per
+  // record. Whatever falls outside them is read directly.
+  constexpr uint64_t kWindow = 4096;
+  struct Window {
+    uint64_t at = 0;
+    std::string bytes;
+    bool loaded = false;
+  };
+  Window head{0, {}, false};
+  Window tail{c.length - std::min(c.length, kWindow), {}, false};
+  auto read = [&](uint64_t off, std::span<char> out) -> Status {
+    if (off > c.length || out.size() > c.length - off) {
+      return make_error(EINVAL, "{}: a read past the chunk", what);
+    }
+    for (Window* w : {&head, &tail}) {
+      const uint64_t len = std::min(c.length - w->at, kWindow);
+      if (off < w->at || off + out.size() > w->at + len) continue;
+      if (!w->loaded) {
+        w->bytes.resize(len);
+        CKPTFS_CHECK(pread_exact(fd, w->bytes.data(), len, c.offset + w->at, what));
+        w->loaded = true;
+      }
+      std::memcpy(out.data(), w->bytes.data() + (off - w->at), out.size());
+      return {};
+    }
+    return pread_exact(fd, out.data(), out.size(), c.offset + off, what);
+  };
+  CKPTFS_TRY(auto members, format::zip::members(c.length, read, what));
+  CKPTFS_TRY(auto archive, format::zip::torch_archive(std::move(members), what));
+  if (archive.pickle.size > kMaxTensorPickleBytes) {
+    return make_error(EINVAL, "{}: data.pkl of {} bytes (at most {})", what, archive.pickle.size,
+                      kMaxTensorPickleBytes);
+  }
+  std::string pkl(archive.pickle.size, '\0');
+  CKPTFS_CHECK(read(archive.pickle.offset, std::span<char>(pkl.data(), pkl.size())));
+  CKPTFS_TRY(auto rec, format::parse_torch_tensor_pickle(pkl, what + " data.pkl"));
+  if (rec.dtype != t.dtype) {
+    return make_error(EINVAL, "{}: holds {} where .metadata says {}", what,
+                      format::dtype_name(rec.dtype), format::dtype_name(t.dtype));
+  }
+  if (rec.size != c.sizes) {
+    return make_error(EINVAL, "{}: holds a tensor of size {} where .metadata says {}", what,
+                      dims(rec.size), dims(c.sizes));
+  }
+  if (!rec.contiguous()) {
+    return make_error(EINVAL, "{}: a non-contiguous layout (stride {} for size {}) is not served",
+                      what, dims(rec.stride), dims(rec.size));
+  }
+  const format::zip::Member* storage = archive.storage(rec.storage_key);
+  if (storage == nullptr) {
+    return make_error(EINVAL, "{}: its storage '{}' is not in the archive", what, rec.storage_key);
+  }
+  const uint64_t item = format::dtype_bits(rec.dtype) / 8;
+  auto numel = checked_numel(rec.size);
+  auto storage_bytes = checked_mul(rec.storage_numel, item);
+  auto end = numel ? checked_add(rec.storage_offset, *numel) : std::nullopt;
+  if (!storage_bytes || *storage_bytes != storage->size || !end || *end > rec.storage_numel) {
+    return make_error(EINVAL,
+                      "{}: storage '{}' of {} bytes does not hold {} elements of {} at element {}",
+                      what, rec.storage_key, storage->size, numel.value_or(0),
+                      format::dtype_name(rec.dtype), rec.storage_offset);
+  }
+  // In range of the chunk (zip::members checked the member), so none of this overflows.
+  return c.offset + storage->offset + rec.storage_offset * item;
+}
+
+}  // namespace
+
+bool is_distcp_entry(const DirEntry& e) { return format::is_distcp_file_name(e.name); }
+
+bool is_distcp_dir(const std::vector<DirEntry>& entries) {
+  bool metadata = false, data = false;
+  for (const auto& e : entries) {
+    if (e.name == format::kDistcpMetadataName) metadata = S_ISREG(e.st.st_mode);
+    if (is_distcp_entry(e) && e.name != format::kDistcpMetadataName) data = true;
+  }
+  return metadata && data && !has_shards(entries);
+}
+
+void read_distcp_input(int dirfd, layout::BuildInput& in) {
+  const std::string meta_name(format::kDistcpMetadataName);
+  auto problem = [&](std::string file, std::string tensor, std::string msg) {
+    in.problems.push_back({std::move(file), std::move(tensor), std::move(msg)});
+  };
+  in.declared.emplace();
+  in.declared->format = "torch DCP (.metadata, *.distcp)";
+  struct stat mst {};
+  auto mfd = open_regular_at(dirfd, meta_name, meta_name, &mst);
+  if (!mfd) return problem(meta_name, "", mfd.error().message);
+  auto text = read_whole(*mfd, mst, meta_name, format::kMaxDistcpMetadataBytes);
+  if (!text) return problem(meta_name, "", text.error().message);
+  auto md = format::parse_distcp_metadata(*text, meta_name);
+  if (!md) return problem(meta_name, "", md.error().message);
+
+  // Which tensors are the model's, and their served names.
+  const bool wrapped = std::any_of(md->tensors.begin(), md->tensors.end(), [](const auto& t) {
+    return t.path.size() >= 2 && t.path.front() == "model" && t.key.starts_with("model.");
+  });
+  std::map<std::string, size_t> skipped;  // top-level key -> tensors left out
+  std::vector<std::pair<const DistcpTensor*, std::string>> served;
+  for (const auto& t : md->tensors) {
+    const std::string_view top = top_key(t);
+    const bool model =
+        wrapped
+            ? (t.path.size() >= 2 && top == "model" && t.key.starts_with("model."))
+            : std::find(kTrainingState.begin(), kTrainingState.end(), top) == kTrainingState.end();
+    if (!model) {
+      skipped[std::string(top)]++;
+      continue;
+    }
+    served.emplace_back(&t, wrapped ? t.key.substr(6) : t.key);
+  }
+  for (const auto& [top, n] : skipped) {
+    in.left_out.push_back(fmt::format("{}: {} tensor(s) under '{}' are training state, not served",
+                                      meta_name, n, top));
+  }
+  if (!md->bytes_items.empty()) {
+    in.left_out.push_back(fmt::format("{}: {} non-tensor item(s) not served (e.g. '{}')", meta_name,
+                                      md->bytes_items.size(), md->bytes_items.front()));
+  }
+
+  // The files the chunks name: plain names of regular files in this directory.
+  std::map<std::string, std::optional<uint32_t>> file_index;  // nullopt: refused (once)
+  std::vector<UniqueFd> fds;
+  std::vector<uint64_t> sizes;
+  auto file_of = [&](const std::string& name,
+                     const std::string& tensor) -> std::optional<uint32_t> {
+    if (auto it = file_index.find(name); it != file_index.end()) return it->second;
+    file_index.emplace(name, std::nullopt);
+    if (!is_valid_component(name)) {
+      problem(meta_name, tensor,
+              fmt::format("names the file '{}', not a file of this directory", name));
+      return std::nullopt;
+    }
+    layout::ShardInput si;
+    si.name = name;
+    struct stat st {};
+    auto fd = open_regular_at(dirfd, name, name, &st);
+    if (!fd) {
+      problem(name, tensor, fmt::format("named by .metadata: {}", fd.error().message));
+      return std::nullopt;
+    }
+    si.stamp = stamp_of(st);
+    si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
+    si.atime_ns = static_cast<int64_t>(st.st_atim.tv_sec) * 1'000'000'000 + st.st_atim.tv_nsec;
+    const auto idx = static_cast<uint32_t>(in.shards.size());
+    in.shards.push_back(std::move(si));
+    fds.push_back(std::move(fd).value());
+    sizes.push_back(static_cast<uint64_t>(st.st_size));
+    file_index[name] = idx;
+    return idx;
+  };
+
+  // Every storage entry, served or not, in a file that is there and long enough: a save cut
+  // short or a file lost is never shown as complete.
+  for (const auto& place : md->storage) {
+    auto f = file_of(place.file, place.key);
+    if (!f) continue;
+    if (place.offset > sizes[*f] || place.length > sizes[*f] - place.offset) {
+      problem(place.file, place.key,
+              fmt::format(".metadata places it at bytes [{}, {}) of a file of {} bytes",
+                          place.offset, place.offset + place.length, sizes[*f]));
+    }
+  }
+  if (!in.problems.empty()) return;
+
+  uint32_t k = 1;
+  uint64_t in_k = 0;
+  for (const auto& [t, name] : served) {
+    auto nbytes = checked_numel(t->size);
+    auto bytes = nbytes ? format::byte_size(t->dtype, *nbytes) : std::nullopt;
+    if (!bytes) {
+      problem(meta_name, name, fmt::format("size {} overflows", dims(t->size)));
+      continue;
+    }
+    if (in_k > 0 && (*bytes > kMaxOutputBytes - std::min(in_k, kMaxOutputBytes))) {
+      ++k;
+      in_k = 0;
+    }
+    in_k = checked_add(in_k, *bytes).value_or(UINT64_MAX);
+    if (t->chunks.empty()) {
+      problem(meta_name, name, "has no chunks");
+      continue;
+    }
+    for (const auto& c : t->chunks) {
+      if (c.transformed) {
+        problem(c.file, name,
+                fmt::format("the chunk at {} is stored with transform_descriptors (compression "
+                            "or another storage extension), which is not served",
+                            dims(c.offsets)));
+        continue;
+      }
+      auto f = file_of(c.file, name);
+      if (!f) continue;
+      auto at = locate_chunk(fds[*f].get(), c.file, sizes[*f], *t, c);
+      if (!at) {
+        problem(c.file, name, at.error().message);
+        continue;
+      }
+      layout::DeclaredChunk d;
+      d.shard = *f;
+      d.tensor = name;
+      d.dtype = t->dtype;
+      d.file_offset = *at;
+      d.offsets = c.offsets;
+      d.sizes = c.sizes;
+      d.full_shape = t->size;
+      d.k = k;
+      in.declared->chunks.push_back(std::move(d));
+    }
+  }
+  in.declared->outputs = k;
+  if (served.empty()) problem(meta_name, "", "no model tensors");
+}
+
+}  // namespace ckptfs::source

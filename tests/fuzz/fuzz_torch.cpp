@@ -1,0 +1,34 @@
+// libFuzzer target: the native-format parsers (the restricted unpickler, DCP's .metadata and
+// tensor pickles, the zip locator) on arbitrary bytes.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+#include "ckptfs/format/distcp.hpp"
+#include "ckptfs/format/zip.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace ckptfs;
+  std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  (void)format::parse_distcp_metadata(bytes, "fuzz.metadata");
+  (void)format::parse_torch_tensor_pickle(bytes, "fuzz data.pkl");
+  auto read = [&](uint64_t off, std::span<char> out) -> Status {
+    if (off > size || out.size() > size - off) return make_error(EIO, "past the end");
+    std::memcpy(out.data(), data + off, out.size());
+    return {};
+  };
+  auto m = format::zip::members(size, read, "fuzz.zip");
+  if (m.ok()) {
+    // Every member located lies inside the archive, and none overlap.
+    for (const auto& x : *m) {
+      if (x.offset > size || x.size > size - x.offset) __builtin_trap();
+    }
+    auto a = format::zip::torch_archive(*m, "fuzz.zip");
+    if (a.ok()) {
+      (void)format::parse_torch_tensor_pickle(bytes.substr(a->pickle.offset, a->pickle.size),
+                                              "fuzz data.pkl");
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,218 @@
+"""Tier 4: native trainer checkpoints served as HF (issue 20): torch DCP's default writer.
+
+Each checkpoint is written by the framework's own code (tests/python/writers/dcp_fsdp_save.py:
+FSDP2 on gloo, one AdamW step, dcp.save), with 2 and 3 ranks (uneven row splits), fp32 and
+bf16, tied and untied embeddings, and with and without the {"model", "optimizer"} wrapping.
+The mount must show model-*.safetensors and the index beside the native files, holding
+exactly the full state dict (and nothing of the optimizer), and from_pretrained must load it;
+the native files stay as written (dcp.load reads them through the mount). An incomplete or
+damaged checkpoint (no .metadata, a missing or short .distcp) shows nothing consolidated and
+says why, naming the file. Skipped (never faked) without root, /dev/fuse or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BIN, ROOT, Mount, requires_fuse
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = requires_fuse
+
+WRITERS = pathlib.Path(__file__).parent / "writers"
+
+# (ranks, dtype, wrap, tied): each saved once per module, into SRC directly.
+CASES = {
+    "2r-fp32-wrapped": (2, "float32", True, False),
+    "3r-bf16-tied": (3, "bfloat16", False, True),
+}
+
+
+def run_writer(out: pathlib.Path, ranks: int, dtype: str, wrap: bool, tied: bool) -> list[str]:
+    args = ["--ranks", str(ranks), "--dtype", dtype] + (["--wrap"] if wrap else []) + (["--tied"] if tied else [])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(WRITERS / "dcp_fsdp_save.py"), str(out), *args],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=str(out.parent))
+    assert r.returncode == 0, f"dcp_fsdp_save {out}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    src = tmp_path_factory.mktemp("native") / "src"
+    src.mkdir()
+    for name, case in CASES.items():
+        files = run_writer(src / name, *case)
+        assert ".metadata" in files and any(f.endswith(".distcp") for f in files), files
+    return src
+
+
+def load(path: pathlib.Path) -> dict:
+    """A safetensors file's tensors, copied (load_file's tensors map the file: one in the mount
+    would keep it busy at the unmount)."""
+    return {k: v.clone() for k, v in safetensors_torch.load_file(str(path)).items()}
+
+
+def reference(src: pathlib.Path, name: str) -> dict:
+    return load(src / f"reference-{name}.safetensors")
+
+
+def served(d: pathlib.Path) -> dict:
+    out = {}
+    for p in sorted(d.glob("model*.safetensors")):
+        out.update(load(p))
+    return out
+
+
+def assert_equal(got: dict, want: dict, what: str):
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    bad = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    assert not bad, f"{what}: tensors differ: {bad}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dcp_checkpoint_is_served_as_hf(saved, tmp_path, name):
+    ranks, dtype, wrap, tied = CASES[name]
+    want = reference(saved, name)
+    with Mount(saved, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        d = pathlib.Path(m.mnt) / name
+        names = sorted(os.listdir(d))
+        # The native files stay (a resume reads them); the consolidated form is added.
+        assert ".metadata" in names and "config.json" in names
+        assert [n for n in names if n.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(ranks)]
+        assert "model.safetensors.index.json" in names
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        assert sorted(index["weight_map"]) == sorted(want), "the index lists the model, and only it"
+        assert not [k for k in index["weight_map"] if "optim" in k or k.startswith("model.model.")]
+        assert_equal(served(d), want, "the consolidated files")
+        # from_pretrained on the mount: every parameter as saved.
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
+        sd = model.state_dict()
+        for k, v in want.items():
+            assert torch.equal(sd[k], v), k
+        if tied:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        del model, sd  # its mmap of the mount's file, before the unmount
+        # inspect says what was left out.
+        r = subprocess.run([BIN, "inspect", str(saved / name)], capture_output=True, text=True)
+        assert r.returncode == 0 and "valid" in r.stdout, r.stdout + r.stderr
+        if wrap:
+            assert "'optimizer'" in r.stdout and "not served" in r.stdout, r.stdout
+        assert m.proc.poll() is None
+
+
+def test_every_tool_accepts_it(saved, tmp_path):
+    """verify, consolidate, ckptfs load and the Python binding read the DCP checkpoint, and what
+    they make equals the mount's consolidated files."""
+    import filecmp
+
+    name = "3r-bf16-tied"
+    d = saved / name
+    want = reference(saved, name)
+    r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "consolidated"
+    r = subprocess.run([BIN, "consolidate", str(d), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The consolidated form only: the native files are not copied along.
+    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors",
+                                       "model.safetensors.index.json"]
+    with Mount(saved, tmp_path / "mnt") as m:
+        for n in os.listdir(out):
+            assert filecmp.cmp(out / n, pathlib.Path(m.mnt) / name / n, shallow=False), n
+    # ckptfs load of the native files and of the consolidated copy: one checksum.
+    sums = []
+    for src in (d, out):
+        r = subprocess.run([BIN, "load", str(src)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        sums.append([ln for ln in r.stdout.splitlines() if ln.startswith("checksum")])
+    assert sums[0] and sums[0] == sums[1], sums
+    os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
+    sys.path.insert(0, str(ROOT / "python"))
+    import ckptfs_load
+
+    assert_equal(ckptfs_load.load_state_dict(str(d)), want, "the Python binding")
+
+
+def test_dcp_load_reads_the_native_files_through_the_mount(saved, tmp_path):
+    """A resume reads the .distcp files through the mount, as written."""
+    import torch.distributed.checkpoint as dcp
+
+    name = "2r-fp32-wrapped"
+    want = reference(saved, name)
+    with Mount(saved, tmp_path / "mnt") as m:
+        sd = {"model": {k: torch.empty_like(v) for k, v in want.items()}}
+        dcp.load(sd, checkpoint_id=str(pathlib.Path(m.mnt) / name), no_dist=True)
+        assert_equal(sd["model"], want, "dcp.load through the mount")
+
+
+def test_written_through_the_mount(tmp_path):
+    """The training job's output_dir is the mount: the .distcp files and .metadata are stored as
+    written, and the consolidated view appears once .metadata (DCP's commit point) is there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        out = pathlib.Path(m.mnt) / "step-1"
+        run_writer(out, 2, "float32", True, True)
+        want = reference(pathlib.Path(m.mnt), "step-1")
+        assert_equal(served(out), want, "the consolidated view of what was written")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+        assert torch.equal(model.state_dict()["model.norm.weight"], want["model.norm.weight"])
+        del model
+    # The native files in SRC are the bytes written (nothing was split or rewritten).
+    assert sorted(p.name for p in (src / "step-1").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def copy_case(saved: pathlib.Path, name: str, to: pathlib.Path) -> pathlib.Path:
+    d = to / name
+    shutil.copytree(saved / name, d)
+    return d
+
+
+def inspect(d: pathlib.Path) -> str:
+    r = subprocess.run([BIN, "inspect", str(d)], capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("damage", ["no-metadata", "missing-file", "short-file", "bad-pickle", "dotdot"])
+def test_incomplete_or_damaged_checkpoint_shows_nothing_consolidated(saved, tmp_path, damage):
+    src = tmp_path / "src"
+    src.mkdir()
+    d = copy_case(saved, "2r-fp32-wrapped", src)
+    if damage == "no-metadata":
+        (d / ".metadata").unlink()
+    elif damage == "missing-file":
+        (d / "__1_0.distcp").unlink()
+    elif damage == "short-file":
+        p = d / "__1_0.distcp"
+        os.truncate(p, p.stat().st_size // 2)
+    elif damage == "dotdot":
+        # A chunk placed in ../_0.distcp (a file outside the directory), same length.
+        meta = (d / ".metadata").read_bytes()
+        assert b"__0_0.distcp" in meta
+        (d / ".metadata").write_bytes(meta.replace(b"__0_0.distcp", b"../_0.distcp", 1))
+        (src / "_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes())
+    else:
+        # A global outside the list: the module of the pickle's first class, same length.
+        meta = (d / ".metadata").read_bytes()
+        mod = b"torch.distributed.checkpoint.metadata"
+        (d / ".metadata").write_bytes(meta.replace(mod, b"subprocess".ljust(len(mod), b"x"), 1))
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        names = os.listdir(pathlib.Path(m.mnt) / d.name)
+        assert not [n for n in names if n.startswith("model")], names
+        assert m.proc.poll() is None
+    text = inspect(d)
+    expect = {"no-metadata": "no rank-sharded checkpoint found", "missing-file": "__1_0.distcp",
+              "short-file": "__1_0.distcp", "bad-pickle": "not one this reader allows",
+              "dotdot": "not a file of this directory"}[damage]
+    assert expect in text, text

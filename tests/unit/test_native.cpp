@@ -1,0 +1,394 @@
+// Unit tests of the native-format parsers: the restricted unpickler, the zip locator and
+// torch DCP's .metadata and tensor pickles (real files torch wrote: tests/fuzz/seeds-torch).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "ckptfs/format/distcp.hpp"
+#include "ckptfs/format/pickle.hpp"
+#include "ckptfs/format/zip.hpp"
+
+#include <fmt/format.h>
+
+namespace {
+
+using namespace ckptfs;
+using namespace ckptfs::format;
+using namespace std::string_literals;
+
+std::string seed(const std::string& name) {
+  const char* dir = std::getenv("CKPTFS_TORCH_SEEDS");
+  std::ifstream f(std::string(dir ? dir : "tests/fuzz/seeds-torch") + "/" + name, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  EXPECT_FALSE(s.str().empty()) << name << " (set CKPTFS_TORCH_SEEDS)";
+  return s.str();
+}
+
+// pickle.dumps(..., protocol=4) of {'a': [1, 2, (3, 'x')], 'b': None, 'c': True, 'd': 1.5,
+// 'e': b'xy', 'f': -5, 'g': 2**40, 'h': -(2**63)}, and the same at protocol 2 (whose bytes
+// are _codecs.encode(...): a global).
+constexpr std::string_view kMixed4{
+    "\x80\x04\x95\x5c\x00\x00\x00\x00\x00\x00\x00\x7d\x94\x28\x8c\x01\x61\x94\x5d\x94\x28\x4b"
+    "\x01\x4b\x02\x4b\x03\x8c\x01\x78\x94\x86\x94\x65\x8c\x01\x62\x94\x4e\x8c\x01\x63\x94\x88"
+    "\x8c\x01\x64\x94\x47\x3f\xf8\x00\x00\x00\x00\x00\x00\x8c\x01\x65\x94\x43\x02\x78\x79\x94"
+    "\x8c\x01\x66\x94\x4a\xfb\xff\xff\xff\x8c\x01\x67\x94\x8a\x06\x00\x00\x00\x00\x00\x01\x8c"
+    "\x01\x68\x94\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80\x75\x2e",
+    103};
+constexpr std::string_view kMixed2{
+    "\x80\x02\x7d\x71\x00\x28\x58\x01\x00\x00\x00\x61\x71\x01\x5d\x71\x02\x28\x4b\x01\x4b\x02"
+    "\x4b\x03\x58\x01\x00\x00\x00\x78\x71\x03\x86\x71\x04\x65\x58\x01\x00\x00\x00\x62\x71\x05"
+    "\x4e\x58\x01\x00\x00\x00\x63\x71\x06\x88\x58\x01\x00\x00\x00\x64\x71\x07\x47\x3f\xf8\x00"
+    "\x00\x00\x00\x00\x00\x58\x01\x00\x00\x00\x65\x71\x08\x63\x5f\x63\x6f\x64\x65\x63\x73\x0a"
+    "\x65\x6e\x63\x6f\x64\x65\x0a\x71\x09\x58\x02\x00\x00\x00\x78\x79\x71\x0a\x58\x06\x00\x00"
+    "\x00\x6c\x61\x74\x69\x6e\x31\x71\x0b\x86\x71\x0c\x52\x71\x0d\x58\x01\x00\x00\x00\x66\x71"
+    "\x0e\x4a\xfb\xff\xff\xff\x58\x01\x00\x00\x00\x67\x71\x0f\x8a\x06\x00\x00\x00\x00\x00\x01"
+    "\x58\x01\x00\x00\x00\x68\x71\x10\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80\x75\x2e",
+    174};
+constexpr std::string_view kSystem{"\x80\x02\x63posix\nsystem\n\x71\x00\x2e", 19};  // os.system
+constexpr std::string_view kBig{"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01\x2e", 14};
+constexpr std::string_view kSelf{"\x80\x02\x5d\x71\x00\x68\x00\x61\x2e", 9};  // l = [l]
+
+template <typename T>
+std::string err(const Result<T>& r) {
+  return r.ok() ? "" : r.error().message;
+}
+
+TEST(Pickle, ReadsEveryValueKindWithoutAGlobal) {
+  auto p = pickle::parse(kMixed4, {}, "mixed");
+  ASSERT_TRUE(p.ok()) << err(p);
+  pickle::Walk w(*p, "mixed");
+  auto pairs = w.pairs(p->root(), "root");
+  ASSERT_TRUE(pairs.ok());
+  ASSERT_EQ(pairs->size(), 16u);
+  auto a = w.sequence(*w.field(*pairs, "a"), "a");
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(a->size(), 3u);
+  EXPECT_EQ(*w.integer((*a)[1], "a[1]"), 2);
+  auto t = w.sequence((*a)[2], "a[2]");
+  EXPECT_EQ(*w.text((*t)[1], "x"), "x");
+  EXPECT_EQ(p->at(*w.field(*pairs, "b")).kind, pickle::Kind::None);
+  EXPECT_EQ(p->at(*w.field(*pairs, "c")).i, 1);
+  EXPECT_EQ(p->at(*w.field(*pairs, "d")).as_double(), 1.5);
+  EXPECT_EQ(p->text(p->at(*w.field(*pairs, "e"))), "xy");
+  EXPECT_EQ(*w.integer(*w.field(*pairs, "f"), "f"), -5);
+  EXPECT_EQ(*w.integer(*w.field(*pairs, "g"), "g"), int64_t{1} << 40);
+  EXPECT_EQ(*w.integer(*w.field(*pairs, "h"), "h"), INT64_MIN);
+  EXPECT_FALSE(w.non_negative(*w.field(*pairs, "f"), "f").ok());
+  EXPECT_FALSE(w.field(*pairs, "zz").has_value());
+}
+
+TEST(Pickle, RefusesGlobalsNotListedNamingThem) {
+  auto p = pickle::parse(kSystem, {}, "evil.pkl");
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(err(p).find("evil.pkl"), std::string::npos) << err(p);
+  EXPECT_NE(err(p).find("posix.system"), std::string::npos) << err(p);
+  auto q = pickle::parse(kMixed2, {}, "p2");
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(err(q).find("_codecs.encode"), std::string::npos) << err(q);
+  // Listed, it reads: the call is a node, nothing runs.
+  const pickle::GlobalName codecs[] = {{"_codecs", "encode"}};
+  auto r = pickle::parse(kMixed2, codecs, "p2");
+  ASSERT_TRUE(r.ok()) << err(r);
+  pickle::Walk w(*r, "p2");
+  auto e = *w.field(*w.pairs(r->root(), "root"), "e");
+  EXPECT_TRUE(w.call(e, "_codecs", "encode", "e").ok());
+}
+
+TEST(Pickle, RefusesOpcodesOutsideTheListAndBadStreams) {
+  struct Case {
+    std::string bytes;
+    std::string says;
+  };
+  const Case cases[] = {
+      {"\x80\x02I1\n."s, "not an opcode"},             // INT (text)
+      {"\x80\x02(i__main__\nX\n."s, "not an opcode"},  // INST
+      {"\x80\x02N"s, "without STOP"},
+      {"\x80\x02h\x05."s, "never stored"},
+      {"\x80\x02Nr\xff\xff\xff\xff."s, "memo index"},
+      {"\x80\x09N."s, "protocol 9"},
+      {"\x80\x02NN."s, "one value expected"},
+      {"."s, "one value expected"},
+      {"\x80\x02X\xff\xff\xff\x7f"s, "are left"},
+      {"\x80\x02t."s, "no mark"},
+      {"\x80\x02Na."s, "not enough values"},
+      {"\x80\x02K\x01)R."s, "not a global"},
+      {"\x80\x02}Nb."s, "sets the state"},
+  };
+  for (const auto& c : cases) {
+    auto p = pickle::parse(c.bytes, {}, "bad");
+    ASSERT_FALSE(p.ok()) << c.says;
+    EXPECT_NE(err(p).find(c.says), std::string::npos) << err(p);
+  }
+  auto big = pickle::parse(kBig, {}, "big");
+  EXPECT_NE(err(big).find("64 bits"), std::string::npos) << err(big);
+}
+
+TEST(Pickle, CapsValuesMarksAndMemo) {
+  std::string many("\x80\x02(", 3);
+  for (int i = 0; i < 200; ++i) many += "K\x01";
+  many += "l.";
+  pickle::Limits small;
+  small.max_values = 100;
+  EXPECT_NE(err(pickle::parse(many, {}, "many", small)).find("more than 100"), std::string::npos);
+  EXPECT_TRUE(pickle::parse(many, {}, "many").ok());
+  std::string marks("\x80\x02", 2);
+  marks += std::string(5000, '(');
+  EXPECT_NE(err(pickle::parse(marks, {}, "marks")).find("marks"), std::string::npos);
+  pickle::Limits tiny_memo;
+  tiny_memo.max_memo = 4;
+  std::string memo("\x80\x04N", 3);
+  for (int i = 0; i < 8; ++i) memo += "\x94";
+  memo += ".";
+  EXPECT_NE(err(pickle::parse(memo, {}, "memo", tiny_memo)).find("memo"), std::string::npos);
+  pickle::Limits tiny_input;
+  tiny_input.max_bytes = 8;
+  EXPECT_EQ(pickle::parse(many, {}, "many", tiny_input).error().code, EFBIG);
+}
+
+TEST(Pickle, ACycleThroughTheMemoIsHeldNotFollowed) {
+  auto p = pickle::parse(kSelf, {}, "self");
+  ASSERT_TRUE(p.ok()) << err(p);
+  const auto& l = p->at(p->root());
+  ASSERT_EQ(l.items.size(), 1u);
+  EXPECT_EQ(l.items[0], p->root());
+}
+
+TEST(Pickle, EveryPrefixAndByteFlipOfARealMetadataFailsCleanly) {
+  const std::string meta = seed("small.metadata");
+  for (size_t n = 0; n < meta.size(); ++n) {
+    EXPECT_FALSE(parse_distcp_metadata(std::string_view(meta).substr(0, n), "cut").ok()) << n;
+  }
+  // Flips: whatever happens, no crash and no exception (ASan and UBSan check the rest).
+  for (size_t at = 0; at < meta.size(); at += 7) {
+    for (int v : {0x00, 0x28, 0x2e, 0x4a, 0x68, 0x72, 0x80, 0x8c, 0x94, 0xff}) {
+      std::string m = meta;
+      m[at] = static_cast<char>(v);
+      (void)parse_distcp_metadata(m, "flip");
+    }
+  }
+}
+
+// ---- zip -------------------------------------------------------------------------------------
+
+struct ZipEntry {
+  std::string name;
+  std::string data;
+  uint16_t method = 0;
+};
+
+void le(std::string& s, uint64_t v, int n) {
+  for (int k = 0; k < n; ++k) s.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+
+// A stored zip archive, as torch's writer lays it out; zip64 puts every size and offset in
+// zip64 extra fields and end records, as an archive past 4 GiB has them.
+std::string build_zip(const std::vector<ZipEntry>& entries, bool zip64 = false,
+                      std::string_view comment = {}) {
+  std::string out, dir;
+  for (const auto& e : entries) {
+    const uint64_t local = out.size();
+    std::string lx;
+    if (zip64) {
+      le(lx, 1, 2), le(lx, 16, 2), le(lx, e.data.size(), 8), le(lx, e.data.size(), 8);
+    }
+    le(out, 0x04034b50, 4), le(out, zip64 ? 45 : 20, 2), le(out, 0, 2), le(out, e.method, 2);
+    le(out, 0, 4), le(out, 0, 4);
+    le(out, zip64 ? 0xffffffff : e.data.size(), 4), le(out, zip64 ? 0xffffffff : e.data.size(), 4);
+    le(out, e.name.size(), 2), le(out, lx.size(), 2);
+    out += e.name + lx + e.data;
+    std::string cx;
+    if (zip64) {
+      le(cx, 1, 2), le(cx, 24, 2), le(cx, e.data.size(), 8), le(cx, e.data.size(), 8),
+          le(cx, local, 8);
+    }
+    le(dir, 0x02014b50, 4), le(dir, 45, 2), le(dir, zip64 ? 45 : 20, 2), le(dir, 0, 2);
+    le(dir, e.method, 2), le(dir, 0, 4), le(dir, 0, 4);
+    le(dir, zip64 ? 0xffffffff : e.data.size(), 4), le(dir, zip64 ? 0xffffffff : e.data.size(), 4);
+    le(dir, e.name.size(), 2), le(dir, cx.size(), 2), le(dir, 0, 2), le(dir, 0, 2), le(dir, 0, 2);
+    le(dir, 0, 4), le(dir, zip64 ? 0xffffffff : local, 4);
+    dir += e.name + cx;
+  }
+  const uint64_t dir_at = out.size();
+  out += dir;
+  if (zip64) {
+    const uint64_t end64_at = out.size();
+    le(out, 0x06064b50, 4), le(out, 44, 8), le(out, 45, 2), le(out, 45, 2), le(out, 0, 4);
+    le(out, 0, 4), le(out, entries.size(), 8), le(out, entries.size(), 8), le(out, dir.size(), 8);
+    le(out, dir_at, 8);
+    le(out, 0x07064b50, 4), le(out, 0, 4), le(out, end64_at, 8), le(out, 1, 4);
+  }
+  le(out, 0x06054b50, 4), le(out, 0, 2), le(out, 0, 2);
+  le(out, zip64 ? 0xffff : entries.size(), 2), le(out, zip64 ? 0xffff : entries.size(), 2);
+  le(out, zip64 ? 0xffffffff : dir.size(), 4), le(out, zip64 ? 0xffffffff : dir_at, 4);
+  le(out, comment.size(), 2);
+  out += comment;
+  return out;
+}
+
+Result<std::vector<zip::Member>> members_of(const std::string& z, zip::Limits limits = {}) {
+  auto read = [&](uint64_t off, std::span<char> out) -> Status {
+    if (off > z.size() || out.size() > z.size() - off) return make_error(EIO, "past the end");
+    std::memcpy(out.data(), z.data() + off, out.size());
+    return {};
+  };
+  return zip::members(z.size(), read, "test.zip", limits);
+}
+
+const std::vector<ZipEntry> kEntries = {
+    {"a/data.pkl", "PICKLE"}, {"a/data/0", std::string(100, 'x')}, {"a/version", "3\n"}};
+
+TEST(Zip, LocatesStoredMembersPlainAndZip64) {
+  for (bool z64 : {false, true}) {
+    for (std::string_view comment : {std::string_view{}, std::string_view{"a comment"}}) {
+      const std::string z = build_zip(kEntries, z64, comment);
+      auto m = members_of(z);
+      ASSERT_TRUE(m.ok()) << err(m);
+      ASSERT_EQ(m->size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ((*m)[i].name, kEntries[i].name);
+        EXPECT_EQ(z.substr((*m)[i].offset, (*m)[i].size), kEntries[i].data) << z64;
+      }
+      auto a = zip::torch_archive(*m, "t");
+      ASSERT_TRUE(a.ok()) << err(a);
+      EXPECT_EQ(a->top, "a");
+      ASSERT_NE(a->storage("0"), nullptr);
+      EXPECT_EQ(a->storage("0")->size, 100u);
+    }
+  }
+}
+
+TEST(Zip, RefusesWhatCannotBeServedExactly) {
+  auto says = [](const std::string& z, std::string_view what, zip::Limits l = {}) {
+    auto m = members_of(z, l);
+    ASSERT_FALSE(m.ok()) << what;
+    EXPECT_NE(err(m).find(what), std::string::npos) << err(m);
+    EXPECT_NE(err(m).find("test.zip"), std::string::npos) << err(m);
+  };
+  auto compressed = kEntries;
+  compressed[1].method = 8;
+  says(build_zip(compressed), "compressed");
+  auto twice = kEntries;
+  twice[2].name = twice[0].name;
+  says(build_zip(twice), "appears twice");
+  says(build_zip(kEntries), "members (at most 2)", zip::Limits{2, 64 << 20});
+  says(build_zip(kEntries).substr(0, 200), "end-of-central-directory");
+
+  // The first member's central sizes grown into the second: the zip-bomb shape.
+  std::string z = build_zip(kEntries);
+  const size_t cd = z.find("PK\x01\x02");
+  std::string grown = z;
+  for (size_t off : {cd + 20, cd + 24}) grown[off] = static_cast<char>(6 + 60);
+  says(grown, "overlap");
+  // A member said to run past the archive's data.
+  std::string past = z;
+  past[cd + 20] = past[cd + 24] = '\0';
+  past[cd + 22] = past[cd + 26] = '\x10';
+  says(past, "runs past");
+  // A local header offset past the directory.
+  std::string far = z;
+  far[cd + 44] = '\x7f';
+  says(far, "out of range");
+  // A local header naming another file.
+  std::string other = z;
+  other[30] = 'b';
+  says(other, "another file");
+}
+
+TEST(Zip, ARealTorchSaveArchive) {
+  const std::string pt = seed("f32.pt");
+  auto m = members_of(pt);
+  ASSERT_TRUE(m.ok()) << err(m);
+  auto a = zip::torch_archive(*m, "f32.pt");
+  ASSERT_TRUE(a.ok()) << err(a);
+  auto rec = parse_torch_tensor_pickle(pt.substr(a->pickle.offset, a->pickle.size), "f32.pt");
+  ASSERT_TRUE(rec.ok()) << err(rec);
+  EXPECT_EQ(rec->dtype, DType::F32);
+  EXPECT_EQ(rec->size, (std::vector<uint64_t>{2, 3}));
+  EXPECT_TRUE(rec->contiguous());
+  const auto* s = a->storage(rec->storage_key);
+  ASSERT_NE(s, nullptr);
+  ASSERT_EQ(s->size, 24u);
+  float v[6];
+  std::memcpy(v, pt.data() + s->offset, sizeof v);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(v[i], static_cast<float>(i));  // torch.arange(6)
+}
+
+TEST(Distcp, TensorPicklesOfEveryForm) {
+  struct Case {
+    const char* file;
+    DType dtype;
+    std::vector<uint64_t> size;
+    uint64_t storage_offset;
+    uint64_t storage_numel;
+    bool contiguous;
+  };
+  const Case cases[] = {
+      {"fp8.pt", DType::F8_E4M3, {4, 3}, 0, 12, true},          // _rebuild_tensor_v3, untyped
+      {"bf16-view.pt", DType::BF16, {2, 4}, 4, 12, true},       // a view into a larger storage
+      {"f32-transposed.pt", DType::F32, {4, 3}, 0, 12, false},  // strides (1, 4)
+  };
+  for (const auto& c : cases) {
+    const std::string pt = seed(c.file);
+    auto m = members_of(pt);
+    ASSERT_TRUE(m.ok()) << err(m);
+    auto a = zip::torch_archive(*m, c.file);
+    ASSERT_TRUE(a.ok()) << err(a);
+    auto rec = parse_torch_tensor_pickle(pt.substr(a->pickle.offset, a->pickle.size), c.file);
+    ASSERT_TRUE(rec.ok()) << c.file << ": " << err(rec);
+    EXPECT_EQ(rec->dtype, c.dtype) << c.file;
+    EXPECT_EQ(rec->size, c.size) << c.file;
+    EXPECT_EQ(rec->storage_offset, c.storage_offset) << c.file;
+    EXPECT_EQ(rec->storage_numel, c.storage_numel) << c.file;
+    EXPECT_EQ(rec->contiguous(), c.contiguous) << c.file;
+  }
+}
+
+TEST(Distcp, MetadataOfASmallSave) {
+  // dcp.save({"model": {"embed.weight": f32 [8, 4], "norm.weight": bf16 [4]}, "step": 3})
+  auto md = parse_distcp_metadata(seed("small.metadata"), ".metadata");
+  ASSERT_TRUE(md.ok()) << err(md);
+  ASSERT_EQ(md->tensors.size(), 2u);
+  EXPECT_EQ(md->bytes_items, std::vector<std::string>{"step"});
+  const auto& e = md->tensors[0];
+  EXPECT_EQ(e.key, "model.embed.weight");
+  EXPECT_EQ(e.path, (std::vector<std::string>{"model", "embed.weight"}));
+  EXPECT_EQ(e.dtype, DType::F32);
+  EXPECT_EQ(e.size, (std::vector<uint64_t>{8, 4}));
+  ASSERT_EQ(e.chunks.size(), 1u);
+  EXPECT_EQ(e.chunks[0].file, "__0_0.distcp");
+  EXPECT_EQ(e.chunks[0].offset, 1261u);
+  EXPECT_EQ(e.chunks[0].length, 1705u);
+  EXPECT_EQ(md->tensors[1].dtype, DType::BF16);
+}
+
+TEST(Distcp, MetadataOfAnFsdp2SaveWithOptimizerState) {
+  // 3 FSDP2 ranks, bf16 tiny Llama, {"model": ..., "optimizer": ...} (dcp_fsdp_save.py --wrap).
+  auto md = parse_distcp_metadata(seed("fsdp-wrapped.metadata"), ".metadata");
+  ASSERT_TRUE(md.ok()) << err(md);
+  size_t model = 0, optim = 0;
+  for (const auto& t : md->tensors) {
+    ASSERT_FALSE(t.path.empty()) << t.key;
+    if (t.path[0] == "model") {
+      ++model;
+      ASSERT_EQ(t.chunks.size(), 3u) << t.key;  // one per rank: dim-0 blocks
+      uint64_t rows = 0;
+      std::set<std::string> files;
+      for (const auto& c : t.chunks) {
+        rows += c.sizes[0];
+        files.insert(c.file);
+      }
+      EXPECT_EQ(rows, t.size[0]) << t.key;
+      EXPECT_EQ(files, (std::set<std::string>{"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}));
+    } else if (t.path[0] == "optimizer") {
+      ++optim;
+    }
+  }
+  EXPECT_EQ(model, 21u);
+  EXPECT_EQ(optim, 60u);
+}
+
+}  // namespace
