@@ -68,6 +68,12 @@ const std::vector<GlobalName>& metadata_globals() {
         {kMeta, "StorageMeta"},
         {kMeta, "_MEM_FORMAT_ENCODING"},
         {"torch.distributed.checkpoint.filesystem", "_StorageInfo"},
+        // Megatron-Core's torch_dist keeps every rank's save plan in the metadata
+        // (Metadata.all_local_plans): records only, never read.
+        {"torch.distributed.checkpoint.planner", "SavePlan"},
+        {"torch.distributed.checkpoint.planner", "WriteItem"},
+        {"torch.distributed.checkpoint.planner", "WriteItemType"},
+        {"torch.distributed.checkpoint.planner", "TensorWriteData"},
         {"torch", "Size"},
         {"torch.serialization", "_get_layout"},
         {"pathlib", "PosixPath"},

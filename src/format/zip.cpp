@@ -2,6 +2,7 @@
 #include "ckptfs/format/zip.hpp"
 
 #include <algorithm>
+#include <array>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -40,6 +41,13 @@ Result<std::string> read_bytes(const ReadAt& read, uint64_t offset, uint64_t n) 
   std::string out(n, '\0');
   CKPTFS_CHECK(read(offset, std::span<char>(out.data(), out.size())));
   return out;
+}
+
+// A fixed-size record (the zip64 locator and end record) into an array.
+template <size_t N>
+Status read_record(const ReadAt& read, uint64_t offset, std::array<char, N>& out) {
+  out.fill('\0');
+  return read(offset, std::span<char>(out.data(), N));
 }
 
 struct Directory {
@@ -83,8 +91,9 @@ Result<Directory> directory(uint64_t size, const ReadAt& read, std::string_view 
   Directory d{e.u16(10), e.u32(16), e.u32(12)};
   if (d.entries == 0xffff || d.offset == 0xffffffff || d.size == 0xffffffff) {
     if (end_at < kEnd64LocatorSize) return make_error(EINVAL, "{}: zip64 locator missing", what);
-    CKPTFS_TRY(std::string loc, read_bytes(read, end_at - kEnd64LocatorSize, kEnd64LocatorSize));
-    const Le l{loc};
+    std::array<char, kEnd64LocatorSize> loc;
+    CKPTFS_CHECK(read_record(read, end_at - kEnd64LocatorSize, loc));
+    const Le l{std::string_view(loc.data(), loc.size())};
     if (l.u32(0) != kEnd64LocatorSig || l.u32(4) != 0 || l.u32(16) > 1) {
       return make_error(EINVAL, "{}: zip64 locator missing or multi-disk", what);
     }
@@ -92,8 +101,9 @@ Result<Directory> directory(uint64_t size, const ReadAt& read, std::string_view 
     if (at64 > end_at - kEnd64LocatorSize || end_at - kEnd64LocatorSize - at64 < kEnd64Size) {
       return make_error(EINVAL, "{}: zip64 end record at {} is out of range", what, at64);
     }
-    CKPTFS_TRY(std::string rec, read_bytes(read, at64, kEnd64Size));
-    const Le r{rec};
+    std::array<char, kEnd64Size> rec;
+    CKPTFS_CHECK(read_record(read, at64, rec));
+    const Le r{std::string_view(rec.data(), rec.size())};
     if (r.u32(0) != kEnd64Sig || r.u32(16) != 0 || r.u32(20) != 0 || r.u64(24) != r.u64(32)) {
       return make_error(EINVAL, "{}: zip64 end record is bad or multi-disk", what);
     }
