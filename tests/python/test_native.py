@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, ROOT, Mount, requires_fuse
+from conftest import BIN, ROOT, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -171,14 +171,6 @@ def test_written_through_the_mount(tmp_path):
         del model
     # The native files in SRC are the bytes written (nothing was split or rewritten).
     assert sorted(p.name for p in (src / "step-1").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-
-
-def have(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except Exception:  # noqa: BLE001  (a framework that does not import here is absent)
-        return False
 
 
 def global_tensors(d: pathlib.Path) -> dict:
