@@ -6,7 +6,8 @@
 # Then, through the device tool (carry .gpu, one call, timeout 600):
 #   tools/gpu_node.sh run [quick|full]
 # Without a GPU (here), `tools/gpu_node.sh run dry` runs the same steps small, on the CPU, and
-# the GPU-only ones report themselves skipped: it checks the plumbing, not the figures.
+# the GPU-only ones report themselves skipped: it checks the plumbing, not the figures (here:
+# PYTHON=~/.cache/ckptfs/venv/bin/python; on the node its python3 holds torch).
 #
 # What `run` does, each step's output under $OUT (or .gpu/out), the summary printed last:
 #   1. the node: nvidia-smi, cores, memory, torch's view of the GPU
