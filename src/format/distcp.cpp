@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "ckptfs/util/checked.hpp"
+#include "json_strict.hpp"
 
 namespace ckptfs::format {
 namespace {
@@ -140,6 +141,13 @@ Result<DType> properties_dtype(const Walk& w, Ref props, std::string_view where)
 bool is_distcp_file_name(std::string_view name) {
   return name == kDistcpMetadataName ||
          (name.size() > kDistcpSuffix.size() && name.ends_with(kDistcpSuffix));
+}
+
+bool is_megatron_torch_dist(std::string_view metadata_json) {
+  auto j = detail::parse_json_strict(metadata_json, kMegatronMetadataName, "Megatron metadata");
+  if (!j.ok() || !j->is_object()) return false;
+  auto it = j->find("sharded_backend");
+  return it != j->end() && it->is_string() && it->get<std::string>() == "torch_dist";
 }
 
 std::span<const pickle::GlobalName> distcp_metadata_globals() { return metadata_globals(); }

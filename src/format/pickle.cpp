@@ -354,7 +354,11 @@ class Machine {
       if (stack_.size() - floor < n + 1) return fail("not enough values on the stack");
       from = stack_.size() - n;
     }
-    if (from == 0) return fail("no container below the items");
+    // The container is the top of the frame the items were added in (after a marked
+    // opcode, the enclosing one): never a value below another open MARK.
+    if (from == 0 || (!marks_.empty() && from - 1 < marks_.back())) {
+      return fail("no container below the items");
+    }
     if (pairs && (stack_.size() - from) % 2 != 0) return fail("odd number of keys and values");
     Value& target = p_.values_[stack_[from - 1]];
     const auto want = pairs ? Value::Added::Pairs : Value::Added::Elements;

@@ -9,7 +9,6 @@
 #include <map>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/zip.hpp"
@@ -133,11 +132,9 @@ void read_distcp_input(int dirfd, layout::BuildInput& in) {
   in.declared.emplace();
   in.declared->format = "torch DCP (.metadata, *.distcp)";
   // Megatron-Core's torch_dist says so in metadata.json (its common.pt is never read).
-  if (auto mj = read_small_file_beneath(dirfd, "metadata.json", 64 << 10); mj.ok()) {
-    auto j = nlohmann::json::parse(*mj, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("sharded_backend", nlohmann::json()) == "torch_dist") {
-      in.declared->format = "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)";
-    }
+  if (auto mj = read_small_file_beneath(dirfd, format::kMegatronMetadataName, 64 << 10);
+      mj.ok() && format::is_megatron_torch_dist(*mj)) {
+    in.declared->format = "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)";
   }
   struct stat mst {};
   auto mfd = open_regular_at(dirfd, meta_name, meta_name, &mst);

@@ -29,6 +29,15 @@ def fuse_available() -> bool:
 requires_fuse = pytest.mark.skipif(not fuse_available(), reason="needs root, /dev/fuse and fusermount3")
 
 
+def have(module: str) -> bool:
+    """Whether `module` imports here (a framework the tests use only when installed)."""
+    try:
+        __import__(module)
+        return True
+    except Exception:  # noqa: BLE001  (a framework that does not import here is absent)
+        return False
+
+
 def wait_for(pred, what: str, timeout: float = 10.0, interval: float = 0.05, fatal=()):
     """Polls pred() until it returns something truthy; OSErrors count as 'not yet', while an
     exception of a type in `fatal` fails at once."""

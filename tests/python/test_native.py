@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, ROOT, Mount, requires_fuse
+from conftest import BIN, ROOT, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -173,14 +173,6 @@ def test_written_through_the_mount(tmp_path):
     assert sorted(p.name for p in (src / "step-1").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def have(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except Exception:  # noqa: BLE001  (a framework that does not import here is absent)
-        return False
-
-
 def global_tensors(d: pathlib.Path) -> dict:
     """Every tensor of a DCP checkpoint, whole, as torch's own reader reshards it (no_dist)."""
     import torch.distributed.checkpoint as dcp
@@ -215,6 +207,30 @@ def test_megatron_torch_dist(tmp_path):
         assert m.proc.poll() is None
     text = inspect(out)
     assert "Megatron-Core torch_dist" in text and "_extra_state" in text, text
+
+
+@pytest.mark.skipif(not have("torchtitan.components.checkpointer"), reason="torchtitan 0.3.0 not installed")
+def test_torchtitan_native_checkpoint(tmp_path):
+    """torchtitan's own checkpointer (CheckpointManager, its default DCP save of model and
+    training state, FSDP2 on 2 ranks): the model's tensors are served under torchtitan's names,
+    exactly; optimizer, lr_scheduler and train_state are not."""
+    src = tmp_path / "src"
+    src.mkdir()
+    out = src / "t"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(WRITERS / "titan_hf_save.py"), str(out), "--native"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=str(src))
+    assert r.returncode == 0, f"titan_hf_save --native: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    step = pathlib.Path("t") / "checkpoint" / "step-1"
+    assert (src / step / ".metadata").is_file()
+    want = load(out / "reference.safetensors")
+    assert "tok_embeddings.weight" in want
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        d = pathlib.Path(m.mnt) / step
+        assert_equal(served(d), want, "torchtitan's checkpoint")
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        assert not [k for k in index["weight_map"] if k.split(".")[0] in ("optimizer", "lr_scheduler", "train_state")]
+        assert m.proc.poll() is None
 
 
 def copy_case(saved: pathlib.Path, name: str, to: pathlib.Path) -> pathlib.Path:

@@ -29,7 +29,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, Mount, requires_fuse
+from conftest import ROOT, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -37,14 +37,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = requires_fuse
 
 WRITERS = pathlib.Path(__file__).parent / "writers"
-
-
-def have(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except Exception:  # noqa: BLE001  (a framework that does not import here is absent)
-        return False
 
 
 def run_writer(script: str, out: pathlib.Path, *args: str, timeout: float = 240) -> list[str]:

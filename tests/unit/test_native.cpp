@@ -117,6 +117,7 @@ TEST(Pickle, RefusesOpcodesOutsideTheListAndBadStreams) {
       {"\x80\x02Na."s, "not enough values"},
       {"\x80\x02K\x01)R."s, "not a global"},
       {"\x80\x02}Nb."s, "sets the state"},
+      {"\x80\x02]((e."s, "no container"},  // the list lies below another open MARK
   };
   for (const auto& c : cases) {
     auto p = pickle::parse(c.bytes, {}, "bad");

@@ -34,6 +34,11 @@ inline constexpr uint64_t kMaxDistcpMetadataBytes = 256ull << 20;
 // form, never hidden by the view).
 bool is_distcp_file_name(std::string_view name);
 
+// Megatron-Core's metadata.json beside a DCP checkpoint says `"sharded_backend": "torch_dist"`
+// (parsed strictly: depth and duplicate keys refused; anything else is false).
+inline constexpr std::string_view kMegatronMetadataName = "metadata.json";
+bool is_megatron_torch_dist(std::string_view metadata_json);
+
 std::span<const pickle::GlobalName> distcp_metadata_globals();
 std::span<const pickle::GlobalName> torch_tensor_globals();
 

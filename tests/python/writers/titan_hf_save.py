@@ -2,6 +2,7 @@
 """Save a tiny FSDP2-sharded torchtitan Llama3 as HF safetensors with torchtitan's own checkpointer.
 
     PYTHONPATH=/tmp/fw/site python titan_hf_save.py OUT_DIR [--ranks 2] [--seed 0] [--mapping] [--step 1]
+                                                            [--native]
 
 Entry point: torchtitan.components.checkpointer.dcp.CheckpointManager.save(step, last_step=True),
 the call the Trainer makes after its last step. With Config(enable=True, last_save_model_only=True,
@@ -17,6 +18,11 @@ Llama3StateDictAdapter.to_hf on the (DTensor) model state dict and then:
     torch's consolidate_safetensors_files_on_every_rank(step-N/sharded -> step-N).
 The fused-QKV state-dict hook hands q/k/v over as replicated DTensors, so DCP writes each of those whole,
 once, in one rank's shard (saved_offsets all 0); every other tensor is split on dim 0 across ranks.
+--native: torchtitan's own checkpoint instead (the default, last_save_in_hf=False, model and
+training state): dcp.save with its FileSystemWriter into step-N/ (.metadata, __R_0.distcp), the
+model's keys at the top level (tok_embeddings.weight, layers.N.attention..., norm.weight,
+lm_head.weight) beside optimizer, lr_scheduler and train_state; rank 0 then writes
+OUT_DIR/reference.safetensors = the full model state dict under those same (torchtitan) names.
 Layout: OUT_DIR/checkpoint/step-N/... (torchtitan's default checkpoint.folder under base_folder=OUT_DIR).
 Rank 0 also writes OUT_DIR/reference.safetensors = adapter.to_hf(full unsharded model state dict).
 The last stdout line is a JSON list of every file under OUT_DIR (relative paths).
@@ -73,7 +79,7 @@ def write_hf_assets(path):
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def worker(rank, world, scratch, out_dir, seed, mapping, step):
+def worker(rank, world, scratch, out_dir, seed, mapping, step, native=False):
     import torch
     import torch.distributed as dist
 
@@ -116,9 +122,9 @@ def worker(rank, world, scratch, out_dir, seed, mapping, step):
         lr_schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers,
                                                                            training_steps=step)
         # keep_latest_k=0: no purge thread; initial_load_model_only=False: silences a no-load warning.
-        ckpt = CheckpointManager.Config(enable=True, last_save_model_only=True, last_save_in_hf=True,
-                                        export_dtype="float32", keep_latest_k=0,
-                                        initial_load_model_only=False).build(
+        ckpt = CheckpointManager.Config(enable=True, last_save_model_only=not native,
+                                        last_save_in_hf=not native, export_dtype="float32",
+                                        keep_latest_k=0, initial_load_model_only=False).build(
             dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={}, sd_adapter=adapter, base_folder=out_dir)
         assert ckpt.save(step, last_step=True)
@@ -129,7 +135,7 @@ def worker(rank, world, scratch, out_dir, seed, mapping, step):
         # get_model_state_dict cannot be used: it trips over the fused-QKV state-dict hooks.)
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
         if rank == 0:
-            ref = Llama3StateDictAdapter(cfg, None).to_hf(full)
+            ref = full if native else Llama3StateDictAdapter(cfg, None).to_hf(full)
             save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out_dir, "reference.safetensors"))
         dist.barrier()
     finally:
@@ -143,12 +149,13 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step", type=int, default=1, help="training step: output goes to checkpoint/step-N")
     ap.add_argument("--mapping", action="store_true", help="give the adapter a 2-file fqn_to_index_mapping")
+    ap.add_argument("--native", action="store_true", help="torchtitan's own DCP checkpoint, not HF")
     a = ap.parse_args()
     out_dir = os.path.abspath(a.out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
     # scratch: the rendezvous file and hf_assets, kept out of OUT_DIR
-    spawn(worker, a.ranks, "titan-save-", lambda scratch: (a.ranks, scratch, out_dir, a.seed, a.mapping, a.step))
+    spawn(worker, a.ranks, "titan-save-", lambda scratch: (a.ranks, scratch, out_dir, a.seed, a.mapping, a.step, a.native))
     print(json.dumps(files_under(out_dir)))
 
 
