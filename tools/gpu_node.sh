@@ -2,7 +2,7 @@
 # The GPU node's measurements (issue 24) in one call: the loader's CUDA path checked and timed,
 # and the read path's 16-core defaults, on the device machine (one H100, 16 cores, no network).
 #
-# On this machine, first:   tools/gpu_node.sh pack      (builds release, fills .gpu/, ~10 MB)
+# On this machine, first:   tools/gpu_node.sh pack      (builds release, fills .gpu/, ~5 MB)
 # Then, through the device tool (carry .gpu, one call, timeout 600):
 #   tools/gpu_node.sh run [quick|full]
 # Without a GPU (here), `tools/gpu_node.sh run dry` runs the same steps small, on the CPU, and
@@ -19,7 +19,8 @@
 #      safetensors native and through the mount, preadv limit), warm and cold, threads 1..16
 #   5. the 16-core read path: tools/bench_read.py (4 x 1 GiB, 1 and 4 readers, prefetch
 #      default/on/off) and tools/bench_load.py --size 8 (mount vs native vs consolidate)
-# Sizes: quick (fits one 10-minute call: 2 GB loader, 1 GiB read), full (8 GB loader, 8 GB load).
+# Sizes: quick (2 GB loader, 1 GiB reads, 2 GB load: meant to fit one 10-minute call, not yet
+# timed on the node), full (8 GB loader and load: may outrun one call's 600 s).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
