@@ -183,7 +183,8 @@ Result<Loaded> load_all(const std::string& dir) {
     return make_error(
         ENOENT,
         "{}: no rank-sharded checkpoint found (no shard-R-model-K-of-M.safetensors files, no "
-        "torch DCP .metadata with *.distcp files)",
+        "torch DCP .metadata with *.distcp files, no verl fsdp_config.json with "
+        "model_world_size_W_rank_R.pt files)",
         dir);
   }
   Loaded out;

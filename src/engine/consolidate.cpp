@@ -20,6 +20,7 @@
 
 #include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/format/verl.hpp"
 #include "ckptfs/fs/gather.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
@@ -252,8 +253,9 @@ class Copier {
   unsigned finished_ = 0;  // workers returned
 };
 
-// Regular files of the checkpoint besides the shards (and a DCP checkpoint's own files): SRC's own
-// files, then .hf_metadata/ content (the mapping file excluded) unless SRC already has that name.
+// Regular files of the checkpoint besides the shards (and a DCP or verl checkpoint's own files):
+// SRC's own files, then the content of .hf_metadata/ (the mapping files excluded) and of verl's
+// huggingface/, each unless an earlier one already has that name.
 std::vector<std::pair<std::string, std::string>> side_files(
     const std::string& src, const std::function<void(std::string_view)>& warn) {
   std::vector<std::pair<std::string, std::string>> out;  // (source path, name)
@@ -264,7 +266,8 @@ std::vector<std::pair<std::string, std::string>> side_files(
     // NeMo's consolidate.sh makes what this writes; its own export leaves it out (the view too).
     // A DCP checkpoint's .metadata and .distcp files are its shards.
     if (format::looks_like_shard_name(name) || is_model_output_name(name) ||
-        format::is_distcp_file_name(name) || name == "consolidate.sh") {
+        format::is_distcp_file_name(name) || format::is_verl_file_name(name) ||
+        name == "consolidate.sh") {
       continue;
     }
     if (e.is_symlink(ec)) {
@@ -275,15 +278,19 @@ std::vector<std::pair<std::string, std::string>> side_files(
     out.emplace_back(e.path().string(), name);
     seen.insert(name);
   }
-  std::string meta = src + "/" + std::string(format::kHfMetadataDir);
-  for (const auto& e : stdfs::directory_iterator(meta, ec)) {
-    auto name = e.path().filename().string();
-    if (!e.is_regular_file(ec) || e.is_symlink(ec)) continue;
-    if (name == format::kFqnMappingFileName || name == format::kFqnDtypeMappingFileName ||
-        seen.count(name) || is_model_output_name(name)) {
-      continue;
+  for (std::string_view lifted : format::kLiftedDirs) {
+    std::string meta = src + "/" + std::string(lifted);
+    if (stdfs::is_symlink(meta, ec)) continue;
+    for (const auto& e : stdfs::directory_iterator(meta, ec)) {
+      auto name = e.path().filename().string();
+      if (!e.is_regular_file(ec) || e.is_symlink(ec)) continue;
+      if (name == format::kFqnMappingFileName || name == format::kFqnDtypeMappingFileName ||
+          seen.count(name) || is_model_output_name(name)) {
+        continue;
+      }
+      out.emplace_back(e.path().string(), name);
+      seen.insert(name);
     }
-    out.emplace_back(e.path().string(), name);
   }
   std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.second < b.second; });
   return out;

@@ -314,13 +314,13 @@ bool TorchTensorRecord::contiguous() const {
   return true;
 }
 
-Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
-  CKPTFS_TRY(pickle::Pickle p, pickle::parse(bytes, tensor_globals(), what));
+Result<TorchTensorRecord> read_rebuild_tensor(const pickle::Pickle& p, Ref ref,
+                                               std::string_view what) {
   const Walk w(p, what);
-  const pickle::Value& root = w.at(p.root());
+  const pickle::Value& root = w.at(ref);
   const bool v3 =
       root.kind == Kind::Call && w.is_global(root.func, "torch._utils", "_rebuild_tensor_v3");
-  if (!v3) CKPTFS_CHECK(w.call(p.root(), "torch._utils", "_rebuild_tensor_v2", "the pickle"));
+  if (!v3) CKPTFS_CHECK(w.call(ref, "torch._utils", "_rebuild_tensor_v2", "the tensor"));
   CKPTFS_TRY(auto args, w.sequence(root.args, "_rebuild_tensor arguments"));
   if (args.size() < (v3 ? 7u : 4u)) {
     return make_error(EINVAL, "{}: _rebuild_tensor with {} arguments", what, args.size());
@@ -369,6 +369,35 @@ Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string_view bytes, std:
                       dims(r.stride));
   }
   return r;
+}
+
+Result<uint64_t> tensor_offset_in_archive(const zip::TorchArchive& a, const TorchTensorRecord& rec,
+                                          std::string_view what) {
+  if (!rec.contiguous()) {
+    return make_error(EINVAL, "{}: a non-contiguous layout (stride {} for size {}) is not served",
+                      what, dims(rec.stride), dims(rec.size));
+  }
+  const zip::Member* storage = a.storage(rec.storage_key);
+  if (storage == nullptr) {
+    return make_error(EINVAL, "{}: its storage '{}' is not in the archive", what, rec.storage_key);
+  }
+  const uint64_t item = dtype_bits(rec.dtype) / 8;
+  auto numel = checked_numel(rec.size);
+  auto storage_bytes = checked_mul(rec.storage_numel, item);
+  auto end = numel ? checked_add(rec.storage_offset, *numel) : std::nullopt;
+  if (!storage_bytes || *storage_bytes != storage->size || !end || *end > rec.storage_numel) {
+    return make_error(EINVAL,
+                      "{}: storage '{}' of {} bytes does not hold {} elements of {} at element {}",
+                      what, rec.storage_key, storage->size, numel.value_or(0), dtype_name(rec.dtype),
+                      rec.storage_offset);
+  }
+  // storage_offset * item <= storage bytes, which fit in the archive.
+  return storage->offset + rec.storage_offset * item;
+}
+
+Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
+  CKPTFS_TRY(pickle::Pickle p, pickle::parse(bytes, tensor_globals(), what));
+  return read_rebuild_tensor(p, p.root(), what);
 }
 
 }  // namespace ckptfs::format

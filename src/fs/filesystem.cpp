@@ -1242,13 +1242,16 @@ struct Filesystem::Impl {
     }
     auto real = lookup_real(rel, dir.ino, name);
     if (real.ok() || real.error().code != ENOENT) return real;
-    // Lifted from .hf_metadata/ (never the mapping files). No symlink is followed on the way.
+    // Lifted from .hf_metadata/ (never the mapping files) or verl's huggingface/, the first
+    // that has it. No symlink is followed on the way.
     if (name == format::kFqnMappingFileName || name == format::kFqnDtypeMappingFileName)
       return real;
-    const std::string lifted = join_rel(join_rel(dir.rel, format::kHfMetadataDir), name);
-    auto st = stat_beneath(root.get(), lifted);
-    if (!st || !S_ISREG(st->st_mode)) return real;
-    return lookup_real(lifted, dir.ino, name);
+    for (std::string_view from : format::kLiftedDirs) {
+      const std::string lifted = join_rel(join_rel(dir.rel, from), name);
+      auto st = stat_beneath(root.get(), lifted);
+      if (st && S_ISREG(st->st_mode)) return lookup_real(lifted, dir.ino, name);
+    }
+    return real;
   }
 
   Result<EntryOut> lookup_in_shards(const Node& dir, std::string_view name) {
@@ -1310,9 +1313,9 @@ struct Filesystem::Impl {
       real(e);
       names.insert(e.name);
     }
-    if (auto meta = open_beneath(fd.get(), std::string(format::kHfMetadataDir),
-                                 O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-        meta.ok()) {
+    for (std::string_view from : format::kLiftedDirs) {
+      auto meta = open_beneath(fd.get(), std::string(from), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+      if (!meta) continue;
       if (auto lifted = source::list_dir(meta->get()); lifted.ok()) {
         for (const auto& e : *lifted) {
           if (!S_ISREG(e.st.st_mode) || e.name == format::kFqnMappingFileName ||

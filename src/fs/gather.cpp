@@ -169,6 +169,9 @@ Status gather(const GatherSource& src, std::span<const layout::Segment> segs, ch
     s.iov.clear();
     while (i < s.order.size() && segs[s.order[i]].shard == shard && s.iov.size() + 2 <= IOV_MAX) {
       const auto& g = segs[s.order[i]];
+      // Two tensors may share stored bytes (verl's tied embedding and lm_head are one storage):
+      // a segment starting before the span's end starts a span of its own.
+      if (g.src < end) break;
       if (g.src > end) {
         if (g.src - end > kGatherMaxGap) break;
         s.iov.push_back(iovec{s.sink.data(), static_cast<size_t>(g.src - end)});

@@ -89,29 +89,20 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
     return make_error(EINVAL, "{}: holds a tensor of size {} where .metadata says {}", what,
                       dims(rec.size), dims(c.sizes));
   }
-  if (!rec.contiguous()) {
-    return make_error(EINVAL, "{}: a non-contiguous layout (stride {} for size {}) is not served",
-                      what, dims(rec.stride), dims(rec.size));
-  }
-  const format::zip::Member* storage = archive.storage(rec.storage_key);
-  if (storage == nullptr) {
-    return make_error(EINVAL, "{}: its storage '{}' is not in the archive", what, rec.storage_key);
-  }
-  const uint64_t item = format::dtype_bits(rec.dtype) / 8;
-  auto numel = checked_numel(rec.size);
-  auto storage_bytes = checked_mul(rec.storage_numel, item);
-  auto end = numel ? checked_add(rec.storage_offset, *numel) : std::nullopt;
-  if (!storage_bytes || *storage_bytes != storage->size || !end || *end > rec.storage_numel) {
-    return make_error(EINVAL,
-                      "{}: storage '{}' of {} bytes does not hold {} elements of {} at element {}",
-                      what, rec.storage_key, storage->size, numel.value_or(0),
-                      format::dtype_name(rec.dtype), rec.storage_offset);
-  }
-  // In range of the chunk (zip::members checked the member), so none of this overflows.
-  return c.offset + storage->offset + rec.storage_offset * item;
+  CKPTFS_TRY(uint64_t at, format::tensor_offset_in_archive(archive, rec, what));
+  return c.offset + at;  // in range of the chunk (zip::members checked the member)
 }
 
 }  // namespace
+
+uint32_t OutputPacker::place(uint64_t bytes) {
+  if (in_k_ > 0 && bytes > kMaxOutputBytes - std::min(in_k_, kMaxOutputBytes)) {
+    ++k_;
+    in_k_ = 0;
+  }
+  in_k_ = checked_add(in_k_, bytes).value_or(UINT64_MAX);
+  return k_;
+}
 
 bool is_distcp_entry(const DirEntry& e) { return format::is_distcp_file_name(e.name); }
 
@@ -216,8 +207,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in) {
   }
   if (!in.problems.empty()) return;
 
-  uint32_t k = 1;
-  uint64_t in_k = 0;
+  OutputPacker packer;
   for (const auto& [t, name] : served) {
     auto nbytes = checked_numel(t->size);
     auto bytes = nbytes ? format::byte_size(t->dtype, *nbytes) : std::nullopt;
@@ -225,11 +215,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in) {
       problem(meta_name, name, fmt::format("size {} overflows", dims(t->size)));
       continue;
     }
-    if (in_k > 0 && (*bytes > kMaxOutputBytes - std::min(in_k, kMaxOutputBytes))) {
-      ++k;
-      in_k = 0;
-    }
-    in_k = checked_add(in_k, *bytes).value_or(UINT64_MAX);
+    const uint32_t k = packer.place(*bytes);
     if (t->chunks.empty()) {
       problem(meta_name, name, "has no chunks");
       continue;
@@ -261,7 +247,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in) {
       in.declared->chunks.push_back(std::move(d));
     }
   }
-  in.declared->outputs = k;
+  in.declared->outputs = packer.outputs();
   if (served.empty()) problem(meta_name, "", "no model tensors");
 }
 

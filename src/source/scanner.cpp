@@ -16,6 +16,7 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/source/distcp.hpp"
+#include "ckptfs/source/verl.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
 
@@ -86,10 +87,13 @@ bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries) {
 }
 
 bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries) {
-  return has_shards(entries) || is_distcp_dir(entries) || has_remote_records(dirfd, entries);
+  return has_shards(entries) || is_distcp_dir(entries) || is_verl_dir(entries) ||
+         has_remote_records(dirfd, entries);
 }
 
-bool is_input_entry(const DirEntry& e) { return is_shard_entry(e) || is_distcp_entry(e); }
+bool is_input_entry(const DirEntry& e) {
+  return is_shard_entry(e) || is_distcp_entry(e) || is_verl_entry(e);
+}
 
 bool trusted_state(const struct stat& st) {
   return (st.st_uid == 0 || st.st_uid == ::geteuid()) && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
@@ -213,6 +217,10 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
   in.dir = display;
   if (is_distcp_dir(entries)) {
     read_distcp_input(dirfd, in);
+    return in;
+  }
+  if (is_verl_dir(entries)) {
+    read_verl_input(dirfd, entries, in);
     return in;
   }
   for (const auto& e : entries) {
@@ -419,8 +427,9 @@ Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
   CKPTFS_TRY(auto entries, list_dir(fd.get()));
   if (!is_checkpoint_dir(fd.get(), entries)) {
     return make_error(ENOENT,
-                      "{}: no rank shard files (shard-R-model-K-of-M.safetensors) and no DCP "
-                      "checkpoint (.metadata and *.distcp)",
+                      "{}: no rank shard files (shard-R-model-K-of-M.safetensors), no DCP "
+                      "checkpoint (.metadata and *.distcp) and no verl FSDP checkpoint "
+                      "(fsdp_config.json and model_world_size_W_rank_R.pt)",
                       dir);
   }
   HeaderCache cache;

@@ -1,11 +1,13 @@
 // libFuzzer target: the native-format parsers (the restricted unpickler, DCP's .metadata and
-// tensor pickles, the zip locator) on arbitrary bytes.
+// tensor pickles, verl's DTensor state dicts and fsdp_config.json, the zip locator) on
+// arbitrary bytes.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
 
 #include "ckptfs/format/distcp.hpp"
+#include "ckptfs/format/verl.hpp"
 #include "ckptfs/format/zip.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -13,6 +15,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view bytes(reinterpret_cast<const char*>(data), size);
   (void)format::parse_distcp_metadata(bytes, "fuzz.metadata");
   (void)format::parse_torch_tensor_pickle(bytes, "fuzz data.pkl");
+  (void)format::parse_rank_state_dict(bytes, "fuzz rank data.pkl");
+  (void)format::parse_verl_config(bytes, "fuzz fsdp_config.json");
+  (void)format::parse_verl_rank_name(bytes);
   auto read = [&](uint64_t off, std::span<char> out) -> Status {
     if (off > size || out.size() > size - off) return make_error(EIO, "past the end");
     std::memcpy(out.data(), data + off, out.size());
@@ -28,6 +33,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (a.ok()) {
       (void)format::parse_torch_tensor_pickle(bytes.substr(a->pickle.offset, a->pickle.size),
                                               "fuzz data.pkl");
+      (void)format::parse_rank_state_dict(bytes.substr(a->pickle.offset, a->pickle.size),
+                                          "fuzz rank data.pkl");
     }
   }
   return 0;

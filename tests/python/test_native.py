@@ -12,6 +12,7 @@ says why, naming the file. Skipped (never faked) without root, /dev/fuse or torc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -284,4 +285,137 @@ def test_incomplete_or_damaged_checkpoint_shows_nothing_consolidated(saved, tmp_
     expect = {"no-metadata": "no rank-sharded checkpoint found", "missing-file": "__1_0.distcp",
               "short-file": "__1_0.distcp", "bad-pickle": "not one this reader allows",
               "dotdot": "not a file of this directory"}[damage]
+    assert expect in text, text
+
+
+# --- verl's FSDP checkpoints ---------------------------------------------------------------------
+
+# (ranks, dtype, tied): verl's own FSDPCheckpointManager saves each once per module.
+VERL_CASES = {"verl-2r-fp32": (2, "float32", False), "verl-3r-bf16-tied": (3, "bfloat16", True)}
+VERL_ACTOR = pathlib.Path("global_step_1") / "actor"
+
+
+@pytest.fixture(scope="module")
+def verl_saved(tmp_path_factory):
+    if not have("omegaconf") or importlib.util.find_spec("verl") is None:
+        pytest.skip("verl 0.9.1 not installed (tools/requirements-frameworks.txt)")
+    src = tmp_path_factory.mktemp("verl") / "src"
+    src.mkdir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    for name, (ranks, dtype, tied) in VERL_CASES.items():
+        args = ["--ranks", str(ranks), "--dtype", dtype] + (["--tied"] if tied else [])
+        r = subprocess.run([sys.executable, str(WRITERS / "verl_save.py"), str(src / name), *args],
+                           capture_output=True, text=True, timeout=300, env=env, cwd=str(src))
+        assert r.returncode == 0, f"verl_save {name}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+        files = json.loads(r.stdout.strip().splitlines()[-1])
+        actor = [f for f in files if f.startswith(str(VERL_ACTOR) + "/")]
+        assert str(VERL_ACTOR / "fsdp_config.json") in actor, files
+        assert len([f for f in actor if "/model_world_size_" in f]) == ranks, files
+    return src
+
+
+@pytest.mark.parametrize("name", list(VERL_CASES))
+def test_verl_checkpoint_is_served_as_hf(verl_saved, tmp_path, name):
+    """verl's FSDP2 checkpoint (model_world_size_W_rank_R.pt: DTensor shards, the last rank's
+    shorter) is served as the full model, exactly; config.json and the tokenizer come from its
+    huggingface/ folder; from_pretrained and AutoTokenizer load the actor directory; verl's own
+    merger (run by the writer) made the same tensors."""
+    ranks, dtype, tied = VERL_CASES[name]
+    want = reference(verl_saved, name)
+    with Mount(verl_saved, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        d = pathlib.Path(m.mnt) / name / VERL_ACTOR
+        names = sorted(os.listdir(d))
+        # verl's own files stay (a resume reads them); the consolidated form and the lifted
+        # config and tokenizer are added.
+        for n in ["fsdp_config.json", "huggingface", "config.json", "tokenizer.json",
+                  "model.safetensors.index.json"] + [f"model_world_size_{ranks}_rank_{r}.pt" for r in range(ranks)]:
+            assert n in names, (n, names)
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        assert sorted(index["weight_map"]) == sorted(want)
+        got = served(d)
+        assert_equal(got, want, "verl's checkpoint")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
+        sd = model.state_dict()
+        for k, v in want.items():
+            assert torch.equal(sd[k], v), k
+        del model, sd
+        tok = transformers.AutoTokenizer.from_pretrained(str(d))
+        assert tok.convert_tokens_to_ids("t7") == 7
+        assert m.proc.poll() is None
+    # verl.model_merger's output (bf16 always; a tied lm_head left out) holds the same values.
+    merged = load(verl_saved / f"merged-{name}" / "model.safetensors")
+    assert merged and set(merged) <= set(got)
+    bad = [k for k, v in merged.items() if not torch.equal(v, got[k].to(v.dtype))]
+    assert not bad, f"the mount and verl's merger differ: {bad}"
+    text = inspect(verl_saved / name / VERL_ACTOR)
+    assert "verl FSDP" in text and "optimizer and extra-state" in text and "not served" in text, text
+
+
+def test_verl_every_tool_accepts_it(verl_saved, tmp_path):
+    """verify, consolidate, ckptfs load and the Python binding read verl's rank files; what they
+    make equals the mount's files."""
+    import filecmp
+
+    name = "verl-3r-bf16-tied"
+    d = verl_saved / name / VERL_ACTOR
+    want = reference(verl_saved, name)
+    r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "consolidated"
+    r = subprocess.run([BIN, "consolidate", str(d), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = sorted(os.listdir(out))
+    assert "config.json" in names and "tokenizer.json" in names, names
+    assert not [n for n in names if n.endswith(".pt") or n == "fsdp_config.json"], names
+    with Mount(verl_saved, tmp_path / "mnt") as m:
+        for n in names:
+            assert filecmp.cmp(out / n, pathlib.Path(m.mnt) / name / VERL_ACTOR / n, shallow=False), n
+    sums = []
+    for src in (d, out):
+        r = subprocess.run([BIN, "load", str(src)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        sums.append([ln for ln in r.stdout.splitlines() if ln.startswith("checksum")])
+    assert sums[0] and sums[0] == sums[1], sums
+    os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
+    sys.path.insert(0, str(ROOT / "python"))
+    import ckptfs_load
+
+    assert_equal(ckptfs_load.load_state_dict(str(d)), want, "the Python binding")
+
+
+def replace_in_zip_member(path: pathlib.Path, old: bytes, new: bytes):
+    """Same-length bytes replaced in place inside a stored (uncompressed) archive member."""
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    assert old in data, old
+    path.write_bytes(data.replace(old, new, 1))
+
+
+@pytest.mark.parametrize("damage", ["missing-rank", "short-rank", "world-size", "bad-global", "rows"])
+def test_verl_damaged_checkpoint_shows_nothing_consolidated(verl_saved, tmp_path, damage):
+    src = tmp_path / "src"
+    src.mkdir()
+    d = src / "actor"
+    shutil.copytree(verl_saved / "verl-3r-bf16-tied" / VERL_ACTOR, d)
+    last = d / "model_world_size_3_rank_2.pt"
+    if damage == "missing-rank":
+        last.unlink()
+    elif damage == "short-rank":
+        os.truncate(last, last.stat().st_size - 100)
+    elif damage == "world-size":
+        (d / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
+    elif damage == "bad-global":
+        mod = b"torch.distributed.tensor\nDTensor"  # GLOBAL: module and name, each ending in a newline
+        replace_in_zip_member(last, mod, b"subprocess\nPopen".ljust(len(mod), b"x"))
+    else:
+        # The last rank's embedding claims 43 rows where torch.chunk gives it 42 (130 = 44+44+42).
+        replace_in_zip_member(last, b"K*K@\x86", b"K+K@\x86")
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        names = os.listdir(pathlib.Path(m.mnt) / "actor")
+        assert not [n for n in names if n.startswith("model.") or n.startswith("model-")], names
+        assert m.proc.poll() is None
+    text = inspect(d)
+    expect = {"missing-rank": "model_world_size_3_rank_2.pt: missing", "short-rank": "model_world_size_3_rank_2.pt",
+              "world-size": "world size 3", "bad-global": "not one this reader allows",
+              "rows": "gives [42, 64]"}[damage]
     assert expect in text, text

@@ -1,5 +1,6 @@
 // Unit tests of the native-format parsers: the restricted unpickler, the zip locator and
-// torch DCP's .metadata and tensor pickles (real files torch wrote: tests/fuzz/seeds-torch).
+// torch DCP's .metadata and tensor pickles, verl's rank files (real files torch wrote:
+// tests/fuzz/seeds-torch).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,6 +10,7 @@
 
 #include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/pickle.hpp"
+#include "ckptfs/format/verl.hpp"
 #include "ckptfs/format/zip.hpp"
 
 #include <fmt/format.h>
@@ -390,6 +392,125 @@ TEST(Distcp, MetadataOfAnFsdp2SaveWithOptimizerState) {
   }
   EXPECT_EQ(model, 21u);
   EXPECT_EQ(optim, 60u);
+}
+
+// ---- verl (FSDP2 DTensor state dicts) ---------------------------------------------------------
+
+TEST(Verl, RankFileNames) {
+  auto n = parse_verl_rank_name("model_world_size_8_rank_7.pt");
+  ASSERT_TRUE(n);
+  EXPECT_EQ(n->kind, "model");
+  EXPECT_EQ(n->world, 8u);
+  EXPECT_EQ(n->rank, 7u);
+  auto x = parse_verl_rank_name("extra_state_world_size_2_rank_0.pt");
+  ASSERT_TRUE(x);
+  EXPECT_EQ(x->kind, "extra_state");
+  EXPECT_EQ(verl_rank_name("model", 8, 7), "model_world_size_8_rank_7.pt");
+  for (const char* bad :
+       {"model_world_size_2_rank_2.pt", "model_world_size_0_rank_0.pt", "model_world_size_02_rank_0.pt",
+        "model_world_size_2_rank_0.bin", "_world_size_2_rank_0.pt", "model_world_size_2_rank_.pt",
+        "model_world_size_99999999999_rank_0.pt", "model_world_size_2_rank_-1.pt"}) {
+    EXPECT_FALSE(parse_verl_rank_name(bad)) << bad;
+  }
+  EXPECT_TRUE(is_verl_file_name("fsdp_config.json"));
+  EXPECT_TRUE(is_verl_file_name("optim_world_size_2_rank_1.pt"));
+  EXPECT_FALSE(is_verl_file_name("model.pt"));
+}
+
+TEST(Verl, Config) {
+  auto c = parse_verl_config(R"({"FSDP_version": 2, "world_size": 4})", "fsdp_config.json");
+  ASSERT_TRUE(c.ok()) << err(c);
+  EXPECT_EQ(c->world_size, 4u);
+  EXPECT_EQ(c->fsdp_version, 2);
+  for (const char* bad : {R"({"FSDP_version": 2})", R"({"world_size": 0})", R"({"world_size": "2"})",
+                          R"({"world_size": 2, "world_size": 3})", R"([2])", R"({"world_size": -1})",
+                          R"({"world_size": 2, "FSDP_version": "x"})", "{"}) {
+    auto r = parse_verl_config(bad, "fsdp_config.json");
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_NE(r.error().message.find("fsdp_config.json"), std::string::npos) << bad;
+    }
+  }
+}
+
+// torch.save(model.state_dict()) of nn.Sequential(Linear(4, 5), Linear(5, 3, bias=False)) under
+// fully_shard on 3 gloo ranks: every value a DTensor, Shard(0), torch.chunk's rows (2, 2, 1).
+std::string rank_pickle(const std::string& file) {
+  const std::string pt = seed(file);
+  auto m = members_of(pt);
+  EXPECT_TRUE(m.ok()) << err(m);
+  if (!m.ok()) return {};
+  auto a = zip::torch_archive(*m, file);
+  EXPECT_TRUE(a.ok()) << err(a);
+  if (!a.ok()) return {};
+  return pt.substr(a->pickle.offset, a->pickle.size);
+}
+
+TEST(Verl, ARealFsdp2RankStateDict) {
+  struct Want {
+    const char* key;
+    std::vector<uint64_t> global, local0, local2;
+  };
+  const Want want[] = {{"0.weight", {5, 4}, {2, 4}, {1, 4}},
+                       {"0.bias", {5}, {2}, {1}},
+                       {"1.weight", {3, 5}, {1, 5}, {1, 5}}};
+  for (uint64_t rank : {0u, 2u}) {
+    const std::string file = fmt::format("fsdp2-rank{}of3.pt", rank);
+    auto sd = parse_rank_state_dict(rank_pickle(file), file);
+    ASSERT_TRUE(sd.ok()) << err(sd);
+    ASSERT_EQ(sd->tensors.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      const auto& t = sd->tensors[i];
+      EXPECT_EQ(t.key, want[i].key);
+      EXPECT_TRUE(t.dtensor);
+      EXPECT_EQ(t.dtype, DType::F32);
+      EXPECT_EQ(t.global_size, want[i].global);
+      EXPECT_EQ(t.local.size, rank == 0 ? want[i].local0 : want[i].local2) << t.key;
+      ASSERT_EQ(t.placements.size(), 1u);
+      EXPECT_EQ(t.placements[0].kind, Placement::Kind::Shard);
+      EXPECT_EQ(t.placements[0].dim, 0u);
+      EXPECT_EQ(t.coordinate, std::vector<uint64_t>{rank});
+      EXPECT_TRUE(t.local.contiguous());
+    }
+  }
+  // FSDP2 pads a short last shard's storage: the rows are the size, not the storage.
+  auto sd = parse_rank_state_dict(rank_pickle("fsdp2-rank2of3.pt"), "r2");
+  ASSERT_TRUE(sd.ok());
+  EXPECT_EQ(sd->tensors[0].local.storage_numel, 8u);
+}
+
+TEST(Verl, EveryPrefixAndByteFlipOfARealRankFileFailsCleanly) {
+  const std::string pkl = rank_pickle("fsdp2-rank2of3.pt");
+  ASSERT_FALSE(pkl.empty());
+  for (size_t n = 0; n < pkl.size(); ++n) {
+    EXPECT_FALSE(parse_rank_state_dict(std::string_view(pkl).substr(0, n), "cut").ok()) << n;
+  }
+  for (size_t at = 0; at < pkl.size(); at += 5) {
+    for (int v : {0x00, 0x28, 0x2e, 0x4b, 0x68, 0x71, 0x80, 0x85, 0x8a, 0xff}) {
+      std::string m = pkl;
+      m[at] = static_cast<char>(v);
+      (void)parse_rank_state_dict(m, "flip");
+    }
+  }
+}
+
+TEST(Verl, RefusesGlobalsAndShapesItDoesNotServe) {
+  const std::string pkl = rank_pickle("fsdp2-rank2of3.pt");
+  auto swap = [&](std::string_view from, std::string_view to) {
+    std::string m = pkl;
+    const size_t at = m.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) m.replace(at, from.size(), to);
+    return m;
+  };
+  // A global outside the list, by name (same length, so the stream stays well formed).
+  auto r = parse_rank_state_dict(swap("torch.distributed.tensor\nDTensor", "subprocess\nPopenxxxxxxxxxxxxxxx"), "r2.pt");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("subprocess.Popenxxxxxxxxxxxxxxx"), std::string::npos) << err(r);
+  EXPECT_NE(r.error().message.find("r2.pt"), std::string::npos);
+  // Partial (a pending reduction) is not a placement it serves: not on the list either.
+  r = parse_rank_state_dict(swap("placement_types\nShard\n", "placement_types\nPartial\n"), "r2.pt");
+  EXPECT_FALSE(r.ok());
 }
 
 }  // namespace

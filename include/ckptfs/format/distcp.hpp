@@ -22,6 +22,7 @@
 
 #include "ckptfs/format/dtype.hpp"
 #include "ckptfs/format/pickle.hpp"
+#include "ckptfs/format/zip.hpp"
 #include "ckptfs/util/result.hpp"
 
 namespace ckptfs::format {
@@ -91,6 +92,14 @@ struct TorchTensorRecord {
 };
 
 Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string_view bytes, std::string_view what);
+// The same, for a `_rebuild_tensor_v2/v3` call at `ref` inside a larger pickle.
+Result<TorchTensorRecord> read_rebuild_tensor(const pickle::Pickle& p, pickle::Ref ref,
+                                              std::string_view what);
+
+// Where the tensor `r` describes starts in archive `a` (from the archive's first byte): its
+// storage member, checked to hold the tensor; a non-contiguous layout is refused by name.
+Result<uint64_t> tensor_offset_in_archive(const zip::TorchArchive& a, const TorchTensorRecord& r,
+                                          std::string_view what);
 
 // A torch dtype's attribute name ("float32", "bfloat16") or legacy storage class
 // ("FloatStorage", "BFloat16Storage") as a safetensors dtype.

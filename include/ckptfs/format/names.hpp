@@ -15,6 +15,11 @@ namespace ckptfs::format {
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
 inline constexpr std::string_view kSingleFileName = "model.safetensors";
 inline constexpr std::string_view kHfMetadataDir = ".hf_metadata";
+// verl's FSDP checkpoints keep config.json and the tokenizer in this folder.
+inline constexpr std::string_view kVerlHfDir = "huggingface";
+// Folders of a checkpoint directory whose files the consolidated form shows beside the model
+// files (config.json, the tokenizer), in this order, where the directory has no such name.
+inline constexpr std::string_view kLiftedDirs[] = {kHfMetadataDir, kVerlHfDir};
 inline constexpr std::string_view kFqnMappingFileName = "fqn_to_file_index_mapping.json";
 // NeMo AutoModel 0.7: the dtype each tensor had in the base model's HF checkpoint.
 inline constexpr std::string_view kFqnDtypeMappingFileName = "fqn_to_dtype_mapping.json";

@@ -2,7 +2,8 @@
 //
 // A directory is a checkpoint when it holds at least one rank shard file
 // (shard-R-model-K-of-M.safetensors), or commit records of shards on node-local targets, or a
-// torch DCP checkpoint (.metadata and *.distcp: source/distcp.hpp). The inputs of the first two
+// torch DCP checkpoint (.metadata and *.distcp: source/distcp.hpp), or a verl FSDP checkpoint
+// (fsdp_config.json and model_world_size_W_rank_R.pt: source/verl.hpp). The inputs of the first two
 // are those shards plus, when present, .hf_metadata/fqn_to_file_index_mapping.json.
 #pragma once
 
@@ -44,11 +45,11 @@ bool has_shards(const std::vector<DirEntry>& entries);
 // A directory with no shard files of its own whose commit records name shards on node-local
 // targets (version 2, the OpenMPI flusher's -o target=) is a checkpoint too.
 bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries);
-// has_shards(), a torch DCP checkpoint (source/distcp.hpp) or has_remote_records(): what makes a
-// directory a checkpoint directory.
+// has_shards(), a torch DCP checkpoint (source/distcp.hpp), a verl FSDP checkpoint
+// (source/verl.hpp) or has_remote_records(): what makes a directory a checkpoint directory.
 bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries);
-// An entry the checkpoint is built from: a rank shard, or a DCP checkpoint's .metadata or
-// .distcp file. Its owner and mode decide who may read what the view makes of it.
+// An entry the checkpoint is built from: a rank shard, a DCP checkpoint's .metadata or
+// .distcp file, or a verl checkpoint's fsdp_config.json or model rank file. Its owner and mode decide who may read what the view makes of it.
 bool is_input_entry(const DirEntry& e);
 
 // What the checkpoint build depends on: each shard's and the mapping file's stamp.

@@ -1,0 +1,30 @@
+// The source of verl's FSDP checkpoints: a directory's `model_world_size_W_rank_R.pt` files
+// and fsdp_config.json read into the chunks the layout builds consolidated files from.
+//
+// A directory is a verl checkpoint when it holds a regular fsdp_config.json and at least one
+// `model_world_size_W_rank_R.pt`, and neither safetensors rank shards nor a DCP checkpoint.
+// Every rank 0..W-1 of fsdp_config.json's world size must be there. Each rank's DTensors are
+// tiled by their placements (docs/formats.md): Shard(d) on a mesh dimension of size n holds
+// chunk c of n along d with torch.chunk's split (so the last ranks may hold fewer rows or
+// none); a Replicate dimension is taken from coordinate 0. Plain tensors are taken from rank
+// 0. The tensors are served under their state-dict keys, in rank 0's order, packed as the DCP
+// source packs them (OutputPacker). The optim_/extra_state_ files are never read.
+#pragma once
+
+#include <vector>
+
+#include "ckptfs/layout/checkpoint.hpp"
+#include "ckptfs/source/scanner.hpp"
+
+namespace ckptfs::source {
+
+// fsdp_config.json or a `model_world_size_W_rank_R.pt` file: the inputs of a verl checkpoint.
+bool is_verl_entry(const DirEntry& e);
+bool is_verl_dir(const std::vector<DirEntry>& entries);
+
+// Fills `in` (dir set by the caller) with the checkpoint's chunks, or with the problems that
+// keep it from being served. Reads fsdp_config.json and each model rank file's zip directory
+// and data.pkl.
+void read_verl_input(int dirfd, const std::vector<DirEntry>& entries, layout::BuildInput& in);
+
+}  // namespace ckptfs::source
