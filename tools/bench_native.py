@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Native DCP checkpoints through the mount against the safetensors rank-shard form of the same
-state dict (issue 20; figures in docs/benchmarks.md).
+"""Native DCP and verl checkpoints through the mount against the safetensors rank-shard form of
+the same state dict (issue 20; figures in docs/benchmarks.md).
 
-Two state dicts, each saved twice by torch itself into DIR/src:
+Two state dicts, each saved three times by torch itself into DIR/src:
   dcp-<kind>/  dcp.save with the default FileSystemWriter (.metadata + __0_0.distcp)
   st-<kind>/   dcp.save with HuggingFaceStorageWriter(save_distributed=True) (rank shards
                with DCP_SHARDING_INFO, the form ckptfs served before)
+  verl-<kind>/ what verl's FSDP checkpoint manager writes: torch.save of the state dict as
+               DTensors (Shard(0) on a 1-rank gloo mesh) in model_world_size_1_rank_0.pt, and
+               fsdp_config.json
 where <kind> is
   many: --tensors small f32 tensors (1 KiB each): the cost of parsing .metadata and locating
         every chunk's archive, against parsing one safetensors header;
@@ -45,6 +48,28 @@ def save(src: str, tensors: int, size_mb: int) -> None:
         dcp.save(sd, checkpoint_id=os.path.join(src, f"dcp-{kind}"), no_dist=True)
         dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(src, f"st-{kind}"),
                                                                  save_distributed=True), no_dist=True)
+        save_verl(os.path.join(src, f"verl-{kind}"), sd)
+
+
+def save_verl(d: str, sd: dict) -> None:
+    """verl's layout for a world of 1: torch.save({key: DTensor}) and fsdp_config.json."""
+    import json
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.makedirs(d)
+    if not dist.is_initialized():
+        rdzv = tempfile.mktemp(prefix="bench-native-rdzv-")
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    torch.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in sd.items()},
+               os.path.join(d, "model_world_size_1_rank_0.pt"))
+    with open(os.path.join(d, "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": 1}, f)
 
 
 def read_all(path: str) -> float:
@@ -70,7 +95,7 @@ def one_round(binary: str, src: str, mnt: str, log: str) -> dict:
                 raise RuntimeError(f"mount failed; see {log}")
             time.sleep(0.02)
         out = {}
-        for form in ("dcp", "st"):
+        for form in ("dcp", "verl", "st"):
             for kind in ("many", "big"):
                 d = os.path.join(mnt, f"{form}-{kind}")
                 t0 = time.perf_counter()
@@ -88,7 +113,7 @@ def one_round(binary: str, src: str, mnt: str, log: str) -> dict:
                     warm = sum(read_all(p) for p in files)
                     out[f"{form}-{kind} read GB/s (first)"] = size / cold / 1e9
                     out[f"{form}-{kind} read GB/s (warm)"] = size / warm / 1e9
-        for form in ("dcp", "st"):
+        for form in ("dcp", "verl", "st"):
             d = os.path.join(src, f"{form}-big")
             files = [os.path.join(d, n) for n in os.listdir(d) if not n.endswith(".json")]
             size = sum(os.path.getsize(p) for p in files)
