@@ -315,7 +315,7 @@ bool TorchTensorRecord::contiguous() const {
 }
 
 Result<TorchTensorRecord> read_rebuild_tensor(const pickle::Pickle& p, Ref ref,
-                                               std::string_view what) {
+                                              std::string_view what) {
   const Walk w(p, what);
   const pickle::Value& root = w.at(ref);
   const bool v3 =
@@ -388,8 +388,8 @@ Result<uint64_t> tensor_offset_in_archive(const zip::TorchArchive& a, const Torc
   if (!storage_bytes || *storage_bytes != storage->size || !end || *end > rec.storage_numel) {
     return make_error(EINVAL,
                       "{}: storage '{}' of {} bytes does not hold {} elements of {} at element {}",
-                      what, rec.storage_key, storage->size, numel.value_or(0), dtype_name(rec.dtype),
-                      rec.storage_offset);
+                      what, rec.storage_key, storage->size, numel.value_or(0),
+                      dtype_name(rec.dtype), rec.storage_offset);
   }
   // storage_offset * item <= storage bytes, which fit in the archive.
   return storage->offset + rec.storage_offset * item;

@@ -112,13 +112,13 @@ Result<RankTensor> read_dtensor(const pickle::Pickle& p, const Walk& w, Ref valu
   }
   CKPTFS_TRY(auto sub, w.sequence(args[2], where + " (its wrapper arguments)"));
   if (sub.size() < 4) {
-    return make_error(EINVAL, "{}: _rebuild_wrapper_subclass with {} arguments", where,
-                      sub.size());
+    return make_error(EINVAL, "{}: _rebuild_wrapper_subclass with {} arguments", where, sub.size());
   }
   RankTensor t;
   t.dtensor = true;
   const pickle::Value& dt = w.at(sub[1]);
-  auto d = dt.kind == Kind::Global && p.text(dt) == "torch" ? torch_dtype(p.name(dt)) : std::nullopt;
+  auto d =
+      dt.kind == Kind::Global && p.text(dt) == "torch" ? torch_dtype(p.name(dt)) : std::nullopt;
   if (!d) return w.fail(where + " dtype", "a torch dtype a safetensors file can hold", sub[1]);
   t.dtype = *d;
   CKPTFS_TRY(t.global_size, w.dims(sub[2], where + " (its global size)"));
@@ -148,8 +148,8 @@ Result<RankTensor> read_dtensor(const pickle::Pickle& p, const Walk& w, Ref valu
     if (auto coord = w.field(ms, "_coordinate_on_dim"); coord && w.at(*coord).kind != Kind::None) {
       CKPTFS_TRY(t.coordinate, w.dims(*coord, where + " (its mesh coordinate)"));
       if (t.coordinate.size() != t.placements.size()) {
-        return make_error(EINVAL, "{}: a mesh coordinate of {} dimensions for {} placements",
-                          where, t.coordinate.size(), t.placements.size());
+        return make_error(EINVAL, "{}: a mesh coordinate of {} dimensions for {} placements", where,
+                          t.coordinate.size(), t.placements.size());
       }
     }
   }

@@ -755,7 +755,14 @@ struct Filesystem::Impl {
     v->dir_dev = static_cast<uint64_t>(dst.st_dev);
     v->dir_ino = static_cast<uint64_t>(dst.st_ino);
     for (const auto& e : entries) {
-      if (source::is_input_entry(e)) v->inputs.push_back(Perm::of(e.st));
+      if (source::is_input_entry(e) && !S_ISDIR(e.st.st_mode)) v->inputs.push_back(Perm::of(e.st));
+    }
+    // A folder the inputs are in (accelerate's): reaching them takes searching it. Last, so
+    // that the first input is a file (a new version of a model file takes its owner and mode).
+    for (const auto& e : entries) {
+      if (source::is_input_entry(e) && S_ISDIR(e.st.st_mode)) {
+        v->inputs.push_back(Perm::searching(e.st));
+      }
     }
     // Node-local shards have no file here: their owner and mode are their record's.
     for (const auto& sh : v->ckpt->shards) {
@@ -833,7 +840,7 @@ struct Filesystem::Impl {
       watcher->watch(dirfd->get(), static_cast<uint64_t>(dst.st_dev),
                      static_cast<uint64_t>(dst.st_ino));
     }
-    auto entries = source::list_dir(dirfd->get(), hidden_child(rel));
+    auto entries = source::list_checkpoint_dir(dirfd->get(), hidden_child(rel));
     if (!entries) return;
     if (!opts.read_only &&
         std::any_of(entries->begin(), entries->end(), [](const source::DirEntry& e) {
@@ -841,7 +848,7 @@ struct Filesystem::Impl {
         })) {
       // What a crashed writer or daemon left: finish its commit, or drop its staging.
       if (flusher->recover(flush::Target{dirfd->get(), source_path(rel)})) {
-        auto again = source::list_dir(dirfd->get(), hidden_child(rel));
+        auto again = source::list_checkpoint_dir(dirfd->get(), hidden_child(rel));
         if (!again) return;
         entries = std::move(again);
       }
@@ -1393,7 +1400,12 @@ struct Filesystem::Impl {
       if (ck.shards[s].remote()) continue;  // on a node-local target: read through `remote`
       // Never blocks (a FIFO swapped in is refused, not opened) and is a regular file.
       struct stat st {};
-      auto fd = open_regular_at(dir->get(), ck.shards[s].name, ck.shards[s].name, &st);
+      // A name in a folder (accelerate's pytorch_model_fsdp_0/) is resolved without
+      // following a symlink on the way, as the build listed it.
+      const std::string& sn = ck.shards[s].name;
+      auto fd = sn.find('/') == std::string::npos
+                    ? open_regular_at(dir->get(), sn, sn, &st)
+                    : open_regular_beneath(dir->get(), sn, Resolve::Auto, &st);
       if (!fd || source::stamp_of(st) != ck.shards[s].stamp) {
         spdlog::warn("{}/{}: changed since the view was built ({}); revalidating", source_path(rel),
                      ck.shards[s].name, fd ? std::string("new stamp") : fd.error().message);

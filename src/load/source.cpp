@@ -64,7 +64,7 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
   s->direct_ = opts.direct;
   const std::string& dir = s->dir_;
   CKPTFS_TRY(UniqueFd dfd, open_file(dir, O_RDONLY | O_DIRECTORY));
-  CKPTFS_TRY(auto entries, source::list_dir(dfd.get()));
+  CKPTFS_TRY(auto entries, source::list_checkpoint_dir(dfd.get()));
 
   std::vector<std::pair<std::string, const layout::FileStamp*>> files;
   if (source::is_checkpoint_dir(dfd.get(), entries)) {

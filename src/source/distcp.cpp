@@ -104,24 +104,50 @@ uint32_t OutputPacker::place(uint64_t bytes) {
   return k_;
 }
 
-bool is_distcp_entry(const DirEntry& e) { return format::is_distcp_file_name(e.name); }
+namespace {
 
-bool is_distcp_dir(const std::vector<DirEntry>& entries) {
+// Whether the DCP files among `entries` whose names start with `prefix` make a checkpoint.
+bool distcp_files_under(const std::vector<DirEntry>& entries, std::string_view prefix) {
   bool metadata = false, data = false;
   for (const auto& e : entries) {
-    if (e.name == format::kDistcpMetadataName) metadata = S_ISREG(e.st.st_mode);
-    if (is_distcp_entry(e) && e.name != format::kDistcpMetadataName) data = true;
+    if (!e.name.starts_with(prefix)) continue;
+    const std::string_view name = std::string_view(e.name).substr(prefix.size());
+    if (name.find('/') != std::string_view::npos) continue;
+    if (name == format::kDistcpMetadataName) metadata = S_ISREG(e.st.st_mode);
+    if (format::is_distcp_file_name(name) && name != format::kDistcpMetadataName) data = true;
   }
-  return metadata && data && !has_shards(entries);
+  return metadata && data;
 }
 
-void read_distcp_input(int dirfd, layout::BuildInput& in) {
+}  // namespace
+
+bool is_distcp_entry(const DirEntry& e) {
+  const size_t slash = e.name.rfind('/');
+  return format::is_distcp_file_name(slash == std::string::npos
+                                         ? std::string_view(e.name)
+                                         : std::string_view(e.name).substr(slash + 1));
+}
+
+bool is_distcp_dir(const std::vector<DirEntry>& entries) {
+  return distcp_files_under(entries, "") && !has_shards(entries);
+}
+
+bool is_accelerate_dir(const std::vector<DirEntry>& entries) {
+  const std::string prefix = std::string(kAccelerateModelDir) + "/";
+  return !is_distcp_dir(entries) && distcp_files_under(entries, prefix) && !has_shards(entries);
+}
+
+void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefix) {
+  const std::string pre(prefix);
   const std::string meta_name(format::kDistcpMetadataName);
-  auto problem = [&](std::string file, std::string tensor, std::string msg) {
-    in.problems.push_back({std::move(file), std::move(tensor), std::move(msg)});
+  auto problem = [&](const std::string& file, std::string tensor, std::string msg) {
+    in.problems.push_back({file.empty() ? file : pre + file, std::move(tensor), std::move(msg)});
   };
   in.declared.emplace();
   in.declared->format = "torch DCP (.metadata, *.distcp)";
+  if (!pre.empty()) {
+    in.declared->format = fmt::format("torch DCP (.metadata, *.distcp) in accelerate's {}", pre);
+  }
   // Megatron-Core's torch_dist says so in metadata.json (its common.pt is never read).
   if (auto mj = read_small_file_beneath(dirfd, format::kMegatronMetadataName, 64 << 10);
       mj.ok() && format::is_megatron_torch_dist(*mj)) {
@@ -154,12 +180,12 @@ void read_distcp_input(int dirfd, layout::BuildInput& in) {
     served.emplace_back(&t, wrapped ? t.key.substr(6) : t.key);
   }
   for (const auto& [top, n] : skipped) {
-    in.left_out.push_back(fmt::format("{}: {} tensor(s) under '{}' are training state, not served",
-                                      meta_name, n, top));
+    in.left_out.push_back(fmt::format(
+        "{}{}: {} tensor(s) under '{}' are training state, not served", pre, meta_name, n, top));
   }
   if (!md->bytes_items.empty()) {
-    in.left_out.push_back(fmt::format("{}: {} non-tensor item(s) not served (e.g. '{}')", meta_name,
-                                      md->bytes_items.size(), md->bytes_items.front()));
+    in.left_out.push_back(fmt::format("{}{}: {} non-tensor item(s) not served (e.g. '{}')", pre,
+                                      meta_name, md->bytes_items.size(), md->bytes_items.front()));
   }
 
   // The files the chunks name: plain names of regular files in this directory.
@@ -176,7 +202,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in) {
       return std::nullopt;
     }
     layout::ShardInput si;
-    si.name = name;
+    si.name = pre + name;
     struct stat st {};
     auto fd = open_regular_at(dirfd, name, name, &st);
     if (!fd) {

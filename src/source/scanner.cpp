@@ -60,6 +60,29 @@ Result<std::vector<DirEntry>> list_dir(int dirfd, std::string_view skip) {
   return out;
 }
 
+Result<std::vector<DirEntry>> list_checkpoint_dir(int dirfd, std::string_view skip) {
+  CKPTFS_TRY(auto entries, list_dir(dirfd, skip));
+  auto sub = std::find_if(entries.begin(), entries.end(), [](const DirEntry& e) {
+    return e.name == kAccelerateModelDir && S_ISDIR(e.st.st_mode);
+  });
+  if (sub == entries.end()) return entries;
+  auto fd = open_at(dirfd, std::string(kAccelerateModelDir), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  if (!fd) return entries;  // raced away or unreadable: not part of the checkpoint
+  auto inner = list_dir(fd->get());
+  if (!inner) return entries;
+  std::vector<DirEntry> nested;
+  for (auto& e : *inner) {
+    if (!is_distcp_entry(e)) continue;
+    e.name = std::string(kAccelerateModelDir) + "/" + e.name;
+    nested.push_back(std::move(e));
+  }
+  entries.insert(entries.end(), std::make_move_iterator(nested.begin()),
+                 std::make_move_iterator(nested.end()));
+  std::sort(entries.begin(), entries.end(),
+            [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+  return entries;
+}
+
 layout::FileStamp stamp_of(const struct stat& st) {
   return layout::FileStamp{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
                            static_cast<uint64_t>(st.st_size), mtime_ns(st), ctime_ns(st)};
@@ -88,11 +111,12 @@ bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries) {
 
 bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries) {
   return has_shards(entries) || is_distcp_dir(entries) || is_verl_dir(entries) ||
-         has_remote_records(dirfd, entries);
+         is_accelerate_dir(entries) || has_remote_records(dirfd, entries);
 }
 
 bool is_input_entry(const DirEntry& e) {
-  return is_shard_entry(e) || is_distcp_entry(e) || is_verl_entry(e);
+  return is_shard_entry(e) || is_distcp_entry(e) || is_verl_entry(e) ||
+         (e.name == kAccelerateModelDir && S_ISDIR(e.st.st_mode));
 }
 
 bool trusted_state(const struct stat& st) {
@@ -221,6 +245,16 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
   }
   if (is_verl_dir(entries)) {
     read_verl_input(dirfd, entries, in);
+    return in;
+  }
+  if (is_accelerate_dir(entries)) {
+    const std::string sub(kAccelerateModelDir);
+    auto fd = open_at(dirfd, sub, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!fd) {
+      in.problems.push_back({sub, "", fd.error().message});
+      return in;
+    }
+    read_distcp_input(fd->get(), in, sub + "/");
     return in;
   }
   for (const auto& e : entries) {
@@ -424,7 +458,7 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
 Result<std::shared_ptr<const layout::Checkpoint>> load_checkpoint_path(
     const std::string& dir, const layout::BuildOptions& opts) {
   CKPTFS_TRY(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY));
-  CKPTFS_TRY(auto entries, list_dir(fd.get()));
+  CKPTFS_TRY(auto entries, list_checkpoint_dir(fd.get()));
   if (!is_checkpoint_dir(fd.get(), entries)) {
     return make_error(ENOENT,
                       "{}: no rank shard files (shard-R-model-K-of-M.safetensors), no DCP "
@@ -443,11 +477,15 @@ Status walk(int dirfd, const std::string& path, Found& out, int depth) {
     out.too_deep.push_back(path);
     return {};
   }
-  auto entries = list_dir(dirfd);
+  auto entries = list_checkpoint_dir(dirfd);
   if (!entries) return std::move(entries).error().context(path);
   if (is_checkpoint_dir(dirfd, *entries)) out.dirs.push_back(path);
+  // accelerate's checkpoint: its model folder is the checkpoint found here, and its
+  // optimizer_N/ folders (DCP checkpoints of optimizer state only) are training state.
+  const bool accelerate = is_accelerate_dir(*entries);
   for (const auto& e : *entries) {
-    if (!S_ISDIR(e.st.st_mode)) continue;
+    if (!S_ISDIR(e.st.st_mode) || e.name.find('/') != std::string::npos) continue;
+    if (accelerate && (e.name == kAccelerateModelDir || e.name.starts_with("optimizer_"))) continue;
     auto sub = open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
     if (!sub) continue;
     CKPTFS_CHECK(walk(sub->get(), path + "/" + e.name, out, depth + 1));

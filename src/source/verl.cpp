@@ -54,8 +54,8 @@ Result<Rank> read_rank(int dirfd, const std::string& name, layout::BuildInput& i
   r.name = name;
   CKPTFS_TRY(r.archive, format::zip::torch_archive(std::move(members), name));
   if (r.archive.pickle.size > format::kMaxVerlPickleBytes) {
-    return make_error(EINVAL, "{}: data.pkl of {} bytes (at most {})", name,
-                      r.archive.pickle.size, format::kMaxVerlPickleBytes);
+    return make_error(EINVAL, "{}: data.pkl of {} bytes (at most {})", name, r.archive.pickle.size,
+                      format::kMaxVerlPickleBytes);
   }
   std::string pkl(r.archive.pickle.size, '\0');
   CKPTFS_CHECK(read(r.archive.pickle.offset, std::span<char>(pkl.data(), pkl.size())));
@@ -101,9 +101,8 @@ Result<std::optional<Piece>> piece_of(const RankTensor& t, uint32_t rank,
       continue;
     }
     if (split[pl.dim]) {
-      return make_error(EINVAL,
-                        "two mesh dimensions shard dimension {} (nested sharding is not served)",
-                        pl.dim);
+      return make_error(
+          EINVAL, "two mesh dimensions shard dimension {} (nested sharding is not served)", pl.dim);
     }
     split[pl.dim] = true;
     // torch.chunk: pieces of ceil(n / parts) rows, the last ones shorter or empty.
@@ -184,9 +183,10 @@ void read_verl_input(int dirfd, const std::vector<DirEntry>& entries, layout::Bu
     const std::string name = format::verl_rank_name("model", world, r);
     auto rank = read_rank(dirfd, name, in);
     if (!rank) {
-      problem(name, "", rank.error().code == ENOENT
-                            ? fmt::format("missing: {} says {} ranks", config_name, world)
-                            : rank.error().message);
+      problem(name, "",
+              rank.error().code == ENOENT
+                  ? fmt::format("missing: {} says {} ranks", config_name, world)
+                  : rank.error().message);
       continue;
     }
     ranks.push_back(std::move(rank).value());

@@ -1,13 +1,17 @@
-"""Tier 4: native trainer checkpoints served as HF (issue 20): torch DCP's default writer.
+"""Tier 4: native trainer checkpoints served as HF (issue 20): torch DCP's default writer,
+accelerate's FSDP layout, Megatron-Core torch_dist, torchtitan's checkpointer and verl's FSDP
+checkpoint manager.
 
-Each checkpoint is written by the framework's own code (tests/python/writers/dcp_fsdp_save.py:
-FSDP2 on gloo, one AdamW step, dcp.save), with 2 and 3 ranks (uneven row splits), fp32 and
-bf16, tied and untied embeddings, and with and without the {"model", "optimizer"} wrapping.
-The mount must show model-*.safetensors and the index beside the native files, holding
-exactly the full state dict (and nothing of the optimizer), and from_pretrained must load it;
-the native files stay as written (dcp.load reads them through the mount). An incomplete or
-damaged checkpoint (no .metadata, a missing or short .distcp) shows nothing consolidated and
-says why, naming the file. Skipped (never faked) without root, /dev/fuse or torch.
+Each checkpoint is written by the framework's own code (tests/python/writers/: dcp_fsdp_save.py
+is FSDP2 on gloo, one AdamW step, dcp.save, or with --accelerate accelerate's save_fsdp_model;
+verl_save.py is verl's FSDPCheckpointManager), with 2 and 3 ranks (uneven row splits), fp32
+and bf16, tied and untied embeddings, and with and without the {"model", "optimizer"}
+wrapping. The mount must show model-*.safetensors and the index beside the native files,
+holding exactly the full state dict (and nothing of the optimizer), and from_pretrained must
+load it; the native files stay as written (dcp.load reads them through the mount). An
+incomplete or damaged checkpoint (no .metadata, a missing or short .distcp or rank file, a
+global outside the list, rows that do not tile) shows nothing consolidated and says why,
+naming the file. Skipped (never faked) without root, /dev/fuse, torch or the framework.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ CASES = {
 }
 
 
-def run_writer(out: pathlib.Path, ranks: int, dtype: str, wrap: bool, tied: bool) -> list[str]:
+def run_writer(out: pathlib.Path, ranks: int, dtype: str, wrap: bool, tied: bool, accelerate=False) -> list[str]:
     args = ["--ranks", str(ranks), "--dtype", dtype] + (["--wrap"] if wrap else []) + (["--tied"] if tied else [])
+    args += ["--accelerate"] if accelerate else []
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     # Once in CI (a loaded 2-core machine) a rank of this writer died of SIGABRT inside torch
     # ("terminate called without an active exception": a thread of the gloo process group),
@@ -181,6 +186,39 @@ def test_written_through_the_mount(tmp_path):
         del model
     # The native files in SRC are the bytes written (nothing was split or rewritten).
     assert sorted(p.name for p in (src / "step-1").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_accelerate_fsdp_layout(tmp_path):
+    """accelerate's own FSDP2 SHARDED_STATE_DICT save (save_fsdp_model and save_fsdp_optimizer,
+    as Accelerator.save_state and Trainer's checkpoint-N/ call them): the model's DCP checkpoint
+    in checkpoint-1/pytorch_model_fsdp_0/ is served as consolidated files in checkpoint-1/,
+    beside config.json, where from_pretrained looks; optimizer_0/ serves nothing; inspect and
+    verify see one checkpoint."""
+    src = tmp_path / "src"
+    (src / "run").mkdir(parents=True)
+    ck = src / "run" / "checkpoint-1"
+    files = run_writer(ck, 2, "bfloat16", False, True, accelerate=True)
+    assert "pytorch_model_fsdp_0/.metadata" in files and "optimizer_0/.metadata" in files, files
+    want = load(src / "run" / "reference-checkpoint-1.safetensors")
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        d = pathlib.Path(m.mnt) / "run" / "checkpoint-1"
+        names = sorted(os.listdir(d))
+        assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+                         "optimizer_0", "pytorch_model_fsdp_0"], names
+        assert_equal(served(d), want, "accelerate's checkpoint")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16)
+        sd = model.state_dict()
+        for k, v in want.items():
+            assert torch.equal(sd[k], v), k
+        del model, sd
+        assert not [n for n in os.listdir(d / "optimizer_0") if n.startswith("model")]
+        assert m.proc.poll() is None
+    r = subprocess.run([BIN, "inspect", str(src / "run")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("\ncheckpoint ") + r.stdout.startswith("checkpoint ") == 1, r.stdout
+    assert "in accelerate's pytorch_model_fsdp_0/" in r.stdout, r.stdout
+    r = subprocess.run([BIN, "verify", str(src / "run")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def global_tensors(d: pathlib.Path) -> dict:

@@ -607,3 +607,35 @@ def test_node_local_private_file_and_records_not_ours(world, users):
         assert errno_of(lambda: as_user(c, "read", pathlib.Path(m.mnt) / "home-c" / MODEL)) == errno.ENOENT
     finally:
         m.stop()
+
+
+def test_accelerate_model_folder_is_searched_for_the_caller(world, users):
+    """accelerate's layout serves ckpt/model-*.safetensors from ckpt/pytorch_model_fsdp_0/: a
+    caller who cannot search that folder in SRC cannot read what the view makes of it, and one
+    who can (x only) reads it, as the kernel would decide for the folder's files."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    a = users["a"]
+    ckpt = world / "src" / "ckpt"
+    sub = ckpt / "pytorch_model_fsdp_0"
+    sd = {"model": {"layer.weight": torch.arange(64.0).reshape(8, 8)}}
+    dcp.save(sd, checkpoint_id=str(sub), no_dist=True)  # torch's own writer, as accelerate calls it
+    os.chmod(ckpt, 0o755)
+    for p in sub.iterdir():
+        os.chmod(p, 0o644)
+    m = mount(world)
+    try:
+        out = pathlib.Path(m.mnt) / "ckpt" / "model-00001-of-00001.safetensors"
+        size = len(out.read_bytes())
+        os.chmod(sub, 0o700)  # root's folder; its files 0644
+        assert errno_of(lambda: as_user(a, "read", sub / ".metadata")) == errno.EACCES
+        wait_for(lambda: errno_of(lambda: as_user(a, "read", out)) == errno.EACCES,
+                 "a caller who cannot search pytorch_model_fsdp_0/ to be refused its tensors")
+        os.chmod(sub, 0o711)  # searchable, not listable: its files can be read in SRC
+        assert as_user(a, "read", sub / ".metadata") > 0
+        wait_for(lambda: errno_of(lambda: as_user(a, "read", out)) == 0,
+                 "a caller who can search pytorch_model_fsdp_0/ to read its tensors")
+        assert as_user(a, "read", out) == size
+    finally:
+        m.stop()

@@ -407,9 +407,10 @@ TEST(Verl, RankFileNames) {
   EXPECT_EQ(x->kind, "extra_state");
   EXPECT_EQ(verl_rank_name("model", 8, 7), "model_world_size_8_rank_7.pt");
   for (const char* bad :
-       {"model_world_size_2_rank_2.pt", "model_world_size_0_rank_0.pt", "model_world_size_02_rank_0.pt",
-        "model_world_size_2_rank_0.bin", "_world_size_2_rank_0.pt", "model_world_size_2_rank_.pt",
-        "model_world_size_99999999999_rank_0.pt", "model_world_size_2_rank_-1.pt"}) {
+       {"model_world_size_2_rank_2.pt", "model_world_size_0_rank_0.pt",
+        "model_world_size_02_rank_0.pt", "model_world_size_2_rank_0.bin", "_world_size_2_rank_0.pt",
+        "model_world_size_2_rank_.pt", "model_world_size_99999999999_rank_0.pt",
+        "model_world_size_2_rank_-1.pt"}) {
     EXPECT_FALSE(parse_verl_rank_name(bad)) << bad;
   }
   EXPECT_TRUE(is_verl_file_name("fsdp_config.json"));
@@ -422,9 +423,10 @@ TEST(Verl, Config) {
   ASSERT_TRUE(c.ok()) << err(c);
   EXPECT_EQ(c->world_size, 4u);
   EXPECT_EQ(c->fsdp_version, 2);
-  for (const char* bad : {R"({"FSDP_version": 2})", R"({"world_size": 0})", R"({"world_size": "2"})",
-                          R"({"world_size": 2, "world_size": 3})", R"([2])", R"({"world_size": -1})",
-                          R"({"world_size": 2, "FSDP_version": "x"})", "{"}) {
+  for (const char* bad :
+       {R"({"FSDP_version": 2})", R"({"world_size": 0})", R"({"world_size": "2"})",
+        R"({"world_size": 2, "world_size": 3})", R"([2])", R"({"world_size": -1})",
+        R"({"world_size": 2, "FSDP_version": "x"})", "{"}) {
     auto r = parse_verl_config(bad, "fsdp_config.json");
     EXPECT_FALSE(r.ok()) << bad;
     if (!r.ok()) {
@@ -504,12 +506,14 @@ TEST(Verl, RefusesGlobalsAndShapesItDoesNotServe) {
     return m;
   };
   // A global outside the list, by name (same length, so the stream stays well formed).
-  auto r = parse_rank_state_dict(swap("torch.distributed.tensor\nDTensor", "subprocess\nPopenxxxxxxxxxxxxxxx"), "r2.pt");
+  auto r = parse_rank_state_dict(
+      swap("torch.distributed.tensor\nDTensor", "subprocess\nPopenxxxxxxxxxxxxxxx"), "r2.pt");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message.find("subprocess.Popenxxxxxxxxxxxxxxx"), std::string::npos) << err(r);
   EXPECT_NE(r.error().message.find("r2.pt"), std::string::npos);
   // Partial (a pending reduction) is not a placement it serves: not on the list either.
-  r = parse_rank_state_dict(swap("placement_types\nShard\n", "placement_types\nPartial\n"), "r2.pt");
+  r = parse_rank_state_dict(swap("placement_types\nShard\n", "placement_types\nPartial\n"),
+                            "r2.pt");
   EXPECT_FALSE(r.ok());
 }
 

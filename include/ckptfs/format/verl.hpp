@@ -57,10 +57,10 @@ struct RankTensor {
   std::string key;
   bool dtensor = false;
   DType dtype = DType::U8;
-  std::vector<uint64_t> global_size;     // the DTensor's; a plain tensor's own
-  std::vector<Placement> placements;     // DTensor: one per mesh dimension
-  std::vector<uint64_t> coordinate;      // DTensor: this rank's place in the mesh, if recorded
-  TorchTensorRecord local;               // the rank's own tensor, in the archive's storages
+  std::vector<uint64_t> global_size;  // the DTensor's; a plain tensor's own
+  std::vector<Placement> placements;  // DTensor: one per mesh dimension
+  std::vector<uint64_t> coordinate;   // DTensor: this rank's place in the mesh, if recorded
+  TorchTensorRecord local;            // the rank's own tensor, in the archive's storages
 };
 
 struct RankStateDict {

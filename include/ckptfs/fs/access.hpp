@@ -33,6 +33,11 @@ struct Perm {
   mode_t mode = 0;
 
   static Perm of(const struct stat& st) { return Perm{st.st_uid, st.st_gid, st.st_mode}; }
+  // A directory that must be searched to reach an input: its x bits as read bits, so that a
+  // read check on it is the kernel's search check.
+  static Perm searching(const struct stat& st) {
+    return Perm{st.st_uid, st.st_gid, static_cast<mode_t>(S_IFREG | ((st.st_mode & 0111) << 2))};
+  }
   bool operator==(const Perm&) const = default;
 };
 

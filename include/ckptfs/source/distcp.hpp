@@ -43,6 +43,16 @@ bool is_distcp_dir(const std::vector<DirEntry>& entries);
 
 // Fills `in` (dir set by the caller) with the directory's DCP chunks, or with the problems
 // that keep it from being served. Reads `.metadata`, and each chunk's archive structure.
-void read_distcp_input(int dirfd, layout::BuildInput& in);
+// `prefix` ("pytorch_model_fsdp_0/": accelerate's layout, where `dirfd` is that folder of the
+// checkpoint directory) is put before every file name the checkpoint records.
+void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefix = {});
+
+// accelerate's FSDP layout: CKPT/pytorch_model_fsdp_0/ holds the model as a torch DCP
+// checkpoint, beside CKPT/config.json (Trainer's `checkpoint-N/`, `Accelerator.save_state`).
+// CKPT itself is then the checkpoint directory: its view shows the consolidated files where
+// from_pretrained looks for them. Its inputs are listed under "pytorch_model_fsdp_0/<name>".
+inline constexpr std::string_view kAccelerateModelDir = "pytorch_model_fsdp_0";
+// Whether `entries` (list_checkpoint_dir's) hold accelerate's folder with a DCP checkpoint.
+bool is_accelerate_dir(const std::vector<DirEntry>& entries);
 
 }  // namespace ckptfs::source

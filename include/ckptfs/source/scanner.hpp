@@ -3,7 +3,8 @@
 // A directory is a checkpoint when it holds at least one rank shard file
 // (shard-R-model-K-of-M.safetensors), or commit records of shards on node-local targets, or a
 // torch DCP checkpoint (.metadata and *.distcp: source/distcp.hpp), or a verl FSDP checkpoint
-// (fsdp_config.json and model_world_size_W_rank_R.pt: source/verl.hpp). The inputs of the first two
+// (fsdp_config.json and model_world_size_W_rank_R.pt: source/verl.hpp), or the parent of
+// accelerate's pytorch_model_fsdp_0/ DCP folder (source/distcp.hpp). The inputs of the first two
 // are those shards plus, when present, .hf_metadata/fqn_to_file_index_mapping.json.
 #pragma once
 
@@ -33,6 +34,12 @@ struct DirEntry {
 // view's own mount point when it lies inside the source), sorted by name.
 Result<std::vector<DirEntry>> list_dir(int dirfd, std::string_view skip = {});
 
+// list_dir, plus, where the directory holds accelerate's FSDP folder (pytorch_model_fsdp_0/,
+// source/distcp.hpp), that folder's DCP files under "pytorch_model_fsdp_0/<name>": the
+// entries a checkpoint of this directory is detected, signed and built from. (A listing for
+// display uses list_dir.) The folder is opened without following a symlink.
+Result<std::vector<DirEntry>> list_checkpoint_dir(int dirfd, std::string_view skip = {});
+
 layout::FileStamp stamp_of(const struct stat& st);
 // Any entry named like a rank shard (shard-*.safetensors), whatever its type. In a checkpoint
 // directory it belongs to the checkpoint (hidden from the view), and one that is not a
@@ -49,7 +56,9 @@ bool has_remote_records(int dirfd, const std::vector<DirEntry>& entries);
 // (source/verl.hpp) or has_remote_records(): what makes a directory a checkpoint directory.
 bool is_checkpoint_dir(int dirfd, const std::vector<DirEntry>& entries);
 // An entry the checkpoint is built from: a rank shard, a DCP checkpoint's .metadata or
-// .distcp file, or a verl checkpoint's fsdp_config.json or model rank file. Its owner and mode decide who may read what the view makes of it.
+// .distcp file (in accelerate's folder too), a verl checkpoint's fsdp_config.json or model
+// rank file, or accelerate's folder itself (a directory: searching it is what counts). Its owner
+// and mode decide who may read what the view makes of it.
 bool is_input_entry(const DirEntry& e);
 
 // What the checkpoint build depends on: each shard's and the mapping file's stamp.

@@ -3,11 +3,16 @@
 as KempnerForge, torchtitan and accelerate's SHARDED_STATE_DICT do (CPU, gloo).
 
     python dcp_fsdp_save.py OUT_DIR [--ranks 2] [--dtype float32|bfloat16] [--wrap] [--tied]
+                            [--accelerate]
 
 The model is trained one AdamW step, then each rank calls dcp.save with
   get_model_state_dict(model)                                    (default), or
   {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}  (--wrap),
-which writes OUT_DIR/__R_0.distcp per rank and OUT_DIR/.metadata last. Rank 0 also writes
+which writes OUT_DIR/__R_0.distcp per rank and OUT_DIR/.metadata last. With --accelerate the save
+is accelerate's own (accelerate.utils.save_fsdp_model and save_fsdp_optimizer with an FSDP2
+SHARDED_STATE_DICT plugin, what Accelerator.save_state and Trainer's FSDP checkpoints call):
+OUT_DIR/pytorch_model_fsdp_0/ (dcp.save of {"model": ...}) and OUT_DIR/optimizer_0/, as in
+Trainer's checkpoint-N/ (accelerate's PartialState is made over the gloo group already there). Rank 0 also writes
 OUT_DIR/config.json (save_pretrained of the config) and OUT_DIR/../reference-<name>.safetensors: the
 full, unsharded model state dict (from get_model_state_dict(full_state_dict=True)).
 The sizes split unevenly over 3 ranks (vocab 130, intermediate 100: FSDP2's torch.chunk rows).
@@ -20,7 +25,7 @@ import os
 from ranks import TIMEOUT, files_under, spawn
 
 
-def worker(rank, world, init_file, out_dir, dtype, wrap, tied):
+def worker(rank, world, init_file, out_dir, dtype, wrap, tied, accel=False):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -51,9 +56,21 @@ def worker(rank, world, init_file, out_dir, dtype, wrap, tied):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
-        msd = get_model_state_dict(model)
-        sd = {"model": msd, "optimizer": get_optimizer_state_dict(model, opt)} if wrap else msd
-        dcp.save(sd, checkpoint_id=out_dir)
+        if accel:
+            from accelerate import PartialState
+            from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
+
+            # accelerate's state over the process group already made (its env is torchrun's).
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+            acc = PartialState(cpu=True)
+            plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+            save_fsdp_model(plugin, acc, model, out_dir)
+            save_fsdp_optimizer(plugin, acc, opt, model, out_dir)
+        else:
+            msd = get_model_state_dict(model)
+            sd = {"model": msd, "optimizer": get_optimizer_state_dict(model, opt)} if wrap else msd
+            dcp.save(sd, checkpoint_id=out_dir)
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
@@ -73,11 +90,13 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--wrap", action="store_true", help='save {"model": ..., "optimizer": ...}')
     ap.add_argument("--tied", action="store_true", help="tie the embedding and the LM head")
+    ap.add_argument("--accelerate", action="store_true", help="accelerate's save_fsdp_model/optimizer")
     a = ap.parse_args()
     out_dir = os.path.abspath(a.out_dir)
     os.makedirs(out_dir, exist_ok=True)
     spawn(worker, a.ranks, "dcp-save-",
-          lambda scratch: (a.ranks, os.path.join(scratch, "rdzv"), out_dir, a.dtype, a.wrap, a.tied))
+          lambda scratch: (a.ranks, os.path.join(scratch, "rdzv"), out_dir, a.dtype, a.wrap, a.tied,
+                           a.accelerate))
     print(json.dumps(files_under(out_dir)))
 
 
