@@ -247,10 +247,10 @@ Result<std::vector<Member>> members(uint64_t size, const ReadAt& read, std::stri
 }
 
 const Member* TorchArchive::storage(std::string_view key) const {
-  for (const Member& m : storages) {
-    if (m.name == key) return &m;
-  }
-  return nullptr;
+  // storages is sorted by key (torch_archive): a verl rank file holds one per tensor.
+  auto it = std::lower_bound(storages.begin(), storages.end(), key,
+                             [](const Member& m, std::string_view k) { return m.name < k; });
+  return it != storages.end() && it->name == key ? &*it : nullptr;
 }
 
 Result<TorchArchive> torch_archive(std::vector<Member> all, std::string_view what) {

@@ -43,7 +43,7 @@ Result<std::vector<Member>> members(uint64_t size, const ReadAt& read, std::stri
 struct TorchArchive {
   std::string top;               // "archive", or the file's stem
   Member pickle;                 // <top>/data.pkl
-  std::vector<Member> storages;  // <top>/data/<key>, by key (name holds the key only)
+  std::vector<Member> storages;  // <top>/data/<key>, sorted by key (name holds the key only)
   [[nodiscard]] const Member* storage(std::string_view key) const;
 };
 
