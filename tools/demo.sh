@@ -10,8 +10,9 @@
 #      logits, greedy generation from fixed token ids), and timed against "consolidate with
 #      torch first, then load"; one summary line
 #   6. save_pretrained into the mount; 7. ckptfs load of the shards; 8. a native torch DCP
-#      save (FSDP2, 2 ranks) into the mount, served as HF
-#   9. unmount (always, from a trap)
+#      save (FSDP2, 2 ranks) into the mount, served as HF; 9. verl's own FSDP checkpoint
+#      manager saves into the mount (2 ranks), served as HF with its huggingface/ config
+#   10. unmount (always, from a trap)
 # Exit status: non-zero if any step or check fails. Needs no network beyond apt and PyPI
 # (set-up only); nothing is fetched from the HuggingFace hub.
 # Environment: CKPTFS_DEMO_DIR (work dir, default /tmp/ckptfs-demo), CKPTFS_CACHE (venv, see setup.sh)
@@ -31,12 +32,12 @@ GEN_OPTS=(--layout fsdp_tp --world 4 --tp 2 --nemo --files 2 --layers 4 --hidden
 step() { printf '\n=== %s\n' "$*"; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-step "1/9 set-up (tools/setup.sh)"
+step "1/10 set-up (tools/setup.sh)"
 VENV=$(tools/setup.sh | tail -n 1)
 PY=$VENV/bin/python
 echo "venv: $VENV ($("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
 
-step "2/9 build"
+step "2/10 build"
 mkdir -p "$WORK"
 if ! flock /tmp/ckptfs-build.lock bash -c '[[ -f build/build.ninja ]] || meson setup build; ninja -C build' \
      >"$WORK/build.log" 2>&1; then
@@ -47,7 +48,7 @@ fi
 tail -n 1 "$WORK/build.log"
 "$BIN" --help | head -n 1
 
-step "3/9 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
+step "3/10 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
 stamp=$WORK/generated.json          # written last: an interrupted generation is redone
 want="${GEN_OPTS[*]}"
 if [[ -f $stamp ]] && [[ "$(sed -n 1p "$stamp")" == "$want" ]] &&
@@ -62,7 +63,7 @@ else
 fi
 find "$CK" -type f -printf '  %12s B  %P\n' | sort -k3
 
-step "4/9 mount"
+step "4/10 mount"
 DAEMON=
 # shellcheck disable=SC2317  # invoked from the trap
 cleanup() {
@@ -105,12 +106,12 @@ ms=$(($(now_ms) - t0))
 mount_s=$((ms / 1000)).$(printf '%03d' $((ms % 1000)))
 echo "$BIN mount $SRC $MNT   (daemon pid $DAEMON, log $WORK/ckptfs.log)"
 
-step "5/9 from_pretrained through the mount, checked against the original model"
+step "5/10 from_pretrained through the mount, checked against the original model"
 status=0
 "$PY" tools/demo.py --view "$MNT/run/step_1000/model" --shards "$CK/model" --reference "$REF" \
   --daemon-pid "$DAEMON" --mount-seconds "$mount_s" --work "$WORK" || status=$?
 
-step "6/9 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
+step "6/10 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
 if ((status == 0)); then
   "$PY" tools/demo_write.py --reference "$REF" --out "$MNT/run/step_2000/model" \
     --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" || status=$?
@@ -121,7 +122,7 @@ if ((status == 0)); then
   "$BIN" status "$MNT" || status=$?
 fi
 
-step "7/9 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
+step "7/10 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
 if ((status == 0)); then
   # The loader reads the shards through the extent map; the mount serves the consolidated
   # files. The same tensors give the same checksum (XXH64 per tensor, in name order).
@@ -135,7 +136,7 @@ if ((status == 0)); then
   fi
 fi
 
-step "8/9 a native torch DCP checkpoint (dcp.save of FSDP2 on 2 ranks, with optimizer state) saved into the mount and served as HF"
+step "8/10 a native torch DCP checkpoint (dcp.save of FSDP2 on 2 ranks, with optimizer state) saved into the mount and served as HF"
 if ((status == 0)); then
   # The writer is torch's own default (FileSystemWriter): .metadata and one .distcp per rank,
   # stored as written; the mount adds model-*.safetensors and the index beside them.
@@ -161,5 +162,36 @@ sys.exit(1 if bad else 0)
 PYEOF
 fi
 
-step "9/9 unmount"
+step "9/10 verl's FSDP checkpoint manager (FSDP2, 2 ranks) saves into the mount; from_pretrained of its actor directory"
+if ((status == 0)); then
+  # verl writes model_world_size_2_rank_R.pt per rank, fsdp_config.json and huggingface/
+  # (config, tokenizer), stored as written; the mount adds the consolidated files beside them,
+  # where verl.model_merger would have written a copy. (The writer also runs that merger, on
+  # the files through the mount, and checks it against the trained model.)
+  rm -rf "$SRC/run/verl" "$SRC/run/merged-verl" "$SRC/run/reference-verl.safetensors"
+  "$PY" tests/python/writers/verl_save.py "$MNT/run/verl" --ranks 2 \
+    >"$WORK/verl_save.log" 2>&1 || { tail -n 20 "$WORK/verl_save.log"; status=1; }
+fi
+if ((status == 0)); then
+  ACTOR=$MNT/run/verl/global_step_1/actor
+  ls -la "$ACTOR"
+  "$BIN" inspect "$SRC/run/verl/global_step_1/actor" | grep -E "format|left out|training state" || true
+  "$PY" - "$ACTOR" "$MNT/run/reference-verl.safetensors" <<'PYEOF' || status=$?
+import sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+d, ref = sys.argv[1], sys.argv[2]
+want = {k: v.clone() for k, v in load_file(ref).items()}
+sd = AutoModelForCausalLM.from_pretrained(d).state_dict()
+bad = [k for k in want if not torch.equal(sd[k], want[k])]
+tok = AutoTokenizer.from_pretrained(d)
+print(f"from_pretrained({d}): {len(want)} tensors, {'all equal to the trained model' if not bad else 'DIFFER: ' + str(bad)}; "
+      f"tokenizer from huggingface/: {type(tok).__name__}")
+sys.exit(1 if bad else 0)
+PYEOF
+fi
+
+step "10/10 unmount"
 exit "$status"
