@@ -219,6 +219,14 @@ def test_accelerate_fsdp_layout(tmp_path):
     assert "in accelerate's pytorch_model_fsdp_0/" in r.stdout, r.stdout
     r = subprocess.run([BIN, "verify", str(src / "run")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "consolidated"
+    r = subprocess.run([BIN, "consolidate", str(ck), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors",
+                                       "model.safetensors.index.json"], os.listdir(out)
+    assert_equal(served(out), want, "consolidate of accelerate's checkpoint")
+    r = subprocess.run([BIN, "load", str(ck)], capture_output=True, text=True)
+    assert r.returncode == 0 and "checksum" in r.stdout, r.stdout + r.stderr
 
 
 def global_tensors(d: pathlib.Path) -> dict:
