@@ -12,6 +12,9 @@
 #include "ckptfs/format/pickle.hpp"
 #include "ckptfs/format/verl.hpp"
 #include "ckptfs/format/zip.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "fixture.hpp"
 
 #include <fmt/format.h>
 
@@ -515,6 +518,53 @@ TEST(Verl, RefusesGlobalsAndShapesItDoesNotServe) {
   r = parse_rank_state_dict(swap("placement_types\nShard\n", "placement_types\nPartial\n"),
                             "r2.pt");
   EXPECT_FALSE(r.ok());
+}
+
+// The source layer alone (no mount): three real FSDP2 rank files and fsdp_config.json tile
+// each tensor by torch.chunk's rows; a rank missing or a world size that disagrees refuses it.
+TEST(Verl, SourceTilesTheRanksAndRefusesAnIncompleteSave) {
+  auto build = [](const std::string& dir) {
+    auto fd = open_file(dir, O_RDONLY | O_DIRECTORY);
+    EXPECT_TRUE(fd.ok());
+    auto entries = source::list_checkpoint_dir(fd->get());
+    EXPECT_TRUE(entries.ok());
+    EXPECT_TRUE(source::is_checkpoint_dir(fd->get(), *entries));
+    source::HeaderCache cache;
+    return source::load_checkpoint(fd->get(), *entries, dir, cache, {});
+  };
+  test::TempDir t;
+  for (int r = 0; r < 3; ++r) {
+    test::write_file(t.path() + fmt::format("/model_world_size_3_rank_{}.pt", r),
+                     seed(fmt::format("fsdp2-rank{}of3.pt", r)));
+  }
+  test::write_file(t.path() + "/fsdp_config.json", R"({"FSDP_version": 2, "world_size": 3})");
+  auto ck = build(t.path());
+  ASSERT_TRUE(ck->valid()) << (ck->problems.empty() ? "" : ck->problems[0].to_string());
+  EXPECT_EQ(ck->format, "verl FSDP (model_world_size_W_rank_R.pt, fsdp_config.json)");
+  ASSERT_EQ(ck->tensors.size(), 3u);
+  const auto& w = ck->tensors[0];  // 0.weight [5, 4]: rows 2, 2, 1
+  EXPECT_EQ(w.name, "0.weight");
+  EXPECT_EQ(w.shape, (std::vector<uint64_t>{5, 4}));
+  ASSERT_EQ(w.chunks.size(), 3u);
+  std::vector<std::pair<uint64_t, uint64_t>> rows;
+  for (const auto& c : w.chunks) rows.emplace_back(c.offsets[0], c.sizes[0]);
+  std::sort(rows.begin(), rows.end());
+  EXPECT_EQ(rows, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 2}, {2, 2}, {4, 1}}));
+
+  // The config says 2 ranks: a rank file of world size 3 is refused by name.
+  test::write_file(t.path() + "/fsdp_config.json", R"({"FSDP_version": 2, "world_size": 2})");
+  ck = build(t.path());
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(ck->problems[0].to_string().find("model_world_size_3_rank_0.pt"), std::string::npos)
+      << ck->problems[0].to_string();
+  // A rank missing.
+  test::write_file(t.path() + "/fsdp_config.json", R"({"FSDP_version": 2, "world_size": 3})");
+  ASSERT_EQ(::unlink((t.path() + "/model_world_size_3_rank_1.pt").c_str()), 0);
+  ck = build(t.path());
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(ck->problems[0].to_string().find("model_world_size_3_rank_1.pt: missing"),
+            std::string::npos)
+      << ck->problems[0].to_string();
 }
 
 }  // namespace
