@@ -1,11 +1,14 @@
 #include "ckptfs/fuse/adapter.hpp"
 
 #include <fuse_lowlevel.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -565,6 +568,23 @@ fuse_lowlevel_ops make_ops() {
 
 // --- session lifecycle ------------------------------------------------------------------
 
+// The stop signals (SIGTERM, SIGINT, SIGHUP). libfuse's own handler only sets the session's
+// exit flag, and the loop's thread notices it when its wait is interrupted: a signal the
+// kernel delivers to another thread of the daemon (the close watcher, the notify queue, a
+// prefetch worker, all blocked in waits of their own) interrupts nothing there, and the
+// daemon went on serving until the next request came. This handler sets the flag and passes
+// the signal on to the loop's thread. Both calls are async-signal-safe (libfuse's handler
+// makes the first; pthread_kill is on POSIX's list).
+std::atomic<fuse_session*> g_stop_session{nullptr};  // the session a stop signal ends
+pthread_t g_loop_thread;  // the thread running the loop; written before the handler is set
+
+void on_stop_signal(int sig) {
+  if (fuse_session* se = g_stop_session.load()) fuse_session_exit(se);
+  if (!pthread_equal(pthread_self(), g_loop_thread)) pthread_kill(g_loop_thread, sig);
+}
+
+constexpr int kStopSignals[] = {SIGTERM, SIGINT, SIGHUP};
+
 // Owns a fuse_session: created, optionally mounted, and always torn down in order.
 class Session {
  public:
@@ -573,7 +593,13 @@ class Session {
   Session& operator=(const Session&) = delete;
   ~Session() {
     if (!se_) return;
-    if (signals_) fuse_remove_signal_handlers(se_);
+    if (signals_) {
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      for (int sig : kStopSignals) ::sigaction(sig, &dfl, nullptr);
+      g_stop_session.store(nullptr);
+      fuse_remove_signal_handlers(se_);
+    }
     if (mounted_) fuse_session_unmount(se_);
     fuse_session_destroy(se_);
   }
@@ -585,9 +611,21 @@ class Session {
     mounted_ = fuse_session_mount(se_, mnt.c_str()) == 0;
     return mounted_;
   }
+  // libfuse's handlers (SIGPIPE ignored among them), then on_stop_signal for the stop
+  // signals; called on the thread that will run the loop.
   bool signals() {
     signals_ = fuse_set_signal_handlers(se_) == 0;
-    return signals_;
+    if (!signals_) return false;
+    g_loop_thread = pthread_self();
+    g_stop_session.store(se_);
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0;  // no SA_RESTART: the loop's wait must return
+    for (int sig : kStopSignals) {
+      if (::sigaction(sig, &sa, nullptr) != 0) return false;
+    }
+    return true;
   }
   fuse_session* get() const { return se_; }
 

@@ -1350,6 +1350,60 @@ def test_signal_unmounts_cleanly(tmp_path, sig):
         m.stop(check=False)
 
 
+def daemon_threads(pid: int) -> list[tuple[int, str]]:
+    """(tid, wchan) of every thread of process `pid` but its first."""
+    out = []
+    for t in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        if int(t) == pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{t}/wchan") as f:
+                out.append((int(t), f.read().strip()))
+        except OSError:
+            pass  # exited since the listing
+    return out
+
+
+def tgkill(pid: int, tid: int, sig: int):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(234, pid, tid, int(sig)) != 0:  # SYS_tgkill on x86-64
+        raise OSError(ctypes.get_errno(), f"tgkill {pid} {tid}")
+
+
+def test_stop_signal_delivered_to_any_thread_unmounts(tmp_path):
+    """The kernel may deliver SIGTERM to any thread of the daemon. Delivered to one of its own
+    helper threads (the close watcher, the notify queue, a prefetch worker: none of them a
+    libfuse worker blocked reading /dev/fuse), it must still end the loop: the daemon exits 0
+    and unmounts within seconds, with no request needed to wake it."""
+    src, _, want = simple_src(tmp_path)
+    probe = Mount(src, tmp_path / "probe").start()
+    try:
+        assert view_bytes(pathlib.Path(probe.mnt) / "run/step_1/model") == want
+        helpers = [i for i, (_, wchan) in enumerate(daemon_threads(probe.proc.pid))
+                   if wchan != "fuse_dev_do_read"]
+    finally:
+        probe.stop()
+    assert helpers, "no helper thread found"
+    for i in helpers:
+        m = Mount(src, tmp_path / f"mnt{i}").start()
+        try:
+            assert view_bytes(pathlib.Path(m.mnt) / "run/step_1/model") == want
+            threads = daemon_threads(m.proc.pid)
+            tid, wchan = threads[i]
+            tgkill(m.proc.pid, tid, signal.SIGTERM)
+            try:
+                rc = m.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"SIGTERM to thread {tid} (in {wchan}) did not end the daemon in 10 s")
+            assert rc == 0, m.read_log()
+            assert not os.path.ismount(m.mnt)
+        finally:
+            force_unmount(m.mnt)
+            m.stop(check=False)
+
+
 def test_sigkill_leaves_no_mount(tmp_path):
     src, _, want = simple_src(tmp_path)
     m = Mount(src, tmp_path / "mnt").start()
