@@ -31,6 +31,24 @@ GEN_OPTS=(--layout fsdp_tp --world 4 --tp 2 --nemo --files 2 --layers 4 --hidden
 
 step() { printf '\n=== %s\n' "$*"; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# from_pretrained(DIR) equals the trained model saved in REF (and, with a third argument, the
+# tokenizer loads from DIR too); one summary line, non-zero on a difference.
+check_from_pretrained() {
+  "$PY" - "$@" <<'PYEOF'
+import sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+d, ref, tokenizer = sys.argv[1], sys.argv[2], len(sys.argv) > 3
+want = {k: v.clone() for k, v in load_file(ref).items()}
+sd = AutoModelForCausalLM.from_pretrained(d).state_dict()
+bad = [k for k in want if not torch.equal(sd[k], want[k])]
+tok = f"; tokenizer: {type(AutoTokenizer.from_pretrained(d)).__name__}" if tokenizer else ""
+print(f"from_pretrained({d}): {len(want)} tensors, {'all equal to the trained model' if not bad else 'DIFFER: ' + str(bad)}{tok}")
+sys.exit(1 if bad else 0)
+PYEOF
+}
 
 step "1/10 set-up (tools/setup.sh)"
 VENV=$(tools/setup.sh | tail -n 1)
@@ -147,19 +165,7 @@ fi
 if ((status == 0)); then
   ls -la "$MNT/run/dcp_step_3000"
   "$BIN" inspect "$SRC/run/dcp_step_3000" | grep -E "format|left out|training state|non-tensor" || true
-  "$PY" - "$MNT/run/dcp_step_3000" "$MNT/run/reference-dcp_step_3000.safetensors" <<'PYEOF' || status=$?
-import sys
-import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-
-d, ref = sys.argv[1], sys.argv[2]
-want = {k: v.clone() for k, v in load_file(ref).items()}
-sd = AutoModelForCausalLM.from_pretrained(d).state_dict()
-bad = [k for k in want if not torch.equal(sd[k], want[k])]
-print(f"from_pretrained({d}): {len(want)} tensors, {'all equal to the trained model' if not bad else 'DIFFER: ' + str(bad)}")
-sys.exit(1 if bad else 0)
-PYEOF
+  check_from_pretrained "$MNT/run/dcp_step_3000" "$MNT/run/reference-dcp_step_3000.safetensors" || status=$?
 fi
 
 step "9/10 verl's FSDP checkpoint manager (FSDP2, 2 ranks) saves into the mount; from_pretrained of its actor directory"
@@ -176,21 +182,7 @@ if ((status == 0)); then
   ACTOR=$MNT/run/verl/global_step_1/actor
   ls -la "$ACTOR"
   "$BIN" inspect "$SRC/run/verl/global_step_1/actor" | grep -E "format|left out|training state" || true
-  "$PY" - "$ACTOR" "$MNT/run/reference-verl.safetensors" <<'PYEOF' || status=$?
-import sys
-import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-d, ref = sys.argv[1], sys.argv[2]
-want = {k: v.clone() for k, v in load_file(ref).items()}
-sd = AutoModelForCausalLM.from_pretrained(d).state_dict()
-bad = [k for k in want if not torch.equal(sd[k], want[k])]
-tok = AutoTokenizer.from_pretrained(d)
-print(f"from_pretrained({d}): {len(want)} tensors, {'all equal to the trained model' if not bad else 'DIFFER: ' + str(bad)}; "
-      f"tokenizer from huggingface/: {type(tok).__name__}")
-sys.exit(1 if bad else 0)
-PYEOF
+  check_from_pretrained "$ACTOR" "$MNT/run/reference-verl.safetensors" tokenizer || status=$?
 fi
 
 step "10/10 unmount"

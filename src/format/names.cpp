@@ -72,4 +72,26 @@ std::string shard_file_name(uint32_t shard, uint32_t k, uint32_t m) {
                      kSafetensorsSuffix);
 }
 
+std::optional<VerlRankName> parse_verl_rank_name(std::string_view name) {
+  constexpr std::string_view kWorld = "_world_size_", kPt = ".pt";
+  if (!name.ends_with(kPt)) return std::nullopt;
+  name.remove_suffix(kPt.size());
+  const size_t w = name.find(kWorld);
+  if (w == std::string_view::npos || w == 0) return std::nullopt;
+  std::string_view rest = name.substr(w + kWorld.size());
+  auto plain = [](std::string_view s) { return !(s.size() > 1 && s[0] == '0'); };
+  if (!plain(rest)) return std::nullopt;
+  auto world = take_number(rest);
+  if (!world || !take(rest, "_rank_") || !plain(rest)) return std::nullopt;
+  auto rank = take_number(rest);
+  if (!rank || !rest.empty() || *world == 0 || *world > kMaxVerlWorld || *rank >= *world) {
+    return std::nullopt;
+  }
+  return VerlRankName{std::string(name.substr(0, w)), *world, *rank};
+}
+
+std::string verl_rank_name(std::string_view kind, uint32_t world, uint32_t rank) {
+  return fmt::format("{}_world_size_{}_rank_{}.pt", kind, world, rank);
+}
+
 }  // namespace ckptfs::format

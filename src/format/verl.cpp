@@ -1,8 +1,6 @@
 // verl's FSDP rank files: their names, fsdp_config.json, and the DTensor state-dict pickle.
 #include "ckptfs/format/verl.hpp"
 
-#include <charconv>
-
 #include <fmt/format.h>
 
 #include "json_strict.hpp"
@@ -17,7 +15,6 @@ using pickle::Walk;
 
 constexpr std::string_view kPlacements = "torch.distributed.tensor.placement_types";
 constexpr std::string_view kSpec = "torch.distributed.tensor._dtensor_spec";
-constexpr uint32_t kMaxWorld = 1u << 20;
 
 const std::vector<GlobalName>& state_dict_globals() {
   static const std::vector<GlobalName> g = [] {
@@ -41,14 +38,6 @@ const std::vector<GlobalName>& state_dict_globals() {
     return v;
   }();
   return g;
-}
-
-std::optional<uint32_t> parse_u32(std::string_view s) {
-  if (s.empty() || s.size() > 9 || (s.size() > 1 && s[0] == '0')) return std::nullopt;
-  uint32_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p != s.data() + s.size()) return std::nullopt;
-  return v;
 }
 
 // The (attribute, value) pairs of an object state as torch's _rebuild_from_type_v2 gets it:
@@ -158,25 +147,6 @@ Result<RankTensor> read_dtensor(const pickle::Pickle& p, const Walk& w, Ref valu
 
 }  // namespace
 
-std::optional<VerlRankName> parse_verl_rank_name(std::string_view name) {
-  constexpr std::string_view kWorld = "_world_size_", kRank = "_rank_", kPt = ".pt";
-  if (!name.ends_with(kPt)) return std::nullopt;
-  name.remove_suffix(kPt.size());
-  const size_t w = name.find(kWorld);
-  if (w == std::string_view::npos || w == 0) return std::nullopt;
-  const std::string_view rest = name.substr(w + kWorld.size());
-  const size_t r = rest.find(kRank);
-  if (r == std::string_view::npos) return std::nullopt;
-  auto world = parse_u32(rest.substr(0, r));
-  auto rank = parse_u32(rest.substr(r + kRank.size()));
-  if (!world || !rank || *world == 0 || *world > kMaxWorld || *rank >= *world) return std::nullopt;
-  return VerlRankName{std::string(name.substr(0, w)), *world, *rank};
-}
-
-std::string verl_rank_name(std::string_view kind, uint32_t world, uint32_t rank) {
-  return fmt::format("{}_world_size_{}_rank_{}.pt", kind, world, rank);
-}
-
 bool is_verl_file_name(std::string_view name) {
   return name == kVerlConfigName || parse_verl_rank_name(name).has_value();
 }
@@ -187,8 +157,9 @@ Result<VerlConfig> parse_verl_config(std::string_view text, std::string_view wha
   VerlConfig c;
   auto ws = j.find("world_size");
   if (ws == j.end() || !ws->is_number_unsigned() || ws->get<uint64_t>() == 0 ||
-      ws->get<uint64_t>() > kMaxWorld) {
-    return make_error(EINVAL, "{}: 'world_size' must be an integer from 1 to {}", what, kMaxWorld);
+      ws->get<uint64_t>() > kMaxVerlWorld) {
+    return make_error(EINVAL, "{}: 'world_size' must be an integer from 1 to {}", what,
+                      kMaxVerlWorld);
   }
   c.world_size = static_cast<uint32_t>(ws->get<uint64_t>());
   if (auto v = j.find("FSDP_version"); v != j.end()) {
@@ -199,8 +170,6 @@ Result<VerlConfig> parse_verl_config(std::string_view text, std::string_view wha
   }
   return c;
 }
-
-std::span<const pickle::GlobalName> verl_state_dict_globals() { return state_dict_globals(); }
 
 Result<RankStateDict> parse_rank_state_dict(std::string_view bytes, std::string_view what) {
   CKPTFS_TRY(pickle::Pickle p, pickle::parse(bytes, state_dict_globals(), what));

@@ -126,26 +126,23 @@ def test_dcp_checkpoint_is_served_as_hf(saved, tmp_path, name):
         assert m.proc.poll() is None
 
 
-def test_every_tool_accepts_it(saved, tmp_path):
-    """verify, consolidate, ckptfs load and the Python binding read the DCP checkpoint, and what
-    they make equals the mount's consolidated files."""
+def every_tool(root: pathlib.Path, rel: pathlib.Path | str, want: dict, tmp_path: pathlib.Path) -> list[str]:
+    """verify, consolidate, ckptfs load and the Python binding on checkpoint root/rel: each
+    succeeds; consolidate's files equal the mount's; `load` of the native files and of the
+    consolidated copy give one checksum; the binding gives `want`. Returns the names
+    consolidate wrote."""
     import filecmp
 
-    name = "3r-bf16-tied"
-    d = saved / name
-    want = reference(saved, name)
+    d = root / rel
     r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "consolidated"
     r = subprocess.run([BIN, "consolidate", str(d), str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    # The consolidated form only: the native files are not copied along.
-    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors",
-                                       "model.safetensors.index.json"]
-    with Mount(saved, tmp_path / "mnt") as m:
-        for n in os.listdir(out):
-            assert filecmp.cmp(out / n, pathlib.Path(m.mnt) / name / n, shallow=False), n
-    # ckptfs load of the native files and of the consolidated copy: one checksum.
+    names = sorted(os.listdir(out))
+    with Mount(root, tmp_path / "mnt") as m:
+        for n in names:
+            assert filecmp.cmp(out / n, pathlib.Path(m.mnt) / rel / n, shallow=False), n
     sums = []
     for src in (d, out):
         r = subprocess.run([BIN, "load", str(src)], capture_output=True, text=True)
@@ -157,6 +154,16 @@ def test_every_tool_accepts_it(saved, tmp_path):
     import ckptfs_load
 
     assert_equal(ckptfs_load.load_state_dict(str(d)), want, "the Python binding")
+    return names
+
+
+def test_every_tool_accepts_it(saved, tmp_path):
+    """verify, consolidate, ckptfs load and the Python binding read the DCP checkpoint, and what
+    they make equals the mount's consolidated files."""
+    name = "3r-bf16-tied"
+    names = every_tool(saved, name, reference(saved, name), tmp_path)
+    # The consolidated form only: the native files are not copied along.
+    assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
 
 
 def test_dcp_load_reads_the_native_files_through_the_mount(saved, tmp_path):
@@ -219,14 +226,9 @@ def test_accelerate_fsdp_layout(tmp_path):
     assert "in accelerate's pytorch_model_fsdp_0/" in r.stdout, r.stdout
     r = subprocess.run([BIN, "verify", str(src / "run")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    out = tmp_path / "consolidated"
-    r = subprocess.run([BIN, "consolidate", str(ck), str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors",
-                                       "model.safetensors.index.json"], os.listdir(out)
-    assert_equal(served(out), want, "consolidate of accelerate's checkpoint")
-    r = subprocess.run([BIN, "load", str(ck)], capture_output=True, text=True)
-    assert r.returncode == 0 and "checksum" in r.stdout, r.stdout + r.stderr
+    names = every_tool(src, pathlib.Path("run") / "checkpoint-1", want, tmp_path)
+    assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"], names
+    assert_equal(served(tmp_path / "consolidated"), want, "consolidate of accelerate's checkpoint")
 
 
 def global_tensors(d: pathlib.Path) -> dict:
@@ -400,33 +402,10 @@ def test_verl_checkpoint_is_served_as_hf(verl_saved, tmp_path, name):
 def test_verl_every_tool_accepts_it(verl_saved, tmp_path):
     """verify, consolidate, ckptfs load and the Python binding read verl's rank files; what they
     make equals the mount's files."""
-    import filecmp
-
     name = "verl-3r-bf16-tied"
-    d = verl_saved / name / VERL_ACTOR
-    want = reference(verl_saved, name)
-    r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = tmp_path / "consolidated"
-    r = subprocess.run([BIN, "consolidate", str(d), str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    names = sorted(os.listdir(out))
+    names = every_tool(verl_saved, pathlib.Path(name) / VERL_ACTOR, reference(verl_saved, name), tmp_path)
     assert "config.json" in names and "tokenizer.json" in names, names
     assert not [n for n in names if n.endswith(".pt") or n == "fsdp_config.json"], names
-    with Mount(verl_saved, tmp_path / "mnt") as m:
-        for n in names:
-            assert filecmp.cmp(out / n, pathlib.Path(m.mnt) / name / VERL_ACTOR / n, shallow=False), n
-    sums = []
-    for src in (d, out):
-        r = subprocess.run([BIN, "load", str(src)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout + r.stderr
-        sums.append([ln for ln in r.stdout.splitlines() if ln.startswith("checksum")])
-    assert sums[0] and sums[0] == sums[1], sums
-    os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
-    sys.path.insert(0, str(ROOT / "python"))
-    import ckptfs_load
-
-    assert_equal(ckptfs_load.load_state_dict(str(d)), want, "the Python binding")
 
 
 def replace_in_zip_member(path: pathlib.Path, old: bytes, new: bytes):

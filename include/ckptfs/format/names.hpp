@@ -48,6 +48,17 @@ bool is_safetensors_name(std::string_view name);
 // well-formed, regular rank shard) rather than silently ignored.
 bool looks_like_shard_name(std::string_view name);
 
+// verl's FSDP rank files: `<kind>_world_size_<W>_rank_<R>.pt`, kind "model", "optim" or
+// "extra_state"; W from 1 to kMaxVerlWorld, R below W, both written without leading zeros.
+inline constexpr uint32_t kMaxVerlWorld = 1u << 20;
+struct VerlRankName {
+  std::string kind;
+  uint32_t world = 0;
+  uint32_t rank = 0;
+};
+std::optional<VerlRankName> parse_verl_rank_name(std::string_view name);
+std::string verl_rank_name(std::string_view kind, uint32_t world, uint32_t rank);
+
 std::string model_file_name(uint32_t k, uint32_t m);
 std::string shard_file_name(uint32_t shard, uint32_t k, uint32_t m);
 

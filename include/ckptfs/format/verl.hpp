@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ckptfs/format/distcp.hpp"
+#include "ckptfs/format/names.hpp"
 #include "ckptfs/format/pickle.hpp"
 #include "ckptfs/util/result.hpp"
 
@@ -25,14 +26,6 @@ namespace ckptfs::format {
 inline constexpr std::string_view kVerlConfigName = "fsdp_config.json";
 inline constexpr uint64_t kMaxVerlPickleBytes = 256ull << 20;  // one rank's data.pkl
 
-// `<kind>_world_size_<W>_rank_<R>.pt`, kind "model", "optim" or "extra_state".
-struct VerlRankName {
-  std::string kind;
-  uint32_t world = 0;
-  uint32_t rank = 0;
-};
-std::optional<VerlRankName> parse_verl_rank_name(std::string_view name);
-std::string verl_rank_name(std::string_view kind, uint32_t world, uint32_t rank);
 // A verl checkpoint's own file: a rank file of any kind, or fsdp_config.json (never copied into
 // its consolidated form).
 bool is_verl_file_name(std::string_view name);
@@ -43,8 +36,6 @@ struct VerlConfig {
   std::optional<int64_t> fsdp_version;
 };
 Result<VerlConfig> parse_verl_config(std::string_view text, std::string_view what);
-
-std::span<const pickle::GlobalName> verl_state_dict_globals();
 
 struct Placement {
   enum class Kind : uint8_t { Replicate, Shard };
