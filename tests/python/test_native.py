@@ -195,20 +195,29 @@ def test_written_through_the_mount(tmp_path):
     assert sorted(p.name for p in (src / "step-1").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_accelerate_fsdp_layout(tmp_path):
+ACCEL_CK = pathlib.Path("run") / "checkpoint-1"
+
+
+@pytest.fixture(scope="module")
+def accelerate_saved(tmp_path_factory):
     """accelerate's own FSDP2 SHARDED_STATE_DICT save (save_fsdp_model and save_fsdp_optimizer,
-    as Accelerator.save_state and Trainer's checkpoint-N/ call them): the model's DCP checkpoint
-    in checkpoint-1/pytorch_model_fsdp_0/ is served as consolidated files in checkpoint-1/,
-    beside config.json, where from_pretrained looks; optimizer_0/ serves nothing; inspect and
-    verify see one checkpoint."""
-    src = tmp_path / "src"
+    as Accelerator.save_state and Trainer's checkpoint-N/ call them), 2 ranks, bf16, tied:
+    SRC/run/checkpoint-1/{config.json, pytorch_model_fsdp_0/, optimizer_0/}."""
+    src = tmp_path_factory.mktemp("accelerate") / "src"
     (src / "run").mkdir(parents=True)
-    ck = src / "run" / "checkpoint-1"
-    files = run_writer(ck, 2, "bfloat16", False, True, accelerate=True)
+    files = run_writer(src / ACCEL_CK, 2, "bfloat16", False, True, accelerate=True)
     assert "pytorch_model_fsdp_0/.metadata" in files and "optimizer_0/.metadata" in files, files
+    return src
+
+
+def test_accelerate_fsdp_layout(accelerate_saved, tmp_path):
+    """The model's DCP checkpoint in checkpoint-1/pytorch_model_fsdp_0/ is served as
+    consolidated files in checkpoint-1/, beside config.json, where from_pretrained looks;
+    optimizer_0/ serves nothing; inspect and verify see one checkpoint."""
+    src = accelerate_saved
     want = load(src / "run" / "reference-checkpoint-1.safetensors")
     with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
-        d = pathlib.Path(m.mnt) / "run" / "checkpoint-1"
+        d = pathlib.Path(m.mnt) / ACCEL_CK
         names = sorted(os.listdir(d))
         assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
                          "optimizer_0", "pytorch_model_fsdp_0"], names
@@ -226,7 +235,13 @@ def test_accelerate_fsdp_layout(tmp_path):
     assert "in accelerate's pytorch_model_fsdp_0/" in r.stdout, r.stdout
     r = subprocess.run([BIN, "verify", str(src / "run")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    names = every_tool(src, pathlib.Path("run") / "checkpoint-1", want, tmp_path)
+
+
+def test_accelerate_every_tool_accepts_it(accelerate_saved, tmp_path):
+    """verify, consolidate, ckptfs load and the Python binding read accelerate's checkpoint-N/;
+    consolidate writes the model files and config.json, not the folders."""
+    want = load(accelerate_saved / "run" / "reference-checkpoint-1.safetensors")
+    names = every_tool(accelerate_saved, ACCEL_CK, want, tmp_path)
     assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"], names
     assert_equal(served(tmp_path / "consolidated"), want, "consolidate of accelerate's checkpoint")
 
