@@ -24,6 +24,24 @@ std::string join_rel(std::string_view dir, std::string_view name) {
   return out;
 }
 
+RelParts split_rel(std::string_view rel) {
+  const size_t slash = rel.rfind('/');
+  if (slash == std::string_view::npos) return {std::string_view(), rel};
+  return {rel.substr(0, slash), rel.substr(slash + 1)};
+}
+
+Result<std::vector<std::string>> components_of(std::string_view rel) {
+  if (!is_safe_rel(rel)) return make_error(EINVAL, "'{}' is not a plain relative path", rel);
+  std::vector<std::string> out;
+  while (!rel.empty()) {
+    const size_t slash = rel.find('/');
+    out.emplace_back(rel.substr(0, slash));
+    if (slash == std::string_view::npos) break;
+    rel.remove_prefix(slash + 1);
+  }
+  return out;
+}
+
 Result<std::string> read_small_file_beneath(int rootfd, std::string_view rel, uint64_t limit) {
   struct stat st {};
   CKPTFS_TRY(UniqueFd fd, open_regular_beneath(rootfd, rel, Resolve::Auto, &st));

@@ -19,6 +19,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ckptfs/util/fd.hpp"
 
@@ -33,6 +34,18 @@ bool is_safe_rel(std::string_view rel);
 
 // Joins a relative directory path ("" = root) and a component.
 std::string join_rel(std::string_view dir, std::string_view name);
+
+// The one path splitter. The directory part of a relative path ("" for a bare name) and its
+// last component: split_rel("a/b/c") is {"a/b", "c"}, split_rel("c") is {"", "c"}.
+struct RelParts {
+  std::string_view dir;
+  std::string_view name;
+};
+RelParts split_rel(std::string_view rel);
+
+// The components of a safe relative path, in order ("" gives none); EINVAL naming `rel` when
+// it is not one (see is_safe_rel).
+Result<std::vector<std::string>> components_of(std::string_view rel);
 
 // Which resolver open_beneath / stat_beneath use. Auto is openat2 when the kernel has it, the
 // component walk otherwise; Walk forces the component walk (for tests of the fallback).
