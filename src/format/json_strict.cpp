@@ -2,22 +2,9 @@
 
 #include <fmt/format.h>
 
-namespace ckptfs::format::detail {
-namespace {
+namespace ckptfs::format {
 
-using nlohmann::json;
-
-// Quoted strings in messages are cut here: values are shown for a hint, but a duplicate key
-// is usually a tensor name, which the reader needs whole (MoE names run to ~60 characters).
-constexpr size_t kMaxValueChars = 40;
-constexpr size_t kMaxKeyChars = 256;
-
-// Offset of the bracket that opens nesting level kMaxJsonDepth + 1, or npos. A single pass
-// with no recursion, run before nlohmann sees the text, so no later step (parsing, error
-// messages, destruction) ever meets a value deeper than the cap. Brackets inside strings do
-// not count; a backslash skips the next byte so an escaped quote does not end the string.
-// Unbalanced text is not this scan's business: the parser refuses it afterwards.
-size_t too_deep_at(std::string_view text) {
+size_t json_too_deep_at(std::string_view text) {
   size_t depth = 0;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
@@ -48,6 +35,18 @@ size_t too_deep_at(std::string_view text) {
   }
   return std::string_view::npos;
 }
+
+}  // namespace ckptfs::format
+
+namespace ckptfs::format::detail {
+namespace {
+
+using nlohmann::json;
+
+// Quoted strings in messages are cut here: values are shown for a hint, but a duplicate key
+// is usually a tensor name, which the reader needs whole (MoE names run to ~60 characters).
+constexpr size_t kMaxValueChars = 40;
+constexpr size_t kMaxKeyChars = 256;
 
 // Builds the DOM from nlohmann's SAX events, refusing duplicate keys as they arrive.
 //
@@ -218,7 +217,7 @@ std::string quote_bounded(std::string_view s, size_t max_chars) {
 
 Result<json> parse_json_strict(std::string_view text, std::string_view what, std::string_view kind,
                                std::vector<std::string>* top_keys) {
-  if (size_t at = too_deep_at(text); at != std::string_view::npos) {
+  if (size_t at = json_too_deep_at(text); at != std::string_view::npos) {
     return make_error(EINVAL, "{}{} is nested deeper than {} levels (at byte {})", prefix(what),
                       kind, kMaxJsonDepth, at);
   }

@@ -8,14 +8,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ckptfs/format/json_depth.hpp"
 #include "ckptfs/util/result.hpp"
 
 namespace ckptfs::format::detail {
 
-// Deepest nesting of arrays and objects accepted in untrusted JSON. Real documents nest 3 or
-// 4 levels; the cap exists because code that walks a value recursively (nlohmann's dump(),
-// comparisons, a future visitor) would overflow the stack on a hostile 100,000-level value.
-inline constexpr size_t kMaxJsonDepth = 64;
+using format::kMaxJsonDepth;  // the one depth guard: ckptfs/format/json_depth.hpp
 
 // "what: " or "" when `what` is empty (callers that attach the file name themselves).
 inline std::string prefix(std::string_view what) {

@@ -14,14 +14,6 @@ std::string record_file_name(std::string_view file_name) {
 
 namespace {
 
-std::string with_length_prefix(std::string_view json) {
-  std::string out(kHeaderLenBytes, '\0');
-  const uint64_t n = json.size();
-  for (size_t i = 0; i < kHeaderLenBytes; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  out += json;
-  return out;
-}
-
 // The owner, path and header of a node-local shard (version 2); `s` has its name and size.
 Status parse_remote_shard(const nlohmann::json& e, RecordShard& s, std::string_view what) {
   auto bad = [&](std::string_view why) {

@@ -179,8 +179,7 @@ Result<Header> read_header(int fd, uint64_t file_size, std::string_view what) {
   }
   unsigned char lenbuf[8];
   CKPTFS_CHECK(pread_exact(fd, lenbuf, sizeof lenbuf, 0, what));
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | lenbuf[i];
+  const uint64_t n = read_length_prefix(lenbuf);
   if (n > kMaxHeaderSize) {
     return make_error(EINVAL, "{}: header length {} exceeds the {} byte limit", what, n,
                       kMaxHeaderSize);
@@ -199,8 +198,7 @@ Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what) {
     return make_error(EINVAL, "{}: file of {} bytes is too short for a safetensors header", what,
                       bytes.size());
   }
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  const uint64_t n = read_length_prefix(bytes.data());
   if (n > kMaxHeaderSize) {
     return make_error(EINVAL, "{}: header length {} exceeds the {} byte limit", what, n,
                       kMaxHeaderSize);
@@ -247,10 +245,13 @@ std::string serialize_header(std::span<const TensorEntry> tensors,
     size_t pad = (align - total % align) % align;
     text.append(pad, ' ');
   }
+  return with_length_prefix(text);
+}
+
+std::string with_length_prefix(std::string_view json) {
   std::string out(kHeaderLenBytes, '\0');
-  uint64_t n = text.size();
-  for (size_t i = 0; i < kHeaderLenBytes; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  out += text;
+  store_le64(out.data(), json.size());
+  out += json;
   return out;
 }
 

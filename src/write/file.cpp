@@ -20,14 +20,10 @@ namespace {
 
 constexpr size_t kCopyChunk = 1 << 20;
 
-bool is_model_name(std::string_view name) { return format::parse_model_name(name).has_value(); }
-
 // The header length a prefix announces (its first 8 bytes), or 0 before they arrived.
 uint64_t announced_len(std::string_view prefix) {
   if (prefix.size() < format::kHeaderLenBytes) return 0;
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
-  return n;
+  return format::read_length_prefix(prefix.data());
 }
 
 // What a routed file keeps in memory until it is closed: its header, every shard header and a
@@ -424,7 +420,8 @@ Status WriteFile::fsync(const Place& where, bool datasync) {
       return {};
     case State::Routed:
       durable_ = true;
-      if (router_->complete() && is_model_name(where.name)) return commit_locked(where, true);
+      if (router_->complete() && format::is_model_name(where.name))
+        return commit_locked(where, true);
       return tx_->sync();
     case State::Committed:
       return tx_->sync();
@@ -446,7 +443,7 @@ Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
   // Written since the last close, or made by this open (an empty file is a file too).
   const bool was_dirty = dirty_.exchange(false) || std::exchange(fresh_, false);
   whole_.reset();
-  const bool model = is_model_name(where.name);
+  const bool model = format::is_model_name(where.name);
   switch (state_) {
     case State::Failed:
       return *error_;
@@ -514,7 +511,7 @@ std::optional<Error> WriteFile::refused_locked(const Place& where, const StoreRu
 Status WriteFile::store(const Place& where, const StoreRules& rules) {
   std::lock_guard lock(mu_);
   whole_.reset();
-  if (state_ != State::Plain || !is_model_name(where.name)) return {};
+  if (state_ != State::Plain || !format::is_model_name(where.name)) return {};
   if (rules.whole) {
     if (rules.whole->code) whole_ = rules.whole;
     return {};

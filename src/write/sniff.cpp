@@ -3,48 +3,19 @@
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/format/dcp.hpp"
+#include "ckptfs/format/json_depth.hpp"
 #include "ckptfs/util/checked.hpp"
 
 namespace ckptfs::write {
-namespace {
-
-// A safetensors header is 3 levels deep; anything past this is refused before nlohmann's DOM
-// parser, whose recursion (and the recursive destructor) a hostile header could otherwise
-// drive off the stack. The strict parser guards itself the same way.
-constexpr size_t kMaxDepth = 64;
-
-bool too_deep(std::string_view json) {
-  size_t depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : json) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxDepth) return true;
-    } else if ((c == '}' || c == ']') && depth > 0) {
-      --depth;
-    }
-  }
-  return false;
-}
-
-}  // namespace
 
 Result<format::Header> parse_header_unsized(std::string_view json, std::string_view what) {
   // A lenient first pass finds the end of the data the header claims; the strict parser then
   // checks everything (duplicates, tiling, sizes) against exactly that size. Parsing twice
   // avoids copying the strict parser into this layer.
-  if (too_deep(json)) {
-    return make_error(EINVAL, "{}: header is nested deeper than {} levels", what, kMaxDepth);
+  // nlohmann's DOM parser (and its destructor) recurse: a hostile header is refused first.
+  if (format::json_too_deep_at(json) != std::string_view::npos) {
+    return make_error(EINVAL, "{}: header is nested deeper than {} levels", what,
+                      format::kMaxJsonDepth);
   }
   auto root = nlohmann::json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) {
@@ -80,8 +51,7 @@ Sniffed sniff(std::string_view prefix, uint64_t file_size, std::string_view what
     s.kind = Kind::NeedMore;
     return s;
   }
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+  const uint64_t n = format::read_length_prefix(prefix.data());
   if (n < kMinHeaderLen || n > format::kMaxHeaderSize) {
     return other(fmt::format("{}: header length {} is outside [{}, {}]", what, n, kMinHeaderLen,
                              format::kMaxHeaderSize));

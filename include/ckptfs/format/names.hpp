@@ -39,9 +39,11 @@ struct ModelName {
 
 std::optional<ShardName> parse_shard_name(std::string_view name);
 std::optional<ModelName> parse_model_name(std::string_view name);
+// The one model-name predicate: model.safetensors or model-K-of-M.safetensors.
+inline bool is_model_name(std::string_view name) { return parse_model_name(name).has_value(); }
 // A name the consolidated output uses: model-K-of-M / model.safetensors, or the index.
 inline bool is_model_output_name(std::string_view name) {
-  return name == kIndexFileName || parse_model_name(name).has_value();
+  return name == kIndexFileName || is_model_name(name);
 }
 bool is_safetensors_name(std::string_view name);
 // "shard-*.safetensors": treated as part of the checkpoint (and refused when it is not a

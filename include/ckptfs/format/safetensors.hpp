@@ -20,6 +20,20 @@ namespace ckptfs::format {
 inline constexpr uint64_t kMaxHeaderSize = 100'000'000;
 inline constexpr uint64_t kHeaderLenBytes = 8;
 
+// The one reader and writer of safetensors' length prefix: an unsigned 64-bit little-endian
+// number. read_length_prefix needs at least kHeaderLenBytes bytes at `p`.
+[[nodiscard]] inline uint64_t read_length_prefix(const void* p) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | b[i];
+  return n;
+}
+inline void store_le64(char* out, uint64_t n) {
+  for (size_t i = 0; i < kHeaderLenBytes; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+}
+// `json` with its length prefix in front: the serialized form of a header.
+[[nodiscard]] std::string with_length_prefix(std::string_view json);
+
 struct TensorEntry {
   std::string name;
   DType dtype = DType::U8;
