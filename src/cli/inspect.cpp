@@ -14,6 +14,7 @@
 #include "ckptfs/cli/args.hpp"
 #include "ckptfs/cli/progress.hpp"
 #include "ckptfs/source/scanner.hpp"
+#include "ckptfs/source/shards.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/text.hpp"
@@ -210,12 +211,20 @@ void report_too_deep(std::string_view cmd, const Loaded& l) {
 // Compares every replica of every chunk with the primary copy, block by block.
 void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& problems,
                      ProgressBar& bar, uint64_t& done, uint64_t total) {
+  // Each shard once, checked to be the file the build read (source::open_shard).
+  auto dir = open_file(c.dir, O_RDONLY | O_DIRECTORY);
   std::vector<UniqueFd> fds(c.shards.size());
+  std::vector<std::string> failed(c.shards.size());
   auto fd_of = [&](uint32_t s) -> int {
-    if (!fds[s].valid()) {
-      const std::string path = c.dir + "/" + c.shards[s].name;
-      auto r = open_regular_at(AT_FDCWD, path, path);
-      if (r) fds[s] = std::move(r).value();
+    if (!fds[s].valid() && failed[s].empty()) {
+      Result<UniqueFd> r = dir ? source::open_shard(c, s, dir->get(), c.dir, "verify")
+                               : Result<UniqueFd>(dir.error());
+      if (r) {
+        fds[s] = std::move(r).value();
+      } else {
+        failed[s] = r.error().message;
+        problems.push_back(failed[s]);
+      }
     }
     return fds[s].get();
   };
@@ -226,6 +235,8 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
       if (ch.replicas.empty()) continue;
       uint64_t nbytes = *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));
       for (const auto& rep : ch.replicas) {
+        // A shard that cannot be opened is a problem already said once.
+        if (fd_of(ch.shard) < 0 || fd_of(rep.shard) < 0) continue;
         for (uint64_t off = 0; off < nbytes; off += kBlock) {
           size_t n = static_cast<size_t>(std::min<uint64_t>(kBlock, nbytes - off));
           auto ra = pread_exact(fd_of(ch.shard), a.data(), n, ch.file_offset + off,

@@ -24,6 +24,7 @@
 #include "ckptfs/fs/gather.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
+#include "ckptfs/source/shards.hpp"
 #include "ckptfs/util/fd.hpp"
 
 namespace ckptfs::engine {
@@ -86,23 +87,9 @@ class Copier {
       : ck_(ck), src_(std::move(src)), threads_(threads), window_(window), stop_(stop) {}
 
   Status open_shards() {
-    fds_.reserve(ck_.shards.size());
-    for (const auto& s : ck_.shards) {
-      if (s.remote()) {
-        return make_error(EIO,
-                          "{}/{}: stored on the node-local target of MPI rank {} ({}); consolidate "
-                          "through the mount of its `mpirun ckptfs mount -o target=...` job",
-                          src_, s.name, s.owner, s.remote_path);
-      }
-      const std::string path = src_ + "/" + s.name;
-      struct stat st {};
-      CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path, &st));
-      if (source::stamp_of(st) != s.stamp) {
-        return make_error(ESTALE, "{}/{}: changed while consolidating", src_, s.name);
-      }
-      raw_.push_back(fd.get());
-      fds_.push_back(std::move(fd));
-    }
+    CKPTFS_TRY(UniqueFd dir, open_file(src_, O_RDONLY | O_DIRECTORY));
+    CKPTFS_TRY(fds_, source::open_shards(ck_, dir.get(), src_, "consolidate"));
+    for (const auto& fd : fds_) raw_.push_back(fd.get());
     return {};
   }
 

@@ -17,6 +17,7 @@
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/fs/gather.hpp"
 #include "ckptfs/source/scanner.hpp"
+#include "ckptfs/source/shards.hpp"
 
 namespace ckptfs::load {
 namespace {
@@ -24,16 +25,6 @@ namespace {
 std::string strip_slashes(std::string p) {
   while (p.size() > 1 && p.back() == '/') p.pop_back();
   return p;
-}
-
-// Opens `path` for reading, checked to be the regular file the build saw.
-Result<UniqueFd> open_checked(const std::string& path, const layout::FileStamp* stamp,
-                              struct stat* st) {
-  CKPTFS_TRY(UniqueFd fd, open_regular_at(AT_FDCWD, path, path, st));
-  if (stamp && source::stamp_of(*st) != *stamp) {
-    return make_error(ESTALE, "{}: changed since the checkpoint was read", path);
-  }
-  return fd;
 }
 
 }  // namespace
@@ -66,7 +57,8 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
   CKPTFS_TRY(UniqueFd dfd, open_file(dir, O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, source::list_checkpoint_dir(dfd.get()));
 
-  std::vector<std::pair<std::string, const layout::FileStamp*>> files;
+  std::vector<std::string> files;   // every file read, in order
+  std::vector<UniqueFd> shard_fds;  // rank shards: opened (and stamp-checked) by source
   if (source::is_checkpoint_dir(dfd.get(), entries)) {
     layout::BuildOptions bo;
     CKPTFS_CHECK(layout::set_dtype_policy(bo, opts.dtype));
@@ -77,14 +69,7 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
       for (const auto& p : ck.problems) msg += "\n  " + p.to_string();
       return Error{EINVAL, std::move(msg)};
     }
-    for (const auto& sh : ck.shards) {
-      if (sh.remote()) {
-        return make_error(EIO,
-                          "{}/{}: stored on the node-local target of MPI rank {} ({}); load "
-                          "it through the mount of its `mpirun ckptfs mount -o target=...` job",
-                          dir, sh.name, sh.owner, sh.remote_path);
-      }
-    }
+    CKPTFS_TRY(shard_fds, source::open_shards(ck, dfd.get(), dir, "load"));
     s->kind_ = Kind::RankShards;
     for (const auto& f : ck.outputs) {
       for (uint32_t t : f.tensors) {
@@ -94,7 +79,7 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
         s->places_.push_back(Place{t, 0});  // file: the tensor's index in the checkpoint
       }
     }
-    for (const auto& sh : ck.shards) files.emplace_back(dir + "/" + sh.name, &sh.stamp);
+    for (const auto& sh : ck.shards) files.push_back(dir + "/" + sh.name);
   } else {
     s->kind_ = Kind::Consolidated;
     std::map<uint32_t, std::string> numbered;  // k -> name
@@ -159,12 +144,18 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
         s->names_.push_back(it->second);
       }
     }
-    for (const auto& n : s->names_) files.emplace_back(dir + "/" + n, nullptr);
+    for (const auto& n : s->names_) files.push_back(dir + "/" + n);
   }
 
-  for (const auto& [path, stamp] : files) {
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::string& path = files[i];
     struct stat st {};
-    CKPTFS_TRY(UniqueFd fd, open_checked(path, stamp, &st));
+    UniqueFd fd;
+    if (s->kind_ == Kind::RankShards) {
+      fd = std::move(shard_fds[i]);
+    } else {
+      CKPTFS_TRY(fd, open_regular_at(AT_FDCWD, path, path, &st));
+    }
     s->raw_.push_back(fd.get());
     s->fds_.push_back(std::move(fd));
     UniqueFd direct;
