@@ -8,14 +8,9 @@
 
 #include "ckptfs/cli/args.hpp"
 
-#ifndef CKPTFS_FEATURE_MPI
-#define CKPTFS_FEATURE_MPI 0
-#endif
-#ifndef CKPTFS_FEATURE_CUDA
-#define CKPTFS_FEATURE_CUDA 0
-#endif
-#ifndef CKPTFS_FEATURE_NCCL
-#define CKPTFS_FEATURE_NCCL 0
+// CKPTFS_HAVE_* come from meson.build (the one set of feature macros).
+#ifndef CKPTFS_HAVE_MPI
+#error "CKPTFS_HAVE_MPI is set by meson.build"
 #endif
 
 namespace ckptfs::cli {
@@ -46,8 +41,8 @@ std::string version_text() {
                      NLOHMANN_JSON_VERSION_MINOR, NLOHMANN_JSON_VERSION_PATCH);
   // systemd: the sd_notify protocol is spoken directly (no libsystemd), so always present.
   out += fmt::format("features: openmpi={} cuda={} nccl={} sd_notify=yes\n",
-                     yes_no(CKPTFS_FEATURE_MPI), yes_no(CKPTFS_FEATURE_CUDA),
-                     yes_no(CKPTFS_FEATURE_NCCL));
+                     yes_no(CKPTFS_HAVE_MPI), yes_no(CKPTFS_HAVE_CUDA),
+                     yes_no(CKPTFS_HAVE_NCCL));
   return out;
 }
 
