@@ -1,3 +1,5 @@
+// flush/store: one rank's shard storage under its target directory (ShardStore, see
+// ckptfs/flush/store.hpp): staged and node-local shards, sealing, reads, drop and sweep.
 #include "ckptfs/flush/store.hpp"
 
 #include <fcntl.h>
@@ -20,20 +22,6 @@ namespace {
 constexpr size_t kMaxCachedFds = 64;
 constexpr int kMaxSweepDepth = 64;
 const std::string kState(format::kStateDirName);
-
-// Splits a relative path into its components; every one must be a plain name.
-Result<std::vector<std::string>> components(std::string_view rel) {
-  std::vector<std::string> out;
-  while (!rel.empty()) {
-    const size_t slash = rel.find('/');
-    const std::string_view c = rel.substr(0, slash);
-    if (!is_valid_component(c)) return make_error(EINVAL, "'{}' is not a plain relative path", rel);
-    out.emplace_back(c);
-    if (slash == std::string_view::npos) break;
-    rel.remove_prefix(slash + 1);
-  }
-  return out;
-}
 
 // Opens directory `name` under `parent`, making it first if it is missing; never follows a
 // symlink, so a path from the head stays below the target.
@@ -86,7 +74,7 @@ Status ShardStore::create(uint64_t tx, std::string_view txname, uint32_t shard,
   if (!txname.starts_with(kNodeLocalTxPrefix) || !is_valid_component(txname)) {
     return make_error(EINVAL, "'{}' is not a node-local transaction name", txname);
   }
-  CKPTFS_TRY(auto parts, components(rel));
+  CKPTFS_TRY(auto parts, components_of(rel));
   CKPTFS_TRY(UniqueFd dir, open_at(root_.get(), ".", O_RDONLY | O_DIRECTORY));
   std::string at;
   for (const auto& c : parts) {
@@ -180,9 +168,9 @@ Result<std::string> ShardStore::seal(uint64_t tx, uint32_t shard, std::string_vi
     }
     if (h->err) return *h->err;
   }
-  const size_t slash = h->path.rfind('/');
-  const std::string dir = h->path.substr(0, slash);
-  const std::string from = h->path.substr(slash + 1);
+  const RelParts sp = split_rel(h->path);  // a created shard's path always has a directory
+  const std::string dir(sp.dir);
+  const std::string from(sp.name);
   CKPTFS_TRY(UniqueFd txdir, open_beneath(root_.get(), dir, O_RDONLY | O_DIRECTORY));
   if (from != name &&
       ::renameat(txdir.get(), from.c_str(), txdir.get(), std::string(name).c_str()) != 0) {
@@ -193,8 +181,7 @@ Result<std::string> ShardStore::seal(uint64_t tx, uint32_t shard, std::string_vi
   // The name and every directory above it, up to the root, made durable.
   CKPTFS_CHECK(fsync_dir(txdir.get(), show(dir)));
   for (std::string d = dir; !d.empty();) {
-    const size_t s = d.rfind('/');
-    d = s == std::string::npos ? std::string() : d.substr(0, s);
+    d = std::string(split_rel(d).dir);
     CKPTFS_TRY(UniqueFd fd, d.empty() ? open_at(root_.get(), ".", O_RDONLY | O_DIRECTORY)
                                       : open_beneath(root_.get(), d, O_RDONLY | O_DIRECTORY));
     CKPTFS_CHECK(fsync_dir(fd.get(), show(d)));
@@ -214,7 +201,7 @@ void ShardStore::forget(uint64_t tx, bool remove) {
   if (!remove) return;
   std::set<std::string> dirs;
   for (const auto& h : hs) {
-    if (h->created) dirs.insert(h->path.substr(0, h->path.rfind('/')));
+    if (h->created) dirs.insert(std::string(split_rel(h->path).dir));
   }
   hs.clear();  // descriptors closed before their directory goes
   for (const auto& d : dirs) {
@@ -279,7 +266,7 @@ Status ShardStore::read_path(std::string_view path, uint64_t size, uint64_t off,
 }
 
 Status ShardStore::drop(std::string_view path) {
-  CKPTFS_TRY(auto parts, components(path));
+  CKPTFS_TRY(auto parts, components_of(path));
   if (parts.size() < 2 || parts[parts.size() - 2] != kState ||
       !parts.back().starts_with(kNodeLocalTxPrefix)) {
     return make_error(EINVAL, "{}: not a node-local transaction directory", show(path));
@@ -361,8 +348,7 @@ Result<uint64_t> ShardStore::sweep(const std::set<std::string, std::less<>>& kee
     std::lock_guard lock(mu_);
     for (const auto& [key, h] : held_) {
       if (!h->created) continue;
-      const std::string dir = h->path.substr(0, h->path.rfind('/'));
-      live.insert(dir.substr(dir.rfind('/') + 1));
+      live.insert(std::string(split_rel(split_rel(h->path).dir).name));
     }
   }
   uint64_t removed = 0;
