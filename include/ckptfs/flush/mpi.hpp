@@ -2,16 +2,23 @@
 // head) serves the FUSE mount; its MpiFlusher sends the bytes of every shard it does not own
 // to the rank that does, and ranks >= 1 run serve_rank() until the head shuts them down.
 //
-// Shard i (0-based; file shard-{i+1}) is owned by MPI rank i % N. Shared-target mode (the only
-// one built so far): every rank sees SRC at the same path (Lustre, NFS, one machine). The head
-// makes the staging exactly as the local flusher does (D/.ckptfs/tx-*/rank-0000x, sized, under
-// its flock) and tells each owner which staged file to open; the owner pwrites the bytes it is
-// sent, fsyncs when asked and acknowledges. The head writes the commit record and rolls forward
-// only after every owner acknowledged its fsync. See docs/architecture.md ("Parallel flush").
+// Shard i (0-based; file shard-{i+1}) is owned by MPI rank i % N (owner_of). Two modes:
+//  - shared target (the default): every rank sees SRC at the same path (Lustre, NFS, one
+//    machine). The head makes the staging exactly as the local flusher does
+//    (D/.ckptfs/tx-*/rank-0000x, sized, under its flock) and tells each owner which staged file
+//    to open; the owner pwrites the bytes it is sent, fsyncs when asked and acknowledges. The
+//    head writes the commit record and rolls forward only after every owner acknowledged its
+//    fsync.
+//  - node-local targets (-o target=PATH): each rank keeps its shards under its own directory
+//    (flush/store.hpp); the head's commit record in SRC names each shard's owner and path.
+// See docs/architecture.md ("Parallel flush").
 //
-// The first part of this header is pure (wire format, backpressure accounting, target
-// paths, rate limiting): always compiled, unit-tested without MPI. The second part exists only
-// in a build with OpenMPI (CKPTFS_HAVE_MPI); no MPI type appears in it.
+// The first part of this header is pure: always compiled, unit-tested without MPI. Its units:
+// src/flush/mpi_wire.cpp (wire format), mpi_flow.cpp (backpressure, write combining, rate
+// limiting), mpi_target.cpp (target paths), mpi_dispatch.cpp (what a rank does with a
+// command). The second part exists only in a build with OpenMPI (CKPTFS_HAVE_MPI); no MPI type
+// appears in it. Its units: mpi_runtime, mpi_link, mpi_shared_tx, mpi_node_local, mpi_flusher,
+// mpi_rank (src/flush/).
 #pragma once
 
 #include <chrono>
@@ -24,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/flush/store.hpp"
@@ -31,7 +39,21 @@
 
 namespace ckptfs::flush::mpi {
 
-// --- wire format ---------------------------------------------------------------------------
+// --- ownership -------------------------------------------------------------------------------
+
+// The rank that owns shard `shard` (0-based) in a job of `nranks` ranks (>= 1): shard i on rank
+// i % N, in both modes. Rank 0 is the head.
+inline int owner_of(size_t shard, int nranks) {
+  return static_cast<int>(shard % static_cast<size_t>(nranks));
+}
+// owner_of for each of `shards` shards.
+inline std::vector<int> owners_of(size_t shards, int nranks) {
+  std::vector<int> o(shards);
+  for (size_t i = 0; i < shards; ++i) o[i] = owner_of(i, nranks);
+  return o;
+}
+
+// --- wire format (mpi_wire.cpp) -----------------------------------------------------------
 // Head -> rank: a Command (fixed 48-byte little-endian header) followed by its payload, in one
 // MPI message on kTagCommand. Rank -> head: a Reply (fixed 24 bytes) followed by its payload,
 // on kTagReply. Messages from the head to one rank arrive in the order they were posted (MPI's
@@ -85,7 +107,7 @@ std::string encode_reply(const Reply& r, std::string_view payload);
 Result<Command> decode_command(std::string_view buf, std::string_view* payload);
 Result<Reply> decode_reply(std::string_view buf, std::string_view* payload);
 
-// --- backpressure ----------------------------------------------------------------------------
+// --- backpressure (mpi_flow.cpp) ------------------------------------------------------------
 
 // The bytes of sends posted but not completed, bounded: a writer that would go over waits for
 // completions. A message larger than the whole budget waits for an empty pool, then goes.
@@ -110,7 +132,7 @@ class InflightBudget {
   bool failed_ = false;
 };
 
-// --- write combining -------------------------------------------------------------------------
+// --- write combining (mpi_flow.cpp) ---------------------------------------------------------
 
 // Coalesces the shard writes of one transaction that continue where the previous write to the
 // same shard ended into messages of up to `limit` bytes. A column split sends one run per row
@@ -149,7 +171,7 @@ class WriteCombiner {
   uint64_t sends_ = 0;
 };
 
-// --- targets ---------------------------------------------------------------------------------
+// --- targets (mpi_target.cpp) ---------------------------------------------------------------
 
 // `pattern` with %r replaced by the rank and %% by '%'; any other '%' is an error.
 Result<std::string> expand_target(std::string_view pattern, int rank);
@@ -158,7 +180,7 @@ Result<std::string> expand_target(std::string_view pattern, int rank);
 // itself); every component must be a plain name (no "..", no "."): EINVAL otherwise.
 Result<std::string> relative_to(std::string_view source, std::string_view display);
 
-// --- rate limiting (the benchmark's capped targets) -----------------------------------------
+// --- rate limiting, the benchmark's capped targets (mpi_flow.cpp) ---------------------------
 
 // A token bucket at `bytes_per_s` (0: unlimited) with one burst of `burst` bytes: take(n)
 // returns how long the caller must sleep before its n bytes are within the rate.
@@ -213,6 +235,27 @@ Status claim_target(const std::string& root, const std::string& source);
 
 // The largest Read or ReadPath a rank answers.
 inline constexpr uint64_t kMaxReadBytes = uint64_t{64} << 20;
+
+// --- a rank's commands (mpi_dispatch.cpp) ---------------------------------------------------
+
+// A rank's answer to one command: the Reply (its id echoed, 0 or an errno) and its payload (the
+// bytes read, a sealed path, a count, or the error's message).
+struct Answer {
+  Reply reply;
+  std::string payload;
+};
+
+// What a rank does with one decoded command on its ShardStore: the whole of the rank server
+// but the receiving and the sending (mpi_rank.cpp only receives, calls this and sends the
+// answer back). Pure, no MPI. Never throws and never crashes on what the head sends: a
+// malformed payload (a Create with no transaction name, an unsafe path, a read over
+// kMaxReadBytes) or an unknown op is an error answer (EPROTO or EINVAL, with a message).
+// std::nullopt: no reply goes back (Write, Close, Shutdown, and any command whose id is 0);
+// a Write's error is latched in the store and reported at the next Sync.
+std::optional<Answer> dispatch(ShardStore& store, const Command& c, std::string_view payload);
+// The same for a rank whose target could not be opened: every command that takes a reply gets
+// `why`, so the head's writers see it (and the Shutdown at unmount still arrives).
+std::optional<Answer> refuse(const Command& c, const Error& why);
 
 #if CKPTFS_HAVE_MPI
 
