@@ -1,4 +1,4 @@
-// The kernel's permission rules, applied by the daemon to names the kernel cannot check.
+// fs/access: the kernel's permission rules, applied by the daemon to names the kernel cannot check.
 #include "ckptfs/fs/access.hpp"
 
 #include <fcntl.h>
@@ -7,6 +7,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/path.hpp"
+#include "names.hpp"
 
 namespace ckptfs::fs {
 
@@ -90,6 +95,37 @@ int read_protected_regular() {
   int v = 0;
   if (!(f >> v)) return 0;
   return v;
+}
+
+Status may_delete_at(int dirfd, const Perm& dir, const std::string& name, const Caller& c,
+                     std::string_view what) {
+  if (c.root()) return {};
+  struct stat st {};
+  if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return {};
+  return may_delete(dir, Perm::of(st), c, what);
+}
+
+Status may_delete_each(const Perm& dir, const std::vector<Perm>& victims, const Caller& c,
+                       std::string_view what) {
+  for (const auto& p : victims) CKPTFS_CHECK(may_delete(dir, p, c, what));
+  return {};
+}
+
+Status may_empty(int dirfd, const Caller& c, const std::string& rel, int depth) {
+  if (c.root()) return {};
+  if (depth > 8) return make_error(ENOTEMPTY, "{}: too deep", rel);
+  struct stat dst {};
+  if (::fstat(dirfd, &dst) != 0) return errno_error(rel);
+  CKPTFS_TRY(auto entries, source::list_dir(dirfd));
+  for (const auto& e : entries) {
+    const std::string what = join_rel(rel, e.name);
+    CKPTFS_CHECK(may_delete(Perm::of(dst), Perm::of(e.st), c, what));
+    if (S_ISDIR(e.st.st_mode) && !names::is_state(e.name)) {
+      CKPTFS_TRY(UniqueFd sub, open_at(dirfd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+      CKPTFS_CHECK(may_empty(sub.get(), c, what, depth + 1));
+    }
+  }
+  return {};
 }
 
 }  // namespace ckptfs::fs

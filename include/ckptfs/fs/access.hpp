@@ -1,12 +1,14 @@
 // Who may do what: the kernel's permission rules (generic_permission, may_delete and the sticky
 // bit, may_create_in_sticky), for the names the kernel cannot check itself. The daemon acts as
 // root in SRC, and the kernel checks only what it sees: a shard file the view hides, the inputs
-// of a synthesized file, a name the kernel believed free. Pure functions, no I/O.
+// of a synthesized file, a name the kernel believed free. Pure functions, no I/O, but for the last
+// three (may_delete_at, may_delete_each, may_empty), which apply the rules to what SRC holds.
 #pragma once
 
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -69,5 +71,21 @@ Perm shown_perm(const std::vector<Perm>& inputs, uid_t dir_uid, gid_t dir_gid);
 
 // fs.protected_regular as this kernel has it (0 when it cannot be read).
 int read_protected_regular();
+
+// --- the same rules applied to what SRC holds (these read SRC) -------------------------------
+
+// May `c` remove entry `name` of directory `dirfd` (whose owner and mode are `dir`) as it is now
+// (nothing to check when it does not exist). `what` names it in the error.
+Status may_delete_at(int dirfd, const Perm& dir, const std::string& name, const Caller& c,
+                     std::string_view what);
+
+// May `c` remove every one of `victims` from directory `dir` (the shards of a consolidated file).
+Status may_delete_each(const Perm& dir, const std::vector<Perm>& victims, const Caller& c,
+                       std::string_view what);
+
+// Whether `c` could empty directory `dirfd` (at `rel`) entry by entry, subdirectories first:
+// what rmdir removes with a directory whose view is empty. The write path's own state directory
+// counts as one entry (nobody but the daemon writes inside it).
+Status may_empty(int dirfd, const Caller& c, const std::string& rel, int depth = 0);
 
 }  // namespace ckptfs::fs

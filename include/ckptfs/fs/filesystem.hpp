@@ -31,6 +31,7 @@
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/fs/access.hpp"
 #include "ckptfs/fs/gather.hpp"
+#include "ckptfs/fs/seams.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/util/result.hpp"
 #include "ckptfs/write/plan.hpp"
@@ -72,6 +73,10 @@ struct Options {
   // A path relative to the source that is never looked at: the mount point itself when it
   // lies inside the source (stat'ing it would call the daemon from inside the daemon).
   std::string hide_rel;
+  // The time (fs/seams.hpp); null: the system's clocks. Tests pass a ManualClock.
+  std::shared_ptr<const Clock> clock;
+  // Makes the close watch (fs/seams.hpp); null: inotify_close_watch.
+  CloseWatch::Factory close_watch;
 };
 
 // Told when names or inodes the kernel may cache have changed. Implementations must not call

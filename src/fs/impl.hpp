@@ -1,0 +1,243 @@
+// fs/impl: Filesystem::Impl, the filesystem's state and its operations; each operation is
+// defined in the room (src/fs/*.cpp) named above its declaration.
+#pragma once
+
+#include <sys/stat.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/fs/seams.hpp"
+#include "ckptfs/fs/writers.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/log_limit.hpp"
+#include "ckptfs/write/budget.hpp"
+#include "ckptfs/write/file.hpp"
+#include "dir_views.hpp"
+#include "handles.hpp"
+#include "node_table.hpp"
+#include "status.hpp"
+#include "write_registry.hpp"
+
+namespace ckptfs::fs {
+
+inline constexpr int64_t kNsPerSec = 1'000'000'000;
+
+// Nanoseconds since the epoch as a timespec. Times before 1970 are negative and keep tv_nsec
+// in [0, 1e9), as POSIX requires (plain division would give a negative tv_nsec).
+inline struct timespec to_timespec(int64_t ns) {
+  int64_t sec = ns / kNsPerSec;
+  int64_t rem = ns % kNsPerSec;
+  if (rem < 0) {
+    rem += kNsPerSec;
+    --sec;
+  }
+  return timespec{static_cast<time_t>(sec), static_cast<long>(rem)};
+}
+
+inline void set_times(struct stat& st, int64_t ns) {
+  st.st_mtim = st.st_ctim = st.st_atim = to_timespec(ns);
+}
+
+// The last component of a path relative to the source root, and the path of its directory.
+inline std::string last_of(std::string_view rel) {
+  auto slash = rel.rfind('/');
+  return std::string(slash == std::string_view::npos ? rel : rel.substr(slash + 1));
+}
+inline std::string parent_of(std::string_view rel) {
+  auto slash = rel.rfind('/');
+  return slash == std::string_view::npos ? std::string() : std::string(rel.substr(0, slash));
+}
+
+struct Filesystem::Impl {
+  // `root`: the source directory, open. Call start() once the Impl has its final address.
+  Impl(Options o, std::string source_dir, UniqueFd root_fd, const struct stat& root_st);
+  // Makes the close watch, whose thread calls back into this Impl.
+  void start();
+
+  // --- set at creation, constant after -------------------------------------------------------
+  Options opts;
+  std::string source;
+  UniqueFd root;
+  std::shared_ptr<const Clock> clock;           // Options::clock, or the system's
+  std::shared_ptr<flush::Flusher> flusher;      // Options::flusher, or the local one
+  std::unique_ptr<write::MemoryBudget> budget;  // the write path's memory (Options::write_memory)
+  int protected_regular = 0;                    // Options::protected_regular, resolved
+  // Shard fds held by open consolidated files, bounded by RLIMIT_NOFILE less a reserve for
+  // FUSE, plain files and header scans that scales with the limit.
+  int64_t fd_budget = 0;
+  Notifier* notifier = nullptr;  // set before the mount serves requests
+
+  // --- state; each part has its own lock (the lock order: node_table.hpp) --------------------
+  NodeTable nodes;       // inodes, cached names, directory states
+  Handles handles;       // open file and directory handles
+  WriteRegistry writes;  // files being written, and evidence of this daemon's changes
+  StatusFile status;     // figures for .ckptfs/status.json
+  source::HeaderCache headers;
+  std::atomic<int64_t> open_shard_fds{0};
+  std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
+  LogLimiter logs;                       // repeated lines about one directory
+  std::unique_ptr<WriterViews> writers;  // who sees which directory as written
+  // Last: destroyed first, so its thread never calls into a half-destroyed Impl.
+  std::unique_ptr<CloseWatch> watcher;
+
+  std::string source_path(const std::string& rel) const {
+    return rel.empty() ? source : source + "/" + rel;
+  }
+
+  // --- namespace.cpp: lookup, listing, attributes ---------------------------------------------
+  Result<EntryOut> lookup(Ino parent, std::string_view name, const Caller& who);
+  void forget(Ino ino, uint64_t n);
+  Result<struct stat> getattr(Ino ino);
+  Result<struct stat> getattr_handle(uint64_t fh);
+  Result<std::string> readlink(Ino ino);
+  Result<uint64_t> opendir(Ino ino, const Caller& who);
+  Status readdir(uint64_t dh, uint64_t offset,
+                 const std::function<bool(const DirEntryOut&, uint64_t)>& add);
+  void releasedir(uint64_t dh) { handles.drop_dir(dh); }
+
+  Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv, const Caller& who);
+  Result<EntryOut> lookup_in_shards(const Node& dir, std::string_view name);
+  Result<EntryOut> lookup_real(const std::string& rel, Ino parent, std::string_view name);
+  Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, const std::string& dir_rel,
+                                  Ino dir_ino, Kind kind, uint32_t output, const std::string& name);
+  Result<std::vector<DirEntryOut>> list(const Node& dir, const Caller& who = {});
+  void drop_vanished(const Node& dir, const std::vector<source::DirEntry>& entries);
+  // The name in directory `rel` that must never be stat'ed (see Options::hide_rel).
+  std::string_view hidden_child(const std::string& rel) const;
+
+  Result<struct stat> real_attr(const Node& n);
+  std::optional<struct stat> by_other_link(const Node& n);
+  std::optional<struct stat> by_open_handle(const Node& n);
+  void decorate_real(Ino ino, const std::string& rel, struct stat& st);
+  struct stat virtual_attr(const Node& n) const;
+  static void written_attr(const Node& n, struct stat& st);
+  uint64_t dir_ino_shown(const Node& n) const;
+
+  // The writer's view (fs/writers.hpp).
+  WriterViews::DirId dir_id(const Node& dir);
+  std::optional<WriterViews::DirId> parent_id(const Node& dir);
+  void note_writer(const Node& dir, const Caller& who);
+  void note_writer_of(Ino ino, const Caller& who);
+  bool sees_written(const Node& dir, const Caller& who);
+
+  // --- dir_views.cpp: a directory's View, built and revalidated --------------------------------
+  std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst, Ino dir_ino,
+                                      Need need, int64_t* mtime_out = nullptr);
+  void check_locked(DirState& st, const std::string& rel, const struct stat& dst, Ino dir_ino);
+  std::shared_ptr<const View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
+                                        const std::string& rel, const struct stat& dst,
+                                        const source::Signature& sig,
+                                        const std::vector<source::DirEntry>& entries, bool settled);
+  void log_build(const std::string& rel, const layout::Checkpoint& ck);
+  void announce(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
+                const std::string& rel, Ino dir_ino);
+  void changed(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
+               Ino dir_ino);
+  void drop_hidden_kids(Ino dir_ino);
+  // Directory (dev, ino) is checked again on its next access.
+  void recheck(uint64_t dev, uint64_t ino);
+  void force_revalidate(const View& v) { recheck(v.dir_dev, v.dir_ino); }
+  void invalidate_all();
+
+  // --- liveness.cpp: when a checkpoint has settled, and waiting for it -------------------------
+  void time_settle(DirState& st, const std::string& rel, const struct stat& dst,
+                   const source::Signature& sig, bool fresh, Clock::TimePoint now);
+  bool at_rest(const DirState& st, uint64_t dev, uint64_t ino, const source::Signature& sig) const;
+  std::string pending_text(const layout::Checkpoint& ck, const std::string& dir) const;
+  void on_close(uint64_t dev, uint64_t ino);
+  std::shared_ptr<const View> wait_settled(const Node& dir, std::shared_ptr<const View> v);
+
+  // --- open.cpp: opening files for reading, and reads --------------------------------------
+  Result<OpenOut> open(Ino ino, int flags, const Caller& who);
+  Status read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan);
+  std::shared_ptr<const FileReader> reader(uint64_t fh) const;
+  void release(uint64_t fh);
+  Result<std::shared_ptr<const ShardFds>> open_view_shards(const std::shared_ptr<const View>& v,
+                                                           const std::string& rel);
+
+  // --- mutate.cpp: changes to SRC's names and attributes (rename.cpp: rename) ----------------
+  // A directory being changed: its node, an open descriptor and its identity.
+  struct DirRef {
+    Impl* impl = nullptr;
+    Node node;
+    UniqueFd fd;
+    uint64_t dev = 0, ino = 0;
+    struct stat st {};
+    std::shared_ptr<DirState> state() const { return impl->nodes.dir_state(dev, ino); }
+    flush::Target target(std::string display) const {
+      return flush::Target{fd.get(), std::move(display), st.st_uid, st.st_gid, 0644};
+    }
+  };
+  struct Shown {
+    std::shared_ptr<const View> v;  // set when the view shows `name` as a consolidated file
+    const layout::OutputFile* output = nullptr;  // null: the synthesized index
+  };
+  Status writable() const;
+  Result<DirRef> dir_for_change(Ino parent, std::string_view name, int reserved = EPERM);
+  Shown shown_output(const DirRef& d, std::string_view name);
+  bool shown_virtual(const DirRef& d, std::string_view name) {
+    return shown_output(d, name).v != nullptr;
+  }
+  void give_to(int fd, const DirRef& d, const std::string& name, const Caller& who, bool by_name);
+  static std::vector<Perm> output_perms(const View& v, const layout::OutputFile& o);
+  Status may_delete_entry(const DirRef& d, const std::string& name, const Caller& who);
+  void retire_if_last(int dirfd, const std::string& name);
+  bool hidden_removable(const Node& dir);
+
+  Result<CreateOut> create(Ino parent, std::string_view name, mode_t mode, int flags,
+                           const Caller& who);
+  Result<EntryOut> mkdir(Ino parent, std::string_view name, mode_t mode, const Caller& who);
+  Result<EntryOut> mknod(Ino parent, std::string_view name, mode_t mode, const Caller& who);
+  Result<EntryOut> symlink(std::string_view target, Ino parent, std::string_view name,
+                           const Caller& who);
+  Result<EntryOut> link(Ino ino, Ino new_parent, std::string_view new_name, const Caller& who);
+  Status unlink(Ino parent, std::string_view name, const Caller& who);
+  Status rmdir(Ino parent, std::string_view name, const Caller& who);
+  Status rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name,
+                unsigned flags, const Caller& who);
+  Result<struct stat> setattr(Ino ino, const SetAttr& a, std::optional<uint64_t> fh);
+  Result<struct stat> set_written_attr(const Node& n, const SetAttr& a,
+                                       const struct timespec times[2]);
+  Status fsyncdir(Ino ino);
+
+  // --- write_glue.cpp: files being written, stored as rank shards -----------------------------
+  write::PlanOptions plan_options(int dirfd, const std::string& display);
+  Result<std::shared_ptr<write::WriteFile>> start_writing(UniqueFd fd, const DirRef& d,
+                                                          const std::string& name, bool fresh);
+  Result<OpenOut> open_for_write(const Node& n, int flags);
+  uint64_t adopt_writer(std::shared_ptr<write::WriteFile> wf, Ino ino);
+  using SettleFn = std::function<Status(write::WriteFile&, const write::Place&)>;
+  Status settle_file(FileHandle& h, const SettleFn& fn);
+  struct NameState {
+    bool stored = false;  // the name has a stored form (its record and shards, or DCP shards)
+    bool others = false;  // the directory holds rank shards or records of other files
+  };
+  NameState name_state(int dirfd, const std::vector<source::DirEntry>& entries,
+                       std::string_view name);
+  Status place_whole(int dirfd, const std::string& display, const std::string& name,
+                     const Error& why);
+  bool split_hides_plain(int dirfd, std::string_view name);
+  Status validate_store(int dirfd, const std::string& display, std::string_view name,
+                        const write::Prospect& p);
+  write::StoreRules store_rules(int dirfd, const std::string& display, std::string_view name);
+  Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
+  Status flush(uint64_t fh, const Caller& who);
+  Status fsync(uint64_t fh, bool datasync);
+
+  // --- status.cpp: the status directory and .ckptfs/status.json -------------------------------
+  struct stat status_attr(const Node& n) const;
+  Result<EntryOut> lookup_status(Ino parent, Kind kind, std::string_view name);
+  std::string status_json() const;
+};
+
+}  // namespace ckptfs::fs

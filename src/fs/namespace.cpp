@@ -1,0 +1,531 @@
+// fs/namespace: what a name resolves to and what a directory lists (lookup, listing,
+// attributes), including the writer's view of a checkpoint directory.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <set>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/util/path.hpp"
+#include "impl.hpp"
+#include "names.hpp"
+#include "readers.hpp"
+
+namespace ckptfs::fs {
+
+using format::is_model_output_name;
+
+// --- the writer's view ------------------------------------------------------------------------
+// Directory node `dir` as the writer's view tells directories apart (its birth time too).
+WriterViews::DirId Filesystem::Impl::dir_id(const Node& dir) {
+  struct statx sx {};
+  const bool top = dir.rel.empty();
+  int64_t birth = 0;
+  if (::statx(root.get(), top ? "" : dir.rel.c_str(),
+              AT_SYMLINK_NOFOLLOW | (top ? AT_EMPTY_PATH : 0), STATX_BTIME, &sx) == 0 &&
+      (sx.stx_mask & STATX_BTIME)) {
+    birth = static_cast<int64_t>(sx.stx_btime.tv_sec) * kNsPerSec + sx.stx_btime.tv_nsec;
+  }
+  return WriterViews::DirId{dir.dev, dir.bino, birth};
+}
+// The parent of directory node `dir` in SRC (none for the root).
+std::optional<WriterViews::DirId> Filesystem::Impl::parent_id(const Node& dir) {
+  if (dir.links.empty()) return std::nullopt;
+  auto p = nodes.get(dir.links.front().first);
+  if (!p) return std::nullopt;
+  return dir_id(*p);
+}
+// `who` wrote in directory `dir`.
+void Filesystem::Impl::note_writer(const Node& dir, const Caller& who) {
+  if (who.pid > 0) writers->note(dir_id(dir), parent_id(dir), who.pid);
+}
+// `who` wrote in the directory of file node `ino`.
+void Filesystem::Impl::note_writer_of(Ino ino, const Caller& who) {
+  if (who.pid <= 0) return;
+  auto n = nodes.get(ino);
+  if (!n || n->links.empty()) return;
+  if (auto d = nodes.get(n->links.front().first)) note_writer(*d, who);
+}
+// Whether `who` sees checkpoint directory `dir` as written.
+bool Filesystem::Impl::sees_written(const Node& dir, const Caller& who) {
+  if (who.pid <= 0 || writers->none()) return false;
+  return writers->sees_written(dir_id(dir), parent_id(dir), who.pid);
+}
+
+// st_ino of a directory node as stat shows it.
+uint64_t Filesystem::Impl::dir_ino_shown(const Node& n) const {
+  if (n.kind == Kind::ShardsDir) return virtual_ino(n.dev, n.bino, 0, kShardsDirName);
+  if (n.kind == Kind::StatusDir) return status_attr(n).st_ino;
+  return nodes.shown_ino(n.dev, n.bino);
+}
+
+// Tells the kernel to drop the entries of `dir` whose real file is gone from SRC, or was
+// replaced by another (a step deleted and its name reused): nothing else would, since SRC
+// changes behind the kernel's back, and each such entry keeps a node, its view and the
+// directory's state alive in the daemon until the kernel forgets it. `entries` is the new
+// listing of `dir`, sorted by name.
+void Filesystem::Impl::drop_vanished(const Node& dir,
+                                     const std::vector<source::DirEntry>& entries) {
+  if (!notifier) return;
+  std::vector<std::string> gone;
+  nodes.for_each_kid(dir.ino, [&](const std::string& name, const Node* n) {
+    // Synthesized names are announced by their views; lifted .hf_metadata files live
+    // elsewhere than the listing shows.
+    if (!n || n->key.space != Space::Real) return;
+    if (n->rel != join_rel(dir.rel, name)) return;
+    auto e = std::lower_bound(
+        entries.begin(), entries.end(), name,
+        [](const source::DirEntry& a, const std::string& b) { return a.name < b; });
+    if (e == entries.end() || e->name != name || !(real_key(e->st) == n->key)) {
+      gone.push_back(name);
+    }
+  });
+  for (const auto& name : gone) notifier->inval_entry(dir.ino, name);
+}
+
+// --- attributes ----------------------------------------------------------------------
+
+// Fresh attributes of a real node, or ESTALE when its path now names another file (or the
+// same number reused for another type).
+Result<struct stat> Filesystem::Impl::real_attr(const Node& n) {
+  auto found = n.retired ? Result<struct stat>(make_error(ENOENT, "{}: gone", n.rel))
+                         : stat_beneath(root.get(), n.rel);
+  if (!found || !(real_key(*found) == n.key)) {
+    if (n.ino == kRootIno) return found;
+    // The path the node had no longer names it: another of its names (a hard link), or a
+    // handle still open on it (an unlinked file), or ESTALE: the kernel looks it up again.
+    if (auto st = by_other_link(n)) return *st;
+    if (auto st = by_open_handle(n)) return *st;
+    return make_error(ESTALE, "{}: {}", n.rel, found ? "replaced" : "gone");
+  }
+  struct stat st = *found;
+  decorate_real(n.ino, n.rel, st);
+  if (S_ISREG(st.st_mode)) {
+    if (auto wf = writes.find(n.dev, n.bino)) {
+      if (auto ws = wf->stat(); ws) {
+        st.st_size = ws->st_size;
+        st.st_blocks = ws->st_blocks;
+      }
+    }
+  }
+  return st;
+}
+
+// Attributes of node `n` under another name it was looked up by (its hard links), which it
+// takes as its path from now on.
+std::optional<struct stat> Filesystem::Impl::by_other_link(const Node& n) {
+  if (n.retired) return std::nullopt;  // its number may name another file under those names
+  for (const auto& [parent, name] : n.links) {
+    auto p = nodes.get(parent);
+    if (!p || p->kind != Kind::Dir) continue;
+    const std::string rel = join_rel(p->rel, name);
+    auto st = stat_beneath(root.get(), rel);
+    if (!st || !(real_key(*st) == n.key)) continue;
+    nodes.set_rel(n.ino, rel);
+    decorate_real(n.ino, rel, *st);
+    return *st;
+  }
+  return std::nullopt;
+}
+
+// Attributes of node `n` through a handle still open on it (fstat of an unlinked file).
+std::optional<struct stat> Filesystem::Impl::by_open_handle(const Node& n) {
+  std::shared_ptr<write::WriteFile> wf;
+  struct stat st {};
+  bool found = false;
+  handles.find_file([&](const FileHandle& h) {
+    if (h.ino != n.ino) return false;
+    if (h.wf) {
+      wf = h.wf;
+      return true;
+    }
+    const auto* pr = dynamic_cast<const PassthroughReader*>(h.reader.get());
+    if (pr && ::fstat(pr->fd(), &st) == 0 && real_key(st) == n.key) {
+      found = true;
+      return true;
+    }
+    return false;
+  });
+  if (wf) {  // outside the handles' lock: its own mutex may be held through a long copy
+    auto ws = wf->stat();
+    if (!ws) return std::nullopt;
+    st = *ws;
+    found = true;
+  }
+  if (!found) return std::nullopt;
+  st.st_ino = nodes.shown_ino(n.dev, n.bino);
+  return st;
+}
+
+// Attributes of a real entry as shown: a checkpoint directory's mtime follows its shards.
+void Filesystem::Impl::decorate_real(Ino ino, const std::string& rel, struct stat& st) {
+  if (S_ISDIR(st.st_mode)) {
+    int64_t shown = INT64_MIN;
+    view_of(rel, st, ino, Need::Any, &shown);
+    if (shown > mtime_ns(st)) st.st_mtim = to_timespec(shown);
+  }
+  st.st_ino = nodes.shown_ino(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+}
+
+struct stat Filesystem::Impl::virtual_attr(const Node& n) const {
+  struct stat st {};
+  st.st_ino = virtual_ino(n.key.dev, n.key.ino, n.key.gen, n.key.name);
+  st.st_mode = S_IFREG | (n.kind == Kind::Pending ? mode_t{0444} : n.view->shown.mode);
+  st.st_nlink = 1;
+  uint64_t size = n.kind == Kind::Index     ? n.view->ckpt->index_json.size()
+                  : n.kind == Kind::Pending ? n.view->pending.size()
+                                            : n.view->ckpt->outputs[n.output].size;
+  st.st_size = static_cast<off_t>(size);
+  st.st_blocks = static_cast<blkcnt_t>((size + 511) / 512);
+  st.st_blksize = 1 << 20;
+  set_times(st, n.view->mtime_ns);
+  st.st_uid = n.view->shown.uid;
+  st.st_gid = n.view->shown.gid;
+  if (n.kind == Kind::Output && n.view->ckpt->outputs[n.output].written) written_attr(n, st);
+  return st;
+}
+
+// A file written through the mount shows what its writer gave it (carried by its shards,
+// each set alike at commit and by setattr): its owner, its mode (write bits included) and
+// its mtime. Shards that disagree (changed in SRC) show as a synthesized file does.
+void Filesystem::Impl::written_attr(const Node& n, struct stat& st) {
+  const auto& ck = *n.view->ckpt;
+  const auto& out = ck.outputs[n.output];
+  if (out.shards.empty()) return;
+  const layout::Access& a = ck.shards[out.shards.front()].access;
+  int64_t mtime = INT64_MIN, atime = INT64_MIN;
+  for (uint32_t s : out.shards) {
+    if (!(ck.shards[s].access == a)) return;
+    mtime = std::max(mtime, ck.shards[s].stamp.mtime_ns);
+    atime = std::max(atime, ck.shards[s].atime_ns);
+  }
+  st.st_mode = S_IFREG | (a.mode & 07777);
+  st.st_uid = a.uid;
+  st.st_gid = a.gid;
+  set_times(st, mtime);
+  st.st_atim = to_timespec(atime);
+}
+
+// --- lookups ---------------------------------------------------------------------------
+
+Result<EntryOut> Filesystem::Impl::lookup_real(const std::string& rel, Ino parent,
+                                               std::string_view name) {
+  CKPTFS_TRY(struct stat st, stat_beneath(root.get(), rel));
+  Node proto;
+  proto.kind = kind_of(st.st_mode);
+  proto.rel = rel;
+  proto.dev = static_cast<uint64_t>(st.st_dev);
+  proto.bino = static_cast<uint64_t>(st.st_ino);
+  Node n = nodes.remember(real_key(st), std::move(proto), parent, name);
+  decorate_real(n.ino, rel, st);
+  return EntryOut{n.ino, st};
+}
+
+Result<EntryOut> Filesystem::Impl::lookup_virtual(const std::shared_ptr<const View>& v,
+                                                  const std::string& dir_rel, Ino dir_ino,
+                                                  Kind kind, uint32_t output,
+                                                  const std::string& name) {
+  Node proto;
+  proto.kind = kind;
+  proto.rel = dir_rel;  // where the checkpoint directory is now (it may have been renamed)
+  proto.view = v;
+  proto.output = output;
+  Node n = nodes.remember(Key{Space::Virtual, 0, v->dir_dev, v->dir_ino, v->generation, name},
+                          std::move(proto), dir_ino, name);
+  return EntryOut{n.ino, virtual_attr(n)};
+}
+
+// The name in directory `rel` that must never be stat'ed (see Options::hide_rel).
+std::string_view Filesystem::Impl::hidden_child(const std::string& rel) const {
+  const auto& h = opts.hide_rel;
+  if (h.empty()) return {};
+  if (rel.empty())
+    return h.find('/') == std::string::npos ? std::string_view(h) : std::string_view();
+  if (h.size() > rel.size() + 1 && h.starts_with(rel) && h[rel.size()] == '/' &&
+      h.find('/', rel.size() + 1) == std::string::npos) {
+    return std::string_view(h).substr(rel.size() + 1);
+  }
+  return {};
+}
+
+Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_view name_sv,
+                                                 const Caller& who) {
+  std::string name(name_sv);
+  if (name == hidden_child(dir.rel)) return make_error(ENOENT, "the mount point itself");
+  if (names::is_status_dir(dir.ino, name)) {
+    return lookup_status(dir.ino, Kind::StatusDir, name);
+  }
+  if (names::is_state(name)) return make_error(ENOENT, "{}: the write path's own state", name);
+  CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
+  const std::string rel = join_rel(dir.rel, name);
+  if (auto w = is_model_output_name(name) ? nullptr : view_of(dir.rel, dst, dir.ino, Need::Any);
+      w && !w->records && sees_written(dir, who)) {
+    // The writer's view: the names it wrote resolve to what it wrote, for it alone.
+    auto real = lookup_real(rel, dir.ino, name);
+    if (real.ok()) real->uncached = true;
+    if (real.ok() || real.error().code != ENOENT) return real;
+  }
+  const bool consolidated_name = is_model_output_name(name);
+  auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
+  if (consolidated_name) v = wait_settled(dir, std::move(v));
+  if (!v) return lookup_real(rel, dir.ino, name);
+  if (name == names::kPending && v->settling) {
+    return lookup_virtual(v, dir.rel, dir.ino, Kind::Pending, 0, name);
+  }
+  if (v->complete) {
+    const auto& ck = *v->ckpt;
+    for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
+      if (ck.outputs[i].name == name) {
+        return lookup_virtual(v, dir.rel, dir.ino, Kind::Output, i, name);
+      }
+    }
+    if (name == format::kIndexFileName) {
+      if (ck.written) return lookup_real(rel, dir.ino, name);
+      return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, 0, name);
+    }
+  }
+  if (name == kShardsDirName && opts.show_shards) {
+    Node proto;
+    proto.kind = Kind::ShardsDir;
+    proto.rel = dir.rel;
+    proto.dev = static_cast<uint64_t>(dst.st_dev);
+    proto.bino = static_cast<uint64_t>(dst.st_ino);
+    Node n = nodes.remember(Key{Space::ShardsDir, 0, proto.dev, proto.bino, 0, {}},
+                            std::move(proto), dir.ino, name);
+    struct stat st = dst;
+    st.st_ino = virtual_ino(n.dev, n.bino, 0, kShardsDirName);
+    st.st_mode = S_IFDIR | 0555;
+    return EntryOut{n.ino, st};
+  }
+  if (names::hidden_in_checkpoint(name)) {
+    return make_error(ENOENT, "{}: hidden in a checkpoint directory", rel);
+  }
+  auto real = lookup_real(rel, dir.ino, name);
+  if (real.ok() || real.error().code != ENOENT) return real;
+  // Lifted from .hf_metadata/ (never the mapping files) or verl's huggingface/, the first
+  // that has it. No symlink is followed on the way.
+  if (names::is_mapping_file(name)) return real;
+  for (std::string_view from : format::kLiftedDirs) {
+    const std::string lifted = join_rel(join_rel(dir.rel, from), name);
+    auto st = stat_beneath(root.get(), lifted);
+    if (st && S_ISREG(st->st_mode)) return lookup_real(lifted, dir.ino, name);
+  }
+  return real;
+}
+
+Result<EntryOut> Filesystem::Impl::lookup_in_shards(const Node& dir, std::string_view name) {
+  const std::string rel = join_rel(dir.rel, name);
+  CKPTFS_CHECK(stat_beneath(root.get(), rel));  // ENOENT first, as for any name
+  if (!names::in_shards_folder(name, opts.show_shards)) {
+    return make_error(ENOENT, "{}: not a hidden file", rel);
+  }
+  return lookup_real(rel, dir.ino, name);
+}
+
+// --- listings --------------------------------------------------------------------------
+
+Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const Caller& who) {
+  CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
+  CKPTFS_TRY(UniqueFd fd, open_beneath(root.get(), dir.rel, O_RDONLY | O_DIRECTORY));
+  CKPTFS_TRY(auto entries, source::list_dir(fd.get(), hidden_child(dir.rel)));
+  drop_vanished(dir, entries);
+  std::vector<DirEntryOut> out;
+  auto real = [&](const source::DirEntry& e) {
+    out.push_back(DirEntryOut{
+        e.name,
+        nodes.shown_ino(static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino)),
+        static_cast<mode_t>(e.st.st_mode & S_IFMT)});
+  };
+  if (dir.kind == Kind::ShardsDir) {
+    for (const auto& e : entries) {
+      if (names::in_shards_folder(e.name, opts.show_shards)) real(e);
+    }
+    return out;
+  }
+  // The writer's view lists what was written, as in SRC (the view's own check first: it
+  // also watches the directory and recovers what a crash left).
+  const bool writer = dir.kind == Kind::Dir && sees_written(dir, who);
+  auto v = view_of(dir.rel, dst, dir.ino, writer ? Need::Any : Need::Current);
+  const bool as_written = writer && v && !v->records;
+  if (as_written) {  // the writer's view: rank shards and side files as in SRC
+    for (const auto& e : entries) {
+      if (!names::is_state(e.name)) real(e);
+    }
+    return out;
+  }
+  if (writer && v) v = view_of(dir.rel, dst, dir.ino, Need::Current);
+  if (!v) {
+    for (const auto& e : entries) {
+      if (!names::is_state(e.name)) real(e);
+    }
+    return out;
+  }
+  // A directory written through the view shows its own index file, and none synthesized.
+  const bool written = v->complete && v->ckpt->written;
+  std::set<std::string> listed;
+  for (const auto& e : entries) {
+    if (names::is_state(e.name)) continue;
+    if (names::hidden_in_listing(e.name, opts.show_shards) &&
+        !(written && e.name == format::kIndexFileName && S_ISREG(e.st.st_mode))) {
+      continue;
+    }
+    real(e);
+    listed.insert(e.name);
+  }
+  for (std::string_view from : format::kLiftedDirs) {
+    auto meta = open_beneath(fd.get(), std::string(from), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!meta) continue;
+    if (auto lifted = source::list_dir(meta->get()); lifted.ok()) {
+      for (const auto& e : *lifted) {
+        // Never the mapping files (fqn_to_dtype_mapping.json is hidden, as NeMo's export).
+        if (!S_ISREG(e.st.st_mode) || listed.count(e.name) || names::never_lifted(e.name)) {
+          continue;
+        }
+        real(e);
+        listed.insert(e.name);
+      }
+    }
+  }
+  if (v->complete) {
+    const auto& ck = *v->ckpt;
+    for (const auto& o : ck.outputs) {
+      out.push_back(
+          DirEntryOut{o.name, virtual_ino(v->dir_dev, v->dir_ino, v->generation, o.name), S_IFREG});
+    }
+    if (!written) {
+      out.push_back(DirEntryOut{
+          std::string(format::kIndexFileName),
+          virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
+    }
+  }
+  if (v->settling) {
+    out.push_back(DirEntryOut{std::string(names::kPending),
+                              virtual_ino(v->dir_dev, v->dir_ino, v->generation, names::kPending),
+                              S_IFREG});
+  }
+  if (opts.show_shards) {
+    out.push_back(DirEntryOut{std::string(kShardsDirName),
+                              virtual_ino(static_cast<uint64_t>(dst.st_dev),
+                                          static_cast<uint64_t>(dst.st_ino), 0, kShardsDirName),
+                              S_IFDIR});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const DirEntryOut& a, const DirEntryOut& b) { return a.name < b.name; });
+  return out;
+}
+
+Result<EntryOut> Filesystem::Impl::lookup(Ino parent, std::string_view name, const Caller& who) {
+  if (name.size() > NAME_MAX) return make_error(ENAMETOOLONG, "a name of {} bytes", name.size());
+  if (!is_valid_component(name)) return make_error(ENOENT, "invalid name");
+  auto dir = nodes.get(parent);
+  if (!dir) return make_error(ESTALE, "unknown inode {}", parent);
+  if (dir->kind == Kind::Dir) return lookup_in_dir(*dir, name, who);
+  if (dir->kind == Kind::ShardsDir) return lookup_in_shards(*dir, name);
+  if (dir->kind == Kind::StatusDir) {
+    if (name != kStatusFileName) return make_error(ENOENT, "no such status file");
+    return lookup_status(parent, Kind::StatusFile, name);
+  }
+  return make_error(ENOTDIR, "inode {} is not a directory", parent);
+}
+
+void Filesystem::Impl::forget(Ino ino, uint64_t n) {
+  // Released after the table's lock: DirState::mu comes first.
+  std::shared_ptr<DirState> dropped = nodes.forget(ino, n);
+  if (!dropped) return;
+  // Its shards' headers go from the cache too: a forgotten directory is most often one deleted
+  // from SRC (see drop_vanished), whose headers would otherwise sit there until evicted.
+  std::lock_guard lock(dropped->mu);
+  for (const auto& [name, stamp] : dropped->sig.files) headers.evict(stamp);
+}
+
+Result<struct stat> Filesystem::Impl::getattr(Ino ino) {
+  auto n = nodes.get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  switch (n->kind) {
+    case Kind::Output:
+    case Kind::Index:
+    case Kind::Pending:
+      return virtual_attr(*n);
+    case Kind::StatusDir:
+    case Kind::StatusFile:
+      return status_attr(*n);
+    case Kind::ShardsDir: {
+      CKPTFS_TRY(struct stat st, stat_beneath(root.get(), n->rel));
+      st.st_ino = virtual_ino(n->dev, n->bino, 0, kShardsDirName);
+      st.st_mode = S_IFDIR | 0555;
+      return st;
+    }
+    default:
+      return real_attr(*n);
+  }
+}
+
+Result<std::string> Filesystem::Impl::readlink(Ino ino) {
+  auto n = nodes.get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->kind != Kind::Symlink) return make_error(EINVAL, "not a symlink");
+  const std::string last = last_of(n->rel);
+  CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), parent_of(n->rel), O_PATH | O_DIRECTORY));
+  std::string buf(PATH_MAX, '\0');
+  ssize_t len = ::readlinkat(dir.get(), last.c_str(), buf.data(), buf.size());
+  if (len < 0) return make_error(errno, "{}: readlink failed: {}", n->rel, std::strerror(errno));
+  buf.resize(static_cast<size_t>(len));
+  return buf;
+}
+
+Result<uint64_t> Filesystem::Impl::opendir(Ino ino, const Caller& who) {
+  auto n = nodes.get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->kind != Kind::Dir && n->kind != Kind::ShardsDir && n->kind != Kind::StatusDir) {
+    return make_error(ENOTDIR, "not a directory");
+  }
+  if (n->kind == Kind::Dir) CKPTFS_CHECK(real_attr(*n));
+  std::vector<DirEntryOut> entries;
+  if (n->kind == Kind::StatusDir) {
+    Node file;
+    file.kind = Kind::StatusFile;
+    file.key.name = std::string(kStatusFileName);
+    entries.push_back({file.key.name, status_attr(file).st_ino, S_IFREG});
+  } else {
+    CKPTFS_TRY(entries, list(*n, who));
+  }
+  auto h = std::make_unique<DirHandle>();
+  // "." and ".." first, as a real directory lists them (d_ino as stat shows them).
+  const uint64_t self = dir_ino_shown(*n);
+  uint64_t parent = self;
+  if (!n->links.empty()) {
+    if (auto p = nodes.get(n->links.front().first)) parent = dir_ino_shown(*p);
+  }
+  h->entries.reserve(entries.size() + 2);
+  h->entries.push_back(DirEntryOut{".", self, S_IFDIR});
+  h->entries.push_back(DirEntryOut{"..", parent, S_IFDIR});
+  for (auto& e : entries) h->entries.push_back(std::move(e));
+  return handles.add(std::move(h));
+}
+
+Status Filesystem::Impl::readdir(uint64_t dh, uint64_t offset,
+                                 const std::function<bool(const DirEntryOut&, uint64_t)>& add) {
+  CKPTFS_TRY(DirHandle * h, handles.dir(dh));
+  for (uint64_t i = offset; i < h->entries.size(); ++i) {
+    if (!add(h->entries[i], i + 1)) break;
+  }
+  return {};
+}
+
+Result<struct stat> Filesystem::Impl::getattr_handle(uint64_t fh) {
+  CKPTFS_TRY(FileHandle * h, handles.file(fh));
+  if (!h->wf) return getattr(h->ino);
+  auto n = nodes.get(h->ino);
+  if (n && n->kind == Kind::File) {
+    if (auto st = getattr(h->ino); st) return st;  // the name still holds it
+  }
+  CKPTFS_TRY(struct stat st, h->wf->stat());
+  st.st_ino = nodes.shown_ino(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+  return st;
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,183 @@
+// fs/open: opening a file for reading (a handle on the reader of what the node is), reads, release,
+// and open_view_shards, which opens a View's shards with their stamps checked.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+#include "ckptfs/util/path.hpp"
+#include "impl.hpp"
+#include "readers.hpp"
+
+namespace ckptfs::fs {
+
+// Opens the shards of View `v`, whose directory is now at `rel` (it may have been renamed
+// since the View was built; its identity is checked).
+Result<std::shared_ptr<const ShardFds>> Filesystem::Impl::open_view_shards(
+    const std::shared_ptr<const View>& v, const std::string& rel) {
+  std::lock_guard lock(v->fd_mu);
+  if (auto f = v->fds.lock()) return f;
+  const auto& ck = *v->ckpt;
+  const auto n = static_cast<int64_t>(ck.shards.size());
+  if (open_shard_fds.fetch_add(n) + n > fd_budget) {
+    open_shard_fds.fetch_sub(n);
+    spdlog::error(
+        "{}: opening its {} shards would pass the daemon's fd limit ({} shard fds already "
+        "open, budget {}); raise the daemon's `ulimit -n`",
+        source_path(rel), n, open_shard_fds.load(), fd_budget);
+    // ENFILE rather than EMFILE: the limit is the daemon's, not the reader's.
+    return make_error(ENFILE, "shard fd budget exhausted");
+  }
+  auto fds = std::make_shared<ShardFds>();
+  fds->counter = &open_shard_fds;
+  fds->count = n;
+  fds->owned.resize(ck.shards.size());
+  fds->raw.assign(ck.shards.size(), -1);
+  auto dir = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
+  struct stat dst {};
+  if (!dir || ::fstat(dir->get(), &dst) != 0 || static_cast<uint64_t>(dst.st_dev) != v->dir_dev ||
+      static_cast<uint64_t>(dst.st_ino) != v->dir_ino) {
+    return make_error(ESTALE, "{}: checkpoint directory moved", rel);
+  }
+  fds->remote = flusher->reader();
+  for (uint32_t s = 0; s < ck.shards.size(); ++s) {
+    if (ck.shards[s].remote()) continue;  // on a node-local target: read through `remote`
+    // Never blocks (a FIFO swapped in is refused, not opened) and is a regular file.
+    struct stat st {};
+    // A name in a folder (accelerate's pytorch_model_fsdp_0/) is resolved without
+    // following a symlink on the way, as the build listed it.
+    const std::string& sn = ck.shards[s].name;
+    auto fd = sn.find('/') == std::string::npos
+                  ? open_regular_at(dir->get(), sn, sn, &st)
+                  : open_regular_beneath(dir->get(), sn, Resolve::Auto, &st);
+    if (!fd || source::stamp_of(st) != ck.shards[s].stamp) {
+      spdlog::warn("{}/{}: changed since the view was built ({}); revalidating", source_path(rel),
+                   ck.shards[s].name, fd ? std::string("new stamp") : fd.error().message);
+      return make_error(ESTALE, "{}: shard changed", ck.shards[s].name);
+    }
+    fds->raw[s] = fd->get();
+    fds->owned[s] = std::move(fd).value();
+  }
+  v->fds = fds;
+  return std::shared_ptr<const ShardFds>(fds);
+}
+
+Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
+  auto n = nodes.get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
+    if (opts.read_only) return make_error(EROFS, "read-only view");
+    note_writer_of(ino, who);
+    return open_for_write(*n, flags);
+  }
+  if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::Pending) {
+    const auto& in = n->view->inputs;
+    if (!std::all_of(in.begin(), in.end(), [&](const Perm& p) { return may_read(p, who); })) {
+      return make_error(EACCES, "{}: uid {} may not read every shard", n->rel, who.uid);
+    }
+  }
+  auto h = std::make_unique<FileHandle>();
+  h->ino = ino;
+  OpenOut out;
+  switch (n->kind) {
+    case Kind::Output: {
+      auto fds = open_view_shards(n->view, n->rel);
+      if (!fds) {
+        force_revalidate(*n->view);
+        return std::move(fds).error();
+      }
+      h->reader = std::make_shared<OutputReader>(n->view, *fds, n->output);
+      out.keep_cache = true;  // this inode only ever has this version's bytes
+      out.is_virtual = true;
+      break;
+    }
+    case Kind::Index:
+      h->reader = std::make_shared<MemoryReader>(n->view, n->view->ckpt->index_json);
+      out.keep_cache = true;
+      out.is_virtual = true;
+      break;
+    case Kind::Pending:
+      h->reader = std::make_shared<MemoryReader>(n->view, n->view->pending);
+      break;
+    case Kind::StatusFile: {
+      if (!who.root() && who.uid != ::geteuid()) {  // as its mode says (the kernel checks too)
+        return make_error(EACCES, "status: uid {} is not the mount's owner", who.uid);
+      }
+      auto text = std::make_shared<const std::string>(status_json());
+      h->reader = std::make_shared<MemoryReader>(text, *text);
+      out.direct_io = true;
+      break;
+    }
+    case Kind::File: {
+      if (auto wf = writes.find(n->dev, n->bino)) {  // being written: what it holds now
+        h->reader = std::make_shared<WriteFileReader>(wf);
+        h->wf = std::move(wf);
+        h->ino = ino;
+        break;
+      }
+      struct stat st {};
+      auto opened = open_regular_beneath(root.get(), n->rel, Resolve::Auto, &st);
+      if (!opened && opened.error().code == ENOENT) {
+        // The name the kernel holds is stale (the file went, or its name now shows a
+        // consolidated file): ESTALE makes it look the name up again.
+        return make_error(ESTALE, "{}: gone", n->rel);
+      }
+      CKPTFS_TRY(UniqueFd fd, std::move(opened));
+      if (!(real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
+      auto stamp = source::stamp_of(st);
+      out.keep_cache = nodes.swap_cached_stamp(n->ino, stamp);
+      h->reader = std::make_shared<PassthroughReader>(
+          std::move(fd), static_cast<uint64_t>(st.st_size), source_path(n->rel));
+      break;
+    }
+    case Kind::Dir:
+    case Kind::ShardsDir:
+    case Kind::StatusDir:
+      return make_error(EISDIR, "is a directory");
+    default:
+      return make_error(EACCES, "special files cannot be opened through the view");
+  }
+  out.fh = handles.add(std::move(h));
+  return out;
+}
+
+Status Filesystem::Impl::read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan) {
+  CKPTFS_TRY(FileHandle * h, handles.file(fh));
+  h->reader->plan(off, len, plan);
+  uint64_t n = plan.size;
+  if (plan.passthrough()) {  // planned as asked: what the file held at open is what counts
+    const uint64_t size = h->reader->size();
+    n = off >= size ? 0 : std::min<uint64_t>(len, size - off);
+  }
+  status.reads.fetch_add(1, std::memory_order_relaxed);
+  status.bytes_read.fetch_add(n, std::memory_order_relaxed);
+  return {};
+}
+
+std::shared_ptr<const FileReader> Filesystem::Impl::reader(uint64_t fh) const {
+  auto h = handles.file(fh);
+  return h ? (*h)->reader : nullptr;  // none for an unknown handle
+}
+
+void Filesystem::Impl::release(uint64_t fh) {
+  auto found = handles.file(fh);
+  if (!found) return;  // not open: nothing to release
+  FileHandle* h = *found;
+  std::shared_ptr<write::WriteFile> wf;
+  if (h->writable && h->wf) {
+    wf = h->wf;
+    wf->writers.fetch_sub(1);
+  }
+  handles.drop_file(fh);
+  // The last handle gone: drop the file's registry entry (its state goes with `wf`).
+  if (wf && wf.use_count() == 1) {
+    const auto dev = static_cast<uint64_t>(wf->dev()), ino = static_cast<uint64_t>(wf->ino());
+    wf.reset();
+    writes.find(dev, ino);  // drops the registry entry of a file no handle holds
+  }
+}
+
+}  // namespace ckptfs::fs
