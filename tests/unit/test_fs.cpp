@@ -279,11 +279,14 @@ namespace {
 
 // A filesystem over `root`, which holds the checkpoint directory "ck", revalidating on every
 // access and showing a checkpoint once quiet for `settle`; with the inode of "ck".
-std::pair<std::unique_ptr<fs::Filesystem>, fs::Ino> settle_fs(const std::string& root,
-                                                              std::chrono::milliseconds settle) {
+// `clock`: the time it reads (null: the system's).
+std::pair<std::unique_ptr<fs::Filesystem>, fs::Ino> settle_fs(
+    const std::string& root, std::chrono::milliseconds settle,
+    std::shared_ptr<const fs::Clock> clock = nullptr) {
   fs::Options o;
   o.settle = settle;
   o.revalidate = std::chrono::milliseconds(0);
+  o.clock = std::move(clock);
   auto f = fs::Filesystem::create(root, o);
   EXPECT_TRUE(f.ok());
   if (!f) return {};
@@ -351,14 +354,16 @@ TEST(Fs, AShardChangedWithoutACloseSettlesAndSaysSo) {
 TEST(Fs, ALookupWaitsForTheSettleTimeInsteadOfAnsweringEnoent) {
   test::TempDir d;
   write_ckpt(d.path() + "/ck", 'a');
-  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(300));
+  // The settle time passes on a manual clock: the lookup's wait moves it, nothing sleeps.
+  auto clock = std::make_shared<fs::ManualClock>();
+  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(300), clock);
   ASSERT_TRUE(f && ck);
   ASSERT_TRUE(f->lookup(ck, kModel).ok());
   touch(d.path() + "/ck/" + format::shard_file_name(1, 1, 1));
   ASSERT_TRUE(listed(*f, ck, ".ckptfs-pending"));
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = clock->now();
   auto e = f->lookup(ck, kModel);
-  const auto waited = std::chrono::steady_clock::now() - t0;
+  const auto waited = clock->now() - t0;
   EXPECT_TRUE(e.ok()) << e.error().message;
   EXPECT_GE(waited, std::chrono::milliseconds(100)) << "answered before the checkpoint settled";
   EXPECT_FALSE(listed(*f, ck, ".ckptfs-pending"));
@@ -608,7 +613,8 @@ TEST(Fs, TimesBefore1970AreShownAsTheyAre) {
 TEST(Fs, AShardStampedInTheFutureSettlesByObservation) {
   test::TempDir d;
   write_ckpt(d.path() + "/ck", 'a');
-  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(200));
+  auto clock = std::make_shared<fs::ManualClock>();
+  auto [f, ck] = settle_fs(d.path(), std::chrono::milliseconds(200), clock);
   ASSERT_TRUE(f && ck);
   ASSERT_TRUE(f->lookup(ck, "model-00001-of-00001.safetensors").ok());
   struct timespec future[2] = {{::time(nullptr) + 7200, 0}, {::time(nullptr) + 7200, 0}};
@@ -617,13 +623,101 @@ TEST(Fs, AShardStampedInTheFutureSettlesByObservation) {
             0);
   // Not shown at once (it may still be being written)...
   EXPECT_FALSE(listed(*f, ck, "model-00001-of-00001.safetensors"));
+  // ...nor just before the settle time has passed while watched...
+  clock->advance(std::chrono::milliseconds(150));
+  EXPECT_FALSE(listed(*f, ck, "model-00001-of-00001.safetensors"));
   // ...but once nothing changed for `settle` while watched, not two hours later.
-  bool shown = false;
-  for (int i = 0; i < 100 && !shown; ++i) {
-    ::usleep(20000);
-    shown = listed(*f, ck, "model-00001-of-00001.safetensors");
+  clock->advance(std::chrono::milliseconds(50));
+  EXPECT_TRUE(listed(*f, ck, "model-00001-of-00001.safetensors"));
+}
+
+namespace {
+
+// A close watch the test drives: closed() says what the test set, and the test calls on_close
+// as inotify's thread would.
+struct FakeWatch final : fs::CloseWatch {
+  struct Shared {
+    fs::CloseWatch::OnClose on_close;
+    std::set<std::string> closed;
+    int watched = 0;
+  };
+  explicit FakeWatch(std::shared_ptr<Shared> s) : s(std::move(s)) {}
+  bool watch(int, uint64_t, uint64_t) override {
+    ++s->watched;
+    return true;
   }
-  EXPECT_TRUE(shown);
+  bool closed(uint64_t, uint64_t, const std::string& name, int64_t) const override {
+    return s->closed.count(name) > 0;
+  }
+  std::shared_ptr<Shared> s;
+};
+
+}  // namespace
+
+TEST(Fs, TheCloseWatchDecidesWhenAShardIsClosed) {
+  // The close watch passed in through Options: a checkpoint whose shards changed shows once the
+  // watch says every shard's writer closed it, not a settle time (an hour here) later, and a
+  // close it reports makes the directory look again at once (revalidation is an hour too).
+  test::TempDir d;
+  stdfs::create_directories(d.path() + "/ck");
+  auto watch = std::make_shared<FakeWatch::Shared>();
+  fs::Options o;
+  o.settle = std::chrono::hours(1);
+  o.revalidate = std::chrono::hours(1);
+  o.close_watch = [watch](fs::CloseWatch::OnClose on_close) {
+    watch->on_close = std::move(on_close);
+    return std::make_unique<FakeWatch>(watch);
+  };
+  auto made = fs::Filesystem::create(d.path(), o);
+  ASSERT_TRUE(made.ok());
+  auto& f = **made;
+  auto ck = f.lookup(fs::kRootIno, "ck");
+  ASSERT_TRUE(ck.ok());
+  EXPECT_TRUE(names(f, ck->ino).empty());
+  EXPECT_EQ(watch->watched, 2);  // the root and ck, each at its first check
+  ASSERT_TRUE(watch->on_close);
+  write_ckpt(d.path() + "/ck", 'a');
+  const auto dev = static_cast<uint64_t>(ck->attr.st_dev);
+  struct stat st {};
+  ASSERT_EQ(::stat((d.path() + "/ck").c_str(), &st), 0);
+  // A close of one shard only: pending.
+  watch->closed = {format::shard_file_name(1, 1, 1)};
+  watch->on_close(dev, static_cast<uint64_t>(st.st_ino));
+  EXPECT_FALSE(listed(f, ck->ino, kModel));
+  EXPECT_TRUE(listed(f, ck->ino, ".ckptfs-pending"));
+  // Both closed: shown.
+  watch->closed.insert(format::shard_file_name(2, 1, 1));
+  watch->on_close(dev, static_cast<uint64_t>(st.st_ino));
+  EXPECT_TRUE(listed(f, ck->ino, kModel));
+}
+
+TEST(Fs, AnUnknownHandleIsEbadf) {
+  Fs t;
+  constexpr uint64_t kNone = 0x12345;
+  fs::ReadPlan plan;
+  const auto add = [](const fs::DirEntryOut&, uint64_t) { return true; };
+  EXPECT_EQ(t.f->read(kNone, 0, 10, plan).error().code, EBADF);
+  EXPECT_EQ(t.f->write(kNone, 0, "x").error().code, EBADF);
+  EXPECT_EQ(t.f->flush(kNone).error().code, EBADF);
+  EXPECT_EQ(t.f->fsync(kNone, false).error().code, EBADF);
+  EXPECT_EQ(t.f->getattr_handle(kNone).error().code, EBADF);
+  EXPECT_EQ(t.f->readdir(kNone, 0, add).error().code, EBADF);
+  EXPECT_EQ(t.f->reader(kNone), nullptr);
+  t.f->release(kNone);  // nothing to release
+  t.f->releasedir(kNone);
+  // A directory handle is no file handle, and a released one is no handle at all.
+  auto dh = t.f->opendir(fs::kRootIno);
+  ASSERT_TRUE(dh.ok());
+  EXPECT_EQ(t.f->read(*dh, 0, 10, plan).error().code, EBADF);
+  EXPECT_TRUE(t.f->readdir(*dh, 0, add).ok());
+  t.f->releasedir(*dh);
+  EXPECT_EQ(t.f->readdir(*dh, 0, add).error().code, EBADF);
+  fs::Ino notes = t.walk({"run", "notes.txt"});
+  auto o = t.f->open(notes, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(t.f->readdir(o->fh, 0, add).error().code, EBADF);
+  t.f->release(o->fh);
+  EXPECT_EQ(t.f->read(o->fh, 0, 10, plan).error().code, EBADF);
 }
 
 TEST(Fs, ASpliceOfAShrunkenShardIsAnError) {
