@@ -196,41 +196,4 @@ void map_range(const Checkpoint& ckpt, uint32_t file, uint64_t off, uint64_t len
   }
 }
 
-void chunk_runs(const Checkpoint& ckpt, uint32_t ti, uint32_t ci, std::vector<Run>& out) {
-  out.clear();
-  const Tensor& t = ckpt.tensors[ti];
-  const Chunk& c = t.chunks[ci];
-  const uint64_t bits = format::dtype_bits(t.dtype);
-  if (t.nbytes == 0 || t.is_cast()) return;
-  if (whole_chunk(t)) {
-    out.push_back(Run{t.out_offset, c.file_offset, t.nbytes});
-    return;
-  }
-  const size_t k = c.run_dim;
-  std::vector<uint64_t> x(c.offsets.begin(), c.offsets.end());
-  while (true) {
-    RunPos rp = run_at(t, c, x.data());
-    Run run{t.out_offset + rp.out_elem * bits / 8, c.file_offset + rp.chunk_elem * bits / 8,
-            rp.elems * bits / 8};
-    if (!out.empty() && out.back().out_offset + out.back().len == run.out_offset &&
-        out.back().shard_offset + out.back().len == run.shard_offset) {
-      out.back().len += run.len;
-    } else if (run.len > 0) {
-      out.push_back(run);
-    }
-    // Advance the odometer over dims [0, k).
-    size_t d = k;
-    bool done = true;
-    while (d > 0) {
-      --d;
-      if (++x[d] < c.offsets[d] + c.sizes[d]) {
-        done = false;
-        break;
-      }
-      x[d] = c.offsets[d];
-    }
-    if (done) break;
-  }
-}
-
 }  // namespace ckptfs::layout

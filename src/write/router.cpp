@@ -25,63 +25,52 @@ Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format
   r.sink_ = &sink;
   r.file_size_ = h.file_size();
   for (const auto& sh : s.shards) r.shard_headers_.push_back(sh.header);
+  if (h.tensors.empty()) return r;  // all header: nothing to route, no geometry
+
+  // The plan's chunks, declared to the layout builder as they will sit in the shards, and this
+  // header as the written output's: the geometry the committed file is read back with.
+  layout::BuildInput in;
+  in.dir = r.what_;
+  for (uint32_t rank = 0; rank < p.ranks; ++rank) {
+    layout::ShardInput si;
+    si.name = fmt::format("{} (rank {})", r.what_, rank);
+    in.shards.push_back(std::move(si));
+  }
+  layout::Declared decl;
+  decl.format = "the write path's rank plan";
+  decl.outputs = 1;
   for (uint32_t i = 0; i < h.tensors.size(); ++i) {
     const auto& t = h.tensors[i];
     const auto& tp = p.tensors[i];
-    r.names_.push_back(t.name);
-    auto bad = [&](std::string_view why) {
-      return make_error(EINVAL, "{}: tensor '{}': {}", r.what_, t.name, why);
-    };
     if (tp.name != t.name || s.chunk_offset[i].size() != tp.chunks.size()) {
-      return bad("plan entry does not match the header");
+      return make_error(EINVAL, "{}: tensor '{}': plan entry does not match the header", r.what_,
+                        t.name);
     }
-    if (t.nbytes() == 0) continue;  // nothing to route; its (empty) chunk is in the header
-    Route route;
-    route.begin = h.data_start() + t.begin;
-    route.end = h.data_start() + t.end;
-    route.tensor = i;
-    route.first_piece = static_cast<uint32_t>(r.pieces_.size());
-    const bool whole = tp.split_dim == TensorPlan::kWhole;
-    const size_t d = whole ? 0 : tp.split_dim;
-    if (!whole && d >= t.shape.size()) return bad("split dim out of range");
-    // rows: product of the dims before d; each row holds shape[d] units of `unit` bytes.
-    auto rows = whole ? std::optional<uint64_t>(1) : checked_numel(std::span(t.shape).first(d));
-    if (!rows || *rows == 0 || t.nbytes() % *rows != 0) return bad("rows do not divide the data");
-    route.row_bytes = t.nbytes() / *rows;
-    uint64_t col = 0;
     for (size_t c = 0; c < tp.chunks.size(); ++c) {
       const auto& ch = tp.chunks[c];
-      if (ch.rank >= p.ranks) return bad("chunk on a rank out of range");
-      if (ch.offsets.size() != t.shape.size() || ch.sizes.size() != t.shape.size()) {
-        return bad("chunk rank (dims) differs from the tensor's");
+      if (ch.rank >= p.ranks) {
+        return make_error(EINVAL, "{}: tensor '{}': chunk on a rank out of range", r.what_, t.name);
       }
-      for (size_t k = 0; k < t.shape.size(); ++k) {
-        if (k != d && (ch.offsets[k] != 0 || ch.sizes[k] != t.shape[k])) {
-          return bad(fmt::format("chunk {} does not span dim {}", c, k));
-        }
-      }
-      if (ch.nbytes % *rows != 0) return bad(fmt::format("chunk {} rows are not whole", c));
-      Piece pc;
-      pc.col = col;
-      pc.len = ch.nbytes / *rows;
-      pc.rank = ch.rank;
-      pc.shard_offset = s.chunk_offset[i][c];
-      // The chunk must start where the previous one ended, in bytes of the row.
-      if (!t.shape.empty()) {
-        auto unit_elems = checked_numel(std::span(t.shape).subspan(d + 1));
-        auto start_bits = unit_elems ? checked_mul(ch.offsets[d], *unit_elems) : std::nullopt;
-        if (start_bits) start_bits = checked_mul(*start_bits, format::dtype_bits(t.dtype));
-        if (!start_bits || *start_bits % 8 != 0 || *start_bits / 8 != col) {
-          return bad(fmt::format("chunk {} does not start where chunk {} ends", c, c - 1));
-        }
-      }
-      if (pc.len == 0) return bad(fmt::format("chunk {} is empty", c));
-      col += pc.len;
-      r.pieces_.push_back(pc);
+      decl.chunks.push_back(layout::DeclaredChunk{ch.rank, t.name, t.dtype, s.chunk_offset[i][c],
+                                                  ch.offsets, ch.sizes, t.shape, 1});
     }
-    if (col != route.row_bytes) return bad("chunks do not cover the tensor");
-    route.pieces = static_cast<uint32_t>(r.pieces_.size() - route.first_piece);
-    r.routes_.push_back(route);
+  }
+  in.declared = std::move(decl);
+  layout::OutputOverride o;
+  o.k = 1;
+  o.name = r.what_;
+  o.header = r.header_;
+  o.parsed = std::make_shared<const format::Header>(h);
+  o.record = r.what_;
+  in.overrides.push_back(std::move(o));
+  r.geo_ = layout::build_checkpoint(std::move(in));
+  if (!r.geo_->valid()) {
+    std::string msg = fmt::format("{}: the rank plan does not tile the file:", r.what_);
+    for (const auto& pr : r.geo_->problems) msg += "\n  " + pr.to_string();
+    return Error{EINVAL, std::move(msg)};
+  }
+  if (r.geo_->outputs.size() != 1 || r.geo_->outputs[0].size != r.file_size_) {
+    return make_error(EINVAL, "{}: the rank plan does not describe the file", r.what_);  // a bug
   }
   return r;
 }
@@ -130,62 +119,61 @@ Status StreamRouter::write(uint64_t file_offset, std::string_view bytes) {
   return route_data(bytes);
 }
 
-StreamRouter::Hit StreamRouter::locate(const Route& rt, uint64_t x) const {
-  const uint64_t p = x - rt.begin;
-  const uint64_t row = p / rt.row_bytes;
-  const uint64_t col = p % rt.row_bytes;
-  // The last piece whose first byte is at or before `col`.
-  const Piece* first = pieces_.data() + rt.first_piece;
-  const Piece* pc = std::upper_bound(first, first + rt.pieces, col,
-                                     [](uint64_t c, const Piece& y) { return c < y.col; }) -
-                    1;
-  return Hit{pc->rank, pc->shard_offset + row * pc->len + (col - pc->col), pc->col + pc->len - col};
-}
-
 Status StreamRouter::route_data(std::string_view bytes) {
-  while (!bytes.empty()) {
-    while (routes_[cursor_].end <= pos_) ++cursor_;  // in range: pos_ < file_size_
-    const Route& rt = routes_[cursor_];
-    const Hit h = locate(rt, pos_);
-    const uint64_t n = std::min<uint64_t>(bytes.size(), h.run);
-    auto st = sink_->pwrite(h.rank, h.shard_offset, bytes.substr(0, n));
+  if (bytes.empty()) return {};
+  if (!geo_) return fail(make_error(EIO, "{}: data bytes in a file of no tensors", what_));
+  layout::map_range(*geo_, 0, pos_, bytes.size(), segs_);
+  for (const auto& sg : segs_) {
+    // The header is behind pos_ here, and written files are never cast: every segment is a
+    // run of one rank's shard.
+    if (sg.is_memory() || sg.is_cast()) {
+      return fail(make_error(EIO, "{}: byte {} maps to no shard", what_, pos_));  // a bug
+    }
+    auto st = sink_->pwrite(sg.shard, sg.src, bytes.substr(0, sg.len));
     if (!st) {
       Error e = std::move(st).error();
       if (e.code == kNeedsStaging) e.code = EIO;
-      return fail(std::move(e).context(
-          fmt::format("{}: tensor '{}': rank {}", what_, names_[rt.tensor], h.rank)));
+      return fail(
+          std::move(e).context(fmt::format("{}: {}: rank {}", what_, tensor_at(pos_), sg.shard)));
     }
-    pos_ += n;
-    bytes.remove_prefix(n);
+    pos_ += sg.len;
+    bytes.remove_prefix(sg.len);
   }
   return {};
+}
+
+std::string StreamRouter::tensor_at(uint64_t x) const {
+  const auto& f = geo_->outputs[0];
+  auto it = std::upper_bound(f.data_starts.begin(), f.data_starts.end(), x);
+  if (it == f.data_starts.begin()) return "header";
+  const auto& t =
+      geo_->tensors[f.data_tensors[static_cast<size_t>(it - f.data_starts.begin()) - 1]];
+  return fmt::format("tensor '{}'", t.name);
 }
 
 Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
                                   const ShardRead& pread) const {
   if (off >= file_size_) return size_t{0};
-  const uint64_t end = off + std::min<uint64_t>(len, file_size_ - off);
-  uint64_t x = off;
-  while (x < end) {
-    char* out = dst + (x - off);
-    if (x < header_.size()) {
-      const uint64_t n = std::min<uint64_t>(end, header_.size()) - x;
-      std::copy_n(header_.data() + x, n, out);
-      x += n;
-      continue;
-    }
-    // The route holding x: the last one starting at or before it (the data tiles the file).
-    auto it = std::upper_bound(routes_.begin(), routes_.end(), x,
-                               [](uint64_t v, const Route& r) { return v < r.begin; });
-    if (it == routes_.begin() || (it - 1)->end <= x) {
-      return make_error(EIO, "{}: byte {} belongs to no tensor", what_, x);
-    }
-    const Hit h = locate(*(it - 1), x);
-    const uint64_t n = std::min<uint64_t>(end - x, h.run);
-    CKPTFS_CHECK(pread(h.rank, h.shard_offset, out, static_cast<size_t>(n)));
-    x += n;
+  const uint64_t n = std::min<uint64_t>(len, file_size_ - off);
+  std::vector<layout::Segment> segs;
+  if (geo_) {
+    layout::map_range(*geo_, 0, off, n, segs);
+  } else {
+    segs.push_back(layout::Segment{layout::Segment::kMemory, off, n});  // a file of no tensors
   }
-  return static_cast<size_t>(end - off);
+  uint64_t pos = 0;
+  for (const auto& sg : segs) {
+    if (sg.is_memory()) {
+      std::copy_n(header_.data() + sg.src, sg.len, dst + pos);
+    } else if (sg.is_cast()) {
+      return make_error(EIO, "{}: byte {} maps to a cast", what_, off + pos);  // a bug
+    } else {
+      CKPTFS_CHECK(pread(sg.shard, sg.src, dst + pos, static_cast<size_t>(sg.len)));
+    }
+    pos += sg.len;
+  }
+  if (pos != n) return make_error(EIO, "{}: byte {} belongs to no tensor", what_, off + pos);
+  return static_cast<size_t>(n);
 }
 
 }  // namespace ckptfs::write

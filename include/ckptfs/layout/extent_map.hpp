@@ -5,7 +5,9 @@
 // dtype than stored) a run of elements in one shard file to convert. Adjacent runs that are
 // contiguous in the same shard are coalesced, so a row-sharded tensor is one run per chunk.
 //
-// Inverse (the write router): a run of one chunk -> where it lands in the consolidated file.
+// The one byte geometry between chunks and consolidated files: reads of the mount, the write
+// router (which sends each written byte where map_range will read it back from), consolidate and
+// the loader all go through map_range.
 #pragma once
 
 #include <cstdint>
@@ -44,18 +46,6 @@ struct Segment {
 // `file`; the range is clamped to the file size. Allocation-free once `out` has capacity.
 void map_range(const Checkpoint& ckpt, uint32_t file, uint64_t off, uint64_t len,
                std::vector<Segment>& out);
-
-// One contiguous run of a chunk: `len` bytes at `shard_offset` in the shard file are
-// `out_offset` in the consolidated file.
-struct Run {
-  uint64_t out_offset = 0;
-  uint64_t shard_offset = 0;
-  uint64_t len = 0;
-};
-
-// The inverse map: every run of chunk `c` of tensor `t`, in chunk (shard file) order. Empty
-// for a cast tensor (the write path never sees one: written outputs are never cast).
-void chunk_runs(const Checkpoint& ckpt, uint32_t t, uint32_t c, std::vector<Run>& out);
 
 // Which chunk of `t` holds the element at coordinates `coords` (full tensor coordinates).
 // Returns UINT32_MAX when none does (never for a validated tensor).

@@ -1,6 +1,8 @@
 // The stream router: routes the bytes of a consolidated safetensors file, as they are written,
 // straight into the rank shard files of a Plan. It holds no data, only the original header
-// (to check it) and one small descriptor per tensor and chunk.
+// (to check it) and the layout geometry of the plan's chunks: the same layout::Checkpoint and
+// map_range that serve the file once it is committed, so a byte goes to exactly the place it
+// will be read back from.
 #pragma once
 
 #include <cerrno>
@@ -11,6 +13,8 @@
 #include <vector>
 
 #include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/layout/checkpoint.hpp"
+#include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/result.hpp"
 #include "ckptfs/write/plan.hpp"
 
@@ -60,49 +64,27 @@ class StreamRouter {
   [[nodiscard]] bool failed() const { return failed_; }
   [[nodiscard]] uint64_t received() const { return pos_; }
   [[nodiscard]] uint64_t file_size() const { return file_size_; }
+  // The geometry both directions use: output 0 is this file, shard r is rank r's shard. Null
+  // for a file of no tensors (all header).
+  [[nodiscard]] const layout::Checkpoint* geometry() const { return geo_.get(); }
 
  private:
-  // One chunk's share of a row. A tensor is seen as `rows` rows of `row_bytes` (rows = the
-  // product of the dims before the split dim); each chunk owns the same byte range of every
-  // row, stored row after row in its shard. Dim-0 and whole tensors are one row.
-  struct Piece {
-    uint64_t col = 0;  // first byte of the row this chunk owns
-    uint64_t len = 0;  // bytes of each row it owns
-    uint64_t shard_offset = 0;
-    uint32_t rank = 0;
-  };
-  struct Route {
-    uint64_t begin = 0;  // absolute offsets of the tensor's bytes in the consolidated file
-    uint64_t end = 0;
-    uint64_t row_bytes = 0;
-    uint32_t first_piece = 0;
-    uint32_t pieces = 0;
-    uint32_t tensor = 0;  // index in the original header, for messages
-  };
-
-  // Where byte `x` of the file (inside route `rt`) lives: its rank, its offset in that rank's
-  // shard, and how many bytes from there on are contiguous in the shard.
-  struct Hit {
-    uint32_t rank = 0;
-    uint64_t shard_offset = 0;
-    uint64_t run = 0;
-  };
-  [[nodiscard]] Hit locate(const Route& rt, uint64_t x) const;
-
   StreamRouter() = default;
   Status fail(Error e);
   Status route_data(std::string_view bytes);
+  // "tensor 'name'" holding byte `x` of the file, or "header": for messages.
+  [[nodiscard]] std::string tensor_at(uint64_t x) const;
 
   std::string what_;
   std::string header_;  // the original 8 + N bytes, to check the writer sends them unchanged
   std::vector<std::string> shard_headers_;
-  std::vector<std::string> names_;  // tensor names, for messages
-  std::vector<Route> routes_;       // non-empty tensors, in file order
-  std::vector<Piece> pieces_;
+  // The one byte geometry (layout's): the file as the checkpoint its shards will read back as,
+  // built from the plan's chunks and this header. Shard index = rank. Null: no tensors.
+  std::shared_ptr<const layout::Checkpoint> geo_;
+  std::vector<layout::Segment> segs_;  // write()'s scratch
   ShardSink* sink_ = nullptr;
   uint64_t file_size_ = 0;
-  uint64_t pos_ = 0;   // next byte expected
-  size_t cursor_ = 0;  // route holding pos_ (writes only move forward)
+  uint64_t pos_ = 0;  // next byte expected
   bool failed_ = false;
 };
 
