@@ -6,8 +6,8 @@ from the pytest process itself:
   * `Prober` is a child Python process that does the filesystem calls through the mount and
     answers over a pipe; a call that does not answer within its timeout raises `Hang` (an
     AssertionError, so the test fails naming the call) and the child is abandoned;
-  * `HMount` is conftest's Mount that can run the daemon under a wrapper or with a preexec_fn,
-    and checks and stops it without stat'ing the mount point (it reads /proc/self/mountinfo);
+  * `hostile_mount` is conftest's Mount (a wrapper, a preexec_fn, ... are its parameters) set to
+    check and stop the daemon without stat'ing the mount point (it reads /proc/self/mountinfo);
   * `cli()` runs the ckptfs CLI with a timeout and reports a hang or a signal as such.
 """
 
@@ -19,14 +19,13 @@ import os
 import pathlib
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import BIN, Mount
+from conftest import BIN, Mount, Mounts, mount_entry  # noqa: F401  (mount_entry: re-exported)
 from conftest import wait_for as _wait_for
 
 MODEL_FILE_PREFIX = "model-"
@@ -263,127 +262,22 @@ def prober():
 # --- mounts ----------------------------------------------------------------------------------
 
 
-def _unescape_mountinfo(s: str) -> str:
-    return (s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
-            .replace("\\134", "\\"))
-
-
-def mount_entry(mnt) -> dict | None:
-    """The /proc/self/mountinfo entry of `mnt` (no stat of the mount point itself)."""
-    mnt = str(mnt)
-    want = os.path.join(os.path.realpath(os.path.dirname(mnt)), os.path.basename(mnt))
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            if _unescape_mountinfo(parts[4]) == want:
-                sep = parts.index("-")
-                found = {"opts": parts[5].split(","), "fstype": parts[sep + 1],
-                         "source": parts[sep + 2], "super_opts": parts[sep + 3].split(",")}
-    return found
-
-
-def is_mounted(mnt) -> bool:
-    return mount_entry(mnt) is not None
-
-
-class HMount(Mount):
-    """conftest.Mount, plus: a command prefix (a wrapper that execs the daemon), a preexec_fn,
-    and start/stop that never stat the mount point from the pytest process."""
-
-    def __init__(self, src, mnt, opts=(), args=(), settle=0, log=None, prefix=(),
-                 preexec_fn=None):
-        super().__init__(src, mnt, opts=opts, args=args, settle=settle, log=log)
-        self.prefix = [str(p) for p in prefix]
-        self.preexec_fn = preexec_fn
-
-    def start(self):
-        os.makedirs(self.mnt, exist_ok=True)
-        self.logf = open(self.log, "w")
-        cmd = [*self.prefix, BIN, "mount", self.src, self.mnt, "-f", "-o", ",".join(self.opts),
-               *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT,
-                                     preexec_fn=self.preexec_fn)
-        deadline = time.monotonic() + 30
-        while not is_mounted(self.mnt):
-            if self.proc.poll() is not None:
-                rc = self.proc.returncode
-                self.proc = None
-                self.logf.close()
-                raise RuntimeError(f"ckptfs exited with {rc}: {self.read_log()}")
-            if time.monotonic() > deadline:
-                self.stop(check=False)
-                raise TimeoutError("mount did not appear: " + self.read_log())
-            time.sleep(0.02)
-        return self
-
-    def read_log(self) -> str:
-        """The daemon's log; bytes that are not UTF-8 (names from SRC) are kept escaped."""
-        try:
-            return pathlib.Path(self.log).read_bytes().decode("utf-8", errors="backslashreplace")
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def rss_kb(self) -> int:
-        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
-
-    def stop(self, check=True) -> int | None:
-        if self.proc is None:
-            return None
-        for _ in range(30):
-            if not is_mounted(self.mnt):
-                break
-            try:
-                r = subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True,
-                                   timeout=10)
-                if r.returncode == 0:
-                    break
-            except subprocess.TimeoutExpired:
-                pass
-            time.sleep(0.1)
-        else:
-            subprocess.run(["fusermount3", "-u", "-z", self.mnt], capture_output=True, timeout=10)
-        try:
-            rc = self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGKILL)
-            rc = self.proc.wait()
-            if is_mounted(self.mnt):
-                subprocess.run(["fusermount3", "-u", "-z", self.mnt], capture_output=True,
-                               timeout=10)
-        self.logf.close()
-        self.proc = None
-        reap_abandoned()
-        if check:
-            assert rc == 0, f"daemon exited {rc} (not 0) at unmount; log tail:\n" + \
-                "\n".join(self.read_log().splitlines()[-15:])
-        return rc
+def hostile_mount(src, mnt, **kw) -> Mount:
+    """conftest's Mount as the hostile tests run it: started and stopped without a stat of the
+    mount point from the pytest process (it reads /proc/self/mountinfo), 30 s to start, and the
+    abandoned probers reaped once the daemon is gone. Takes every Mount parameter (prefix: a
+    wrapper that execs the daemon, preexec_fn, ...)."""
+    return Mount(src, mnt, **{"probe": "mountinfo", "start_timeout": 30.0,
+                              "after_stop": reap_abandoned, **kw})
 
 
 @pytest.fixture
 def mounts(tmp_path):
-    """Factory of HMounts (like conftest's mount_factory); every one is stopped at teardown."""
-    made = []
-
-    def make(src, mnt=None, **kw):
-        m = HMount(src, mnt or tmp_path / f"mnt{len(made)}", **kw)
-        made.append(m)
-        return m.start()
-
-    yield make
-    problems = []
-    for m in made:
-        was_alive = m.alive()
-        rc = m.stop(check=False)
-        if was_alive and rc not in (0, None):  # a daemon that died mid-test failed the test
-            problems.append(f"{m.mnt}: the daemon exited {rc} (not 0) at unmount; log tail:\n"
-                            + "\n".join(m.read_log().splitlines()[-15:]))
+    """Factory of hostile_mounts (like conftest's mount_factory); every one is stopped at
+    teardown, and a daemon that was running then and exits non-zero fails the test."""
+    made = Mounts(tmp_path, cls=hostile_mount, check=True)
+    yield made
+    problems = made.close()
     if problems:
         pytest.fail("\n".join(problems))
 

@@ -40,7 +40,7 @@ import time
 
 import pytest
 
-from conftest import BIN, ROOT, Mount, requires_fuse
+from conftest import ROOT, DaemonExited, Mount, requires_fuse
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -495,28 +495,6 @@ def test_training_run_tree_live(ckpts, references, base):
 # --- bugs found while writing these tests ----------------------------------------------------
 
 
-def _mount_dev(mnt: str) -> str | None:
-    """'major:minor' of the mount at `mnt`, from /proc/self/mountinfo (no syscall into FUSE)."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == mnt:
-                return fields[2]
-    return None
-
-
-def _abort_fuse_connection(dev: str) -> None:
-    """Aborts a FUSE connection (the only way out of a daemon blocked on its own mount)."""
-    conn = pathlib.Path("/sys/fs/fuse/connections")
-    if not any(line.split()[2] == "fusectl" for line in open("/proc/mounts")):
-        subprocess.run(["mount", "-t", "fusectl", "none", str(conn)], capture_output=True)
-    minor = dev.split(":")[1]
-    try:
-        (conn / minor / "abort").write_text("1")
-    except OSError:
-        pass
-
-
 def test_bug_mountpoint_inside_source_must_not_deadlock(ckpts, base):
     """BUG (reported): `ckptfs mount SRC SRC/view` -- a mountpoint inside the source tree.
 
@@ -531,20 +509,15 @@ def test_bug_mountpoint_inside_source_must_not_deadlock(ckpts, base):
     shutil.copytree(ckpts["fsdp_tp4"].summary["out_dir"], src / "ck")
     mnt = src / "view"
     mnt.mkdir()
-    log = open(base / "inside.log", "w")
-    daemon = subprocess.Popen([BIN, "mount", str(src), str(mnt), "-f", "-o", "settle=0"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    dev, probe, hung = None, None, False
+    # Never a stat of MNT from here (it could hang): the mount table says when it is mounted.
+    daemon = Mount(src, mnt, log=str(base / "inside.log"), probe="mountinfo")
     try:
-        deadline = time.monotonic() + 20
-        while dev is None and daemon.poll() is None and time.monotonic() < deadline:
-            dev = _mount_dev(str(mnt))
-            time.sleep(0.05)
-        if dev is None:
-            rc = daemon.wait(timeout=20)
-            msg = (base / "inside.log").read_text()
-            assert rc != 0 and msg.strip(), "neither mounted nor refused with a message"
-            return  # refused: acceptable
+        daemon.start()
+    except DaemonExited as e:
+        assert e.rc != 0 and e.log.strip(), "neither mounted nor refused with a message"
+        return  # refused: acceptable
+    probe, hung = None, False
+    try:
         code = ("import os, sys; n = sum(len(f) for _, _, f in os.walk(sys.argv[1])); "
                 "print(n, sorted(os.listdir(os.path.join(sys.argv[1], 'ck'))))")
         probe = subprocess.Popen([sys.executable, "-c", code, str(mnt)], stdout=subprocess.PIPE,
@@ -554,24 +527,12 @@ def test_bug_mountpoint_inside_source_must_not_deadlock(ckpts, base):
             time.sleep(0.1)
         hung = probe.poll() is None
         if hung:
-            _abort_fuse_connection(dev)
+            daemon.abort_connection()
         out, err = probe.communicate(timeout=30)
     finally:
         if probe is not None and probe.poll() is None:
             probe.kill()
-        if dev is not None:
-            r = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
-            if r.returncode != 0:
-                _abort_fuse_connection(dev)
-                subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
-        try:
-            daemon.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            if dev is not None:
-                _abort_fuse_connection(dev)
-            daemon.kill()
-            daemon.wait(timeout=20)
-        log.close()
+        daemon.stop(check=False)  # a daemon still blocked on its own mount: its connection aborted
     assert not hung, ("listing a mount whose mountpoint lies inside SRC hung for 20 s "
                       "(the daemon blocked on its own mount)")
     assert probe.returncode == 0, err

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_fuse
-from hostile_util import (INDEX, HMount, Prober, assert_exit, cli, consolidate_ref, mount_entry,
+from hostile_util import (INDEX, Prober, assert_exit, cli, consolidate_ref, hostile_mount, mount_entry,
                           no_openat2_helper, wait_for)
 from hostile_util import mounts, prober, world_tmp  # noqa: F401  (fixtures)
 from shardgen import TensorSpec, write_checkpoint, write_safetensors
@@ -902,7 +902,7 @@ def test_d8_fd_reserve(tmp_path):
     def limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 
-    m = HMount(src, tmp_path / "mnt", preexec_fn=limit).start()
+    m = hostile_mount(src, tmp_path / "mnt", preexec_fn=limit).start()
     pr = Prober(timeout=30)
     try:
         mm = pathlib.Path(m.mnt)

@@ -29,7 +29,7 @@ import struct
 import time
 
 from conftest import requires_fuse
-from hostile_util import INDEX, HMount, Prober, cli
+from hostile_util import INDEX, Prober, cli, hostile_mount
 from shardgen import TensorSpec, write_checkpoint
 
 pytestmark = requires_fuse
@@ -322,9 +322,9 @@ def test_mount_fuzz(tmp_path):
     t_end = time.monotonic() + SECONDS
     fz = Fuzz(tmp_path, seed)
     fz.build()
-    m = HMount(fz.src, tmp_path / "mnt", settle=SETTLE,
-               opts=[f"revalidate={REVALIDATE}", f"entry_timeout={ENTRY}",
-                     f"attr_timeout={ENTRY}"]).start()
+    m = hostile_mount(fz.src, tmp_path / "mnt", settle=SETTLE,
+                      opts=[f"revalidate={REVALIDATE}", f"entry_timeout={ENTRY}",
+                            f"attr_timeout={ENTRY}"]).start()
     mm = pathlib.Path(m.mnt)
     pr = Prober(timeout=20)
     rnd = 0

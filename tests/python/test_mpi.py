@@ -34,7 +34,6 @@ faked) without root, /dev/fuse, fusermount3, mpirun, or a ckptfs built with Open
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import pathlib
 import re
@@ -45,7 +44,7 @@ import time
 
 import pytest
 
-from conftest import BIN, Mount, requires_fuse, unmount, wait_for
+from conftest import BIN, DaemonExited, Mount, Mounts, requires_fuse, wait_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -65,6 +64,7 @@ def built_with_mpi() -> bool:
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = [
+    pytest.mark.mpi,  # meson's mpi suite
     requires_fuse,
     pytest.mark.skipif(MPIRUN is None, reason="needs mpirun (OpenMPI)"),
     pytest.mark.skipif(not built_with_mpi(), reason="ckptfs was built without OpenMPI (-Dmpi)"),
@@ -151,27 +151,21 @@ def fabric(request):
 
 
 class MpiMount(Mount):
-    """`mpirun -np N ckptfs mount SRC MNT` in the background; rank 0 serves MNT."""
+    """conftest's Mount in its mpirun form: `mpirun -np N ckptfs mount SRC MNT` in a session of
+    its own (stop() kills mpirun and the ranks it started as one group); started once rank 0
+    serves MNT and every other rank has reported; mpirun must exit within 60 s of the unmount
+    (a failure even with check=False). Adds the queries of the job's output."""
 
-    what = "mpirun"
-    start_timeout = 30.0
-    new_session = True  # stop() kills mpirun and the ranks it started as one group
-
-    def __init__(self, src, mnt, opts=(), np=NP, recovery=False, fabric=None):
-        super().__init__(src, mnt, opts=opts)
-        self.fabric = LO_ARGS if fabric is None else fabric
+    def __init__(self, src, mnt, opts=(), np=NP, recovery=False, fabric=None, **kw):
+        prefix = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np), *COMMON_ARGS,
+                  *(LO_ARGS if fabric is None else fabric)]
+        if recovery:
+            prefix.append("--enable-recovery")
+        kw = {"start_timeout": 30.0, "stop_timeout": 60.0, **kw}
+        super().__init__(src, mnt, opts=opts, prefix=prefix, foreground=False, new_session=True,
+                         ready=lambda m: len(m.rank_pids()) == np - 1, hang_fails=True,
+                         what="mpirun", **kw)
         self.np = np
-        self.recovery = recovery
-
-    def command(self) -> list[str]:
-        cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(self.np), *COMMON_ARGS,
-               *self.fabric]
-        if self.recovery:
-            cmd.append("--enable-recovery")
-        return cmd + [BIN, "mount", self.src, self.mnt, "-o", ",".join(self.opts)]
-
-    def ready(self) -> bool:
-        return os.path.ismount(self.mnt) and len(self.rank_pids()) == self.np - 1
 
     def wait_log(self, pattern: str, timeout=10.0) -> None:
         """Waits until the job's output matches `pattern` (a regex): mpirun forwards the
@@ -185,42 +179,14 @@ class MpiMount(Mount):
     def rank_pids(self) -> dict[int, int]:
         return {int(m[1]): int(m[3]) for m in RANK_RE.finditer(self.read_log())}
 
-    def wait(self, timeout=60) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # mpirun and the ranks it started
-            self.proc.wait()
-            raise AssertionError("mpirun did not exit: " + self.read_log()[-3000:])
-
-    def stop(self, check=True) -> int | None:
-        if self.proc is None:
-            return None
-        unmount(self.mnt)
-        rc = self.wait()
-        if in_proc_mounts(self.mnt):  # a dead mount (ENOTCONN) that ismount() does not see
-            subprocess.run(["fusermount3", "-u", "-z", self.mnt], capture_output=True)
-        self.logf.close()
-        self.proc = None
-        if check:
-            assert rc == 0, f"mpirun exited {rc}: {self.read_log()[-3000:]}"
-        return rc
-
 
 @pytest.fixture
-def mpi_mounts():
-    made = []
-
-    def make(*a, **kw):
-        m = MpiMount(*a, **kw).start()
-        made.append(m)
-        return m
-
-    yield make
-    gc.collect()
-    for m in made:
-        if m.proc is not None:
-            m.stop(check=False)
+def mpi_mounts(tmp_path):
+    """make(src, mnt, opts=, np=, recovery=, fabric=) -> a started MpiMount; all stopped at
+    teardown (their exit status unchecked)."""
+    made = Mounts(tmp_path, cls=MpiMount)
+    yield made
+    made.close()
 
 
 def shards_by_file(d) -> dict[tuple[int, int], list[int]]:
@@ -642,12 +608,11 @@ def test_node_local_target_of_another_source_is_refused(mpi_mounts, tmp_path):
     m.stop()
     other = mkdir(tmp_path / "other")
     mnt = mkdir(tmp_path / "mnt-other")
-    r = subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(NP),
-                        *COMMON_ARGS, *LO_ARGS, BIN, "mount", str(other), str(mnt), "-o",
-                        ",".join(opts)], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
+    with pytest.raises(DaemonExited) as refused:  # mpirun ends with no mount made
+        mpi_mounts(other, mnt, opts=opts, settle=None, start_timeout=120.0)
+    assert refused.value.rc != 0
     assert not os.path.ismount(mnt)
-    out = r.stdout + r.stderr
+    out = refused.value.log
     assert "holds the shards of another source" in out and str(src) in out, out[-3000:]
     m2 = mpi_mounts(src, tmp_path / "mnt2", opts=opts)
     assert read(pathlib.Path(m2.mnt) / "d" / "model.safetensors") == want

@@ -324,9 +324,10 @@ def test_unit_execstart_and_execstop_as_systemd_runs_them(tmp_path):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(sock_path)
     sock.settimeout(20)
-    log = open(tmp_path / "daemon.log", "w")
-    proc = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "NOTIFY_SOCKET": sock_path})
+    # The unit's own command line; the test waits for READY=1 itself (probe=None).
+    daemon = Mount(src, mnt, argv=start, env={"NOTIFY_SOCKET": sock_path}, probe=None,
+                   log=str(tmp_path / "daemon.log"))
+    proc = daemon.start().proc
     try:
         ready = sock.recv(4096).decode()
         assert "READY=1" in ready.splitlines(), ready
@@ -343,12 +344,8 @@ def test_unit_execstart_and_execstop_as_systemd_runs_them(tmp_path):
         assert proc.wait(timeout=20) == 0
         assert not os.path.ismount(mnt)
     finally:
-        if proc.poll() is None:
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
-            proc.kill()
-            proc.wait()
+        daemon.stop(check=False)  # a daemon still running: unmounted and reaped
         sock.close()
-        log.close()
 
 
 # --- install and the mount helpers ----------------------------------------------------------

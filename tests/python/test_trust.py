@@ -555,6 +555,7 @@ def _mpi():
     return test_mpi
 
 
+@pytest.mark.mpi  # meson's mpi suite
 def test_shared_mpi_o_creat_on_a_hidden_shard(world, users):
     """Shared-target MPI mode (np 2): the head's fs layer makes the same check as locally."""
     tm = _mpi()
@@ -575,6 +576,7 @@ def test_shared_mpi_o_creat_on_a_hidden_shard(world, users):
         m.stop()
 
 
+@pytest.mark.mpi  # meson's mpi suite
 def test_node_local_private_file_and_records_not_ours(world, users):
     """Node-local targets (np 2, -o target=T/%r): A's 0600 model shows as A's and 0600, reads
     back for A, and is refused to C (it was shown 0444 to everyone: no shard file in SRC carries
