@@ -1,3 +1,4 @@
+// cli/args: the command-line parser every subcommand shares.
 #include "ckptfs/cli/args.hpp"
 
 #include <charconv>

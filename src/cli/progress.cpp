@@ -1,3 +1,4 @@
+// cli/progress: the progress bar the CLI prints on a terminal.
 #include "ckptfs/cli/progress.hpp"
 
 #include <unistd.h>

@@ -1,3 +1,4 @@
+// engine/consolidate: `ckptfs consolidate`'s engine: staged, fsynced model files from shards.
 #include "ckptfs/engine/consolidate.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// format/dcp: DCP_SHARDING_INFO, parsed strictly and serialized.
 #include "ckptfs/format/dcp.hpp"
 
 #include <nlohmann/json.hpp>

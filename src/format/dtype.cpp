@@ -1,3 +1,4 @@
+// format/dtype: safetensors dtype names, widths and byte sizes.
 #include "ckptfs/format/dtype.hpp"
 
 #include <array>

@@ -1,3 +1,4 @@
+// format/index: model.safetensors.index.json, parsed and serialized.
 #include "ckptfs/format/index.hpp"
 
 #include <nlohmann/json.hpp>

@@ -1,3 +1,5 @@
+// format/json_strict: the depth guard and the strict JSON parser (no duplicate keys) every parser
+// uses.
 #include "json_strict.hpp"
 
 #include <fmt/format.h>

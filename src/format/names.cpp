@@ -1,3 +1,4 @@
+// format/names: the file names ckptfs recognizes (rank shards, model files, verl ranks) and makes.
 #include "ckptfs/format/names.hpp"
 
 #include <fmt/core.h>

@@ -1,3 +1,4 @@
+// format/record: the write path's commit records, parsed and serialized.
 #include "ckptfs/format/record.hpp"
 
 #include <nlohmann/json.hpp>

@@ -1,3 +1,4 @@
+// format/safetensors: safetensors headers: the length prefix, the strict parse, serialization.
 #include "ckptfs/format/safetensors.hpp"
 
 #include <algorithm>

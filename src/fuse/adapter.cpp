@@ -1,3 +1,5 @@
+// fuse/adapter: translates libfuse's low-level requests to fs::Filesystem calls and back (one
+// cohesive thing: one short translation per operation, the session and its notify thread).
 #include "ckptfs/fuse/adapter.hpp"
 
 #include <fuse_lowlevel.h>

@@ -1,3 +1,5 @@
+// layout/checkpoint: builds and validates the checkpoint model from shard headers (one cohesive
+// thing: the builder's passes over one set of chunks).
 #include "ckptfs/layout/checkpoint.hpp"
 
 #include <algorithm>

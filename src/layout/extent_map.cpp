@@ -1,3 +1,4 @@
+// layout/extent_map: the one byte geometry: consolidated ranges to shard segments (map_range).
 #include "ckptfs/layout/extent_map.hpp"
 
 #include <algorithm>

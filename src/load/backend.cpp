@@ -1,3 +1,4 @@
+// load/backend: host memory for the loader: aligned buffers and the CPU backend.
 #include "ckptfs/load/backend.hpp"
 
 #include <sys/mman.h>

@@ -1,3 +1,4 @@
+// load/checksum: XXH64 checksums of loaded tensors.
 #include "ckptfs/load/checksum.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// load/collective: the read-once-share-to-all plan (assign_balanced) and its thread-group form.
 #include "ckptfs/load/collective.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// load/loader: the loader: reads planned tensors through a bounded ring of staging buffers.
 #include "ckptfs/load/loader.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// load/source: what the loader reads: a checkpoint's tensors and the segments behind each.
 #include "ckptfs/load/source.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// source/scanner: lists source directories, caches shard headers and builds their checkpoints.
 #include "ckptfs/source/scanner.hpp"
 
 #include <dirent.h>

@@ -1,3 +1,4 @@
+// source/watcher: inotify close-write evidence for the settle rules.
 #include "ckptfs/source/watcher.hpp"
 
 #include <poll.h>

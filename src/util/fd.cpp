@@ -1,3 +1,4 @@
+// util/fd: RAII file descriptors, regular-file opens, and exact pread/pwrite helpers.
 #include "ckptfs/util/fd.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// util/path: the one path checker, path splitter and the beneath-the-root resolvers.
 #include "ckptfs/util/path.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// util/sd_notify: systemd's readiness notification (sd_notify) without libsystemd.
 #include "ckptfs/util/sd_notify.hpp"
 
 #include <sys/socket.h>

@@ -1,3 +1,4 @@
+// util/text: printable forms of untrusted names for messages.
 #include "ckptfs/util/text.hpp"
 
 #include <fmt/format.h>

@@ -1,3 +1,5 @@
+// write/file: one file being written through the mount: detection, routing or staging, commit (one
+// cohesive thing: the state machine of an open file).
 #include "ckptfs/write/file.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// write/plan: the rank plan: how each tensor of a written file is cut into DCP chunks.
 #include "ckptfs/write/plan.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// write/router: routes a written file's bytes into rank shards through layout's geometry.
 #include "ckptfs/write/router.hpp"
 
 #include <algorithm>

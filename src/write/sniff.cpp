@@ -1,3 +1,4 @@
+// write/sniff: tells, from a written file's first bytes, whether it is safetensors to route.
 #include "ckptfs/write/sniff.hpp"
 
 #include <nlohmann/json.hpp>
