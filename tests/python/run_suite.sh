@@ -39,7 +39,7 @@ export CKPTFS_BIN=${CKPTFS_BIN:-$ROOT/build/src/ckptfs}
 [[ -x $CKPTFS_BIN ]] || { echo "run_suite.sh: no ckptfs binary at $CKPTFS_BIN" >&2; exit 1; }
 if [[ $tier == mpi ]]; then
   command -v mpirun >/dev/null || skip "needs mpirun (OpenMPI)"
-  ldd "$CKPTFS_BIN" 2>/dev/null | grep -q libmpi || skip "ckptfs was built without OpenMPI (-Dmpi)"
+  [[ $(ldd "$CKPTFS_BIN" 2>/dev/null) == *libmpi* ]] || skip "ckptfs was built without OpenMPI (-Dmpi)"
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
