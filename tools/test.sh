@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Runs every test of ckptfs on a fresh Debian 12 machine (as root), installing what it needs:
 #   1. set-up (apt packages, Python venv)            tools/setup.sh
-#   2. build and unit tests                           build/
+#   2. build and unit tests                           build/, meson's unit suite
 #      the release and plain builds a packager makes  build-release/, build-plain/
-#   3. unit tests under AddressSanitizer + UBSan      build-asan/
+#   3. unit tests under AddressSanitizer + UBSan      build-asan/, unit suite
 #   4. formatting (clang-format --dry-run -Werror)
 #   5. bounded libFuzzer runs of the parsers (clang)  build-fuzz/
-#   6. real-mount, hostile-source, CLI, write-path and ecosystem tests (pytest)
-#   7. the real-mount, hostile-source, CLI, write-path and parallel-flush (mpirun) tests again,
-#      against the ASan+UBSan binary
+#   6. real-mount, hostile-source, CLI, write-path and ecosystem tests, then the parallel-flush
+#      (mpirun) tests: meson's mount and mpi suites in build/ (pytest through
+#      tests/python/run_suite.sh)
+#   7. the real-mount, hostile-source, CLI and write-path tests, then the parallel-flush tests,
+#      against the ASan+UBSan binary: the mount and mpi suites in build-asan/ (run_suite.sh
+#      picks that tier's files, filters and sanitizer options there)
+# The mount and mpi suites also run alone: `meson test -C build --suite mount -v` (root, /dev/fuse
+# and the venv, else they report SKIP).
 # Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_MOUNT_FUZZ_SECONDS (default
 # 60, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 60, the write-path fuzz
-# through a mount), CKPTFS_PYTEST_ARGS.
+# through a mount), CKPTFS_ASAN_MOUNT_FUZZ_SECONDS and CKPTFS_ASAN_WRITE_FUZZ_SECONDS (default
+# 30, the same in step 7), CKPTFS_PYTEST_ARGS (more pytest arguments for step 6).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -63,30 +69,23 @@ fuzz fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers
 fuzz fuzz_side_files tests/fuzz/seeds-json
 fuzz fuzz_torch tests/fuzz/seeds-torch
 
-step "real-mount, hostile-source, CLI and ecosystem tests"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
-# shellcheck disable=SC2086
-"$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider ${CKPTFS_PYTEST_ARGS:-}
+# Steps 6 and 7: meson's mount and mpi suites (tests/meson.build), pytest over real mounts of
+# the ckptfs the build made; --verbose streams pytest's output (its progress, and on a failure
+# the failure itself). `--test-args ''` adds nothing.
+suite() {  # build dir, suite, meson test options...
+  local dir=$1 name=$2
+  shift 2
+  CKPTFS_VENV="$VENV" meson test -C "$dir" --suite "$name" --no-rebuild --verbose "$@"
+}
+
+step "real-mount, hostile-source, CLI and ecosystem tests; the parallel flush under mpirun"
+suite build mount --test-args "${CKPTFS_PYTEST_ARGS:-}"
+suite build mpi --test-args "${CKPTFS_PYTEST_ARGS:-}"
 
 step "real-mount, hostile-source, CLI and write-path tests against the ASan+UBSan daemon"
-# The daemon must exit 0 after every clean unmount: a leak or an error report fails the test
-# that mounted it. The randomized mount test gets a shorter budget here.
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  CKPTFS_BIN="$ROOT/build-asan/src/ckptfs" CKPTFS_ASAN=1 \
-  CKPTFS_MOUNT_FUZZ_SECONDS="${CKPTFS_ASAN_MOUNT_FUZZ_SECONDS:-30}" \
-  CKPTFS_WRITE_FUZZ_SECONDS="${CKPTFS_ASAN_WRITE_FUZZ_SECONDS:-30}" \
-  "$VENV/bin/python" -m pytest tests/python/test_mount.py tests/python/test_hostile.py \
-  tests/python/test_mount_fuzz.py tests/python/test_cli.py tests/python/test_write.py \
-  tests/python/test_trust.py tests/python/test_write_fuzz.py tests/python/test_native.py -q \
-  -p no:cacheprovider \
-  -k "not shared_mpi and not node_local and not written_through and not every_tool"
-# The parallel flush under mpirun: OpenMPI keeps allocations past MPI_Finalize and unloads its
-# components (so their frames cannot be named): components stay loaded, and leaks whose stack
-# is in the OpenMPI libraries only are suppressed (tests/support/lsan_mpi.supp).
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0 \
-  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  LSAN_OPTIONS="suppressions=$ROOT/tests/support/lsan_mpi.supp" \
-  OMPI_MCA_mca_base_component_disable_dlclose=1 \
-  CKPTFS_BIN="$ROOT/build-asan/src/ckptfs" CKPTFS_ASAN=1 \
-  "$VENV/bin/python" -m pytest tests/python/test_mpi.py tests/python/test_trust.py -q \
-  -p no:cacheprovider -k "test_mpi or shared_mpi or node_local"
+# In build-asan the suites are that tier (tests/python/run_suite.sh): the daemon must exit 0
+# after every clean unmount, so a leak or an error report fails the test that mounted it; the
+# randomized mount and write tests get CKPTFS_ASAN_{MOUNT,WRITE}_FUZZ_SECONDS (default 30);
+# under mpirun, OpenMPI's own leaks are suppressed (tests/support/lsan_mpi.supp).
+suite build-asan mount
+suite build-asan mpi
