@@ -1,5 +1,9 @@
 // fs/impl: Filesystem::Impl, the filesystem's state and its operations; each operation is
 // defined in the room (src/fs/*.cpp) named above its declaration.
+//
+// Lock order: node_table.hpp. Tests: tests/unit/test_fs.cpp, test_writefile.cpp, test_trust.cpp
+// (through Filesystem, with fs/seams.hpp's ManualClock and a close watch of their own where
+// timing matters) and tests/python/test_{mount,write,trust,posix}.py (mounted).
 #pragma once
 
 #include <sys/stat.h>
