@@ -259,8 +259,9 @@ TEST(MpiDispatch, AnswersTravelAsReplies) {
   auto s = store_in(d.path());
   auto a = dispatch(*s, cmd(Op::Create, 11, 1, 0, 4), "no-nul");
   ASSERT_TRUE(a.has_value());
-  std::string_view payload;
-  auto r = decode_reply(encode_reply(a->reply, a->payload), &payload);
+  const std::string wire = encode_reply(a->reply, a->payload);
+  std::string_view payload;  // views `wire`
+  auto r = decode_reply(wire, &payload);
   ASSERT_TRUE(r.ok()) << r.error().message;
   EXPECT_EQ(r->id, 11u);
   EXPECT_EQ(r->err, EPROTO);
