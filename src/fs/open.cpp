@@ -8,6 +8,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "ckptfs/source/shards.hpp"
 #include "ckptfs/util/path.hpp"
 #include "impl.hpp"
 #include "readers.hpp"
@@ -43,24 +44,17 @@ Result<std::shared_ptr<const ShardFds>> Filesystem::Impl::open_view_shards(
     return make_error(ESTALE, "{}: checkpoint directory moved", rel);
   }
   fds->remote = flusher->reader();
-  for (uint32_t s = 0; s < ck.shards.size(); ++s) {
-    if (ck.shards[s].remote()) continue;  // on a node-local target: read through `remote`
-    // Never blocks (a FIFO swapped in is refused, not opened) and is a regular file.
-    struct stat st {};
-    // A name in a folder (accelerate's pytorch_model_fsdp_0/) is resolved without
-    // following a symlink on the way, as the build listed it.
-    const std::string& sn = ck.shards[s].name;
-    auto fd = sn.find('/') == std::string::npos
-                  ? open_regular_at(dir->get(), sn, sn, &st)
-                  : open_regular_beneath(dir->get(), sn, Resolve::Auto, &st);
-    if (!fd || source::stamp_of(st) != ck.shards[s].stamp) {
-      spdlog::warn("{}/{}: changed since the view was built ({}); revalidating", source_path(rel),
-                   ck.shards[s].name, fd ? std::string("new stamp") : fd.error().message);
-      return make_error(ESTALE, "{}: shard changed", ck.shards[s].name);
-    }
-    fds->raw[s] = fd->get();
-    fds->owned[s] = std::move(fd).value();
+  // The one shard opener; a shard on a node-local target is read through `remote`. Anything
+  // not as the view was built from (gone, replaced, not a regular file) makes the reader
+  // revalidate.
+  auto opened =
+      source::open_shards(ck, dir->get(), source_path(rel), "read", source::RemoteShards::Skip);
+  if (!opened) {
+    spdlog::warn("{}; revalidating", opened.error().message);
+    return make_error(ESTALE, "{}", opened.error().message);
   }
+  fds->owned = std::move(opened).value();
+  for (size_t s = 0; s < fds->owned.size(); ++s) fds->raw[s] = fds->owned[s].get();
   v->fds = fds;
   return std::shared_ptr<const ShardFds>(fds);
 }
