@@ -272,7 +272,7 @@ class Runtime {
   [[nodiscard]] int size() const;
   [[nodiscard]] const std::string& host(int rank) const;
   // The thread level MPI provided; below MPI_THREAD_MULTIPLE every MPI call of the head is
-  // serialized behind one mutex anyway (see mpi.cpp), so any level from SERIALIZED works.
+  // serialized behind one mutex anyway (see mpi_link.hpp), so any level from SERIALIZED works.
   [[nodiscard]] std::string_view thread_level() const;
   // The destructor ends the job with MPI_Abort(code) instead of MPI_Finalize, which may wait
   // forever for a rank that was lost (OpenMPI 4.1 with --enable-recovery).
