@@ -1,6 +1,6 @@
 // One rank's shard storage under its target directory: what an OpenMPI rank does with the
-// head's commands (flush/mpi_dispatch.cpp), and what the head does itself for the shards it owns. Pure
-// POSIX, no MPI: unit-tested on its own.
+// head's commands (flush/mpi_dispatch.cpp), and what the head does itself for the shards it
+// owns. Pure POSIX, no MPI: unit-tested on its own.
 //
 // Two ways a shard file comes to be held:
 //  - shared target (open_staged): the head made the staged file in SRC, which every rank sees;
