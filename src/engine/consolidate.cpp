@@ -22,7 +22,7 @@
 #include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/verl.hpp"
-#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/shards.hpp"
@@ -180,7 +180,7 @@ class Copier {
     const int out = outs_[job.file].get();
     if (!cast && (shard_segs == 0 || job.len / shard_segs >= kCopyRangeMin)) {
       // Long runs: copy_file_range, in the kernel (and shared extents where the file
-      // system can). Cast segments are converted by fs::gather, below.
+      // system can). Cast segments are converted by io::gather, below.
       if (copybuf.empty()) copybuf.resize(1 << 20);
       // One kernel copy at a time: it needs no CPU from other threads, and several at once
       // interleave their reads and writebacks on the disk (row-sharded, 1 GiB: 0.74x cp cold
@@ -198,17 +198,17 @@ class Copier {
         pos += s.len;
       }
     } else {
-      // Short runs: block by block, one preadv per shard span into the buffer (fs::gather,
+      // Short runs: block by block, one preadv per shard span into the buffer (io::gather,
       // where every segment kind is handled), then one buffered pwrite while the block is
       // still in the CPU cache (a whole window's buffer is not: the pwrite's copy then
       // cost twice the gather's).
       const uint64_t block = std::min(kGatherBlock, window_);
       if (buf.size() < block) buf.resize(block);
-      fs::GatherSource gs{&ck_, raw_, f.header, {}};
+      io::GatherSource gs{&ck_, raw_, f.header, {}};
       for (uint64_t off = job.off, end = job.off + job.len; off < end; off += block) {
         const uint64_t n = std::min(block, end - off);
         layout::map_range(ck_, job.file, off, n, segs);
-        CKPTFS_CHECK(fs::gather(gs, segs, buf.data()));
+        CKPTFS_CHECK(io::gather(gs, segs, buf.data()));
         CKPTFS_CHECK(pwrite_all(out, buf.data(), n, off, f.name));
       }
     }

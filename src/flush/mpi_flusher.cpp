@@ -80,7 +80,7 @@ class MpiFlusherImpl final : public MpiFlusher {
     return {};
   }
 
-  std::shared_ptr<const ShardReader> reader() const override { return reader_; }
+  std::shared_ptr<const io::ShardReader> reader() const override { return reader_; }
 
   // At mount: removes, on every rank, the node-local directories no record names (writes a
   // crash cut short, replaced files whose removal was cut short).
@@ -94,10 +94,10 @@ class MpiFlusherImpl final : public MpiFlusher {
   std::unique_ptr<Flusher> local_;
   RateLimiter rate_;  // the head's own shard writes, capped like a rank's (benchmark only)
   std::unique_ptr<Link> link_;
-  std::unique_ptr<ShardStore> self_;           // node-local: rank 0's own target
-  std::unique_ptr<Owners> owners_;             // node-local only
-  std::shared_ptr<const ShardReader> reader_;  // node-local only
-  uint64_t epoch_ = 0;                         // names this mount's nl- directories
+  std::unique_ptr<ShardStore> self_;               // node-local: rank 0's own target
+  std::unique_ptr<Owners> owners_;                 // node-local only
+  std::shared_ptr<const io::ShardReader> reader_;  // node-local only
+  uint64_t epoch_ = 0;                             // names this mount's nl- directories
   std::atomic<uint64_t> next_tx_{0};
   std::atomic<bool> stopped_{false};
   bool clean_ = true;  // set by the first shutdown()

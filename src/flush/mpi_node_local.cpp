@@ -239,7 +239,7 @@ class NodeLocalTransaction final : public Transaction {
   bool aborted_ = false;
 };
 
-class NodeLocalReader final : public ShardReader {
+class NodeLocalReader final : public io::ShardReader {
  public:
   explicit NodeLocalReader(Owners& owners) : owners_(owners) {}
   Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
@@ -327,7 +327,7 @@ Result<std::unique_ptr<Transaction>> begin_node_local(std::unique_ptr<Transactio
   return std::unique_ptr<Transaction>(std::move(t));
 }
 
-std::shared_ptr<const ShardReader> make_node_local_reader(Owners& owners) {
+std::shared_ptr<const io::ShardReader> make_node_local_reader(Owners& owners) {
   return std::make_shared<NodeLocalReader>(owners);
 }
 

@@ -40,7 +40,7 @@ Result<std::unique_ptr<Transaction>> begin_node_local(std::unique_ptr<Transactio
 
 // Committed node-local shards, read for the view: rank 0's from its own store, the others'
 // with ReadPath requests.
-std::shared_ptr<const ShardReader> make_node_local_reader(Owners& owners);
+std::shared_ptr<const io::ShardReader> make_node_local_reader(Owners& owners);
 
 // The node-local directories of the record of file k of m in `dirfd`'s .ckptfs, if it is a
 // version 2 record: (owner, directory) pairs, each once.

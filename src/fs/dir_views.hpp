@@ -50,9 +50,9 @@ struct View {
 // the stamps the View was built from (Impl::open_view_shards).
 struct ShardFds {
   std::vector<UniqueFd> owned;
-  std::vector<int> raw;                              // -1 where not needed
-  std::shared_ptr<const flush::ShardReader> remote;  // reads the shards whose raw fd is -1
-  std::atomic<int64_t>* counter = nullptr;  // Impl::open_shard_fds, released on destruction
+  std::vector<int> raw;                           // -1 where not needed
+  std::shared_ptr<const io::ShardReader> remote;  // reads the shards whose raw fd is -1
+  std::atomic<int64_t>* counter = nullptr;        // Impl::open_shard_fds, released on destruction
   int64_t count = 0;
   ShardFds() = default;
   ShardFds(const ShardFds&) = delete;

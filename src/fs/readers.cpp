@@ -15,7 +15,7 @@ namespace ckptfs::fs {
 void MemoryReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
   out.segs.clear();
   out.direct = nullptr;
-  out.src = GatherSource{nullptr, {}, bytes_, "index"};
+  out.src = io::GatherSource{nullptr, {}, bytes_, "index"};
   out.size = 0;
   if (off >= bytes_.size()) return;
   uint64_t n = std::min<uint64_t>(len, bytes_.size() - off);
@@ -26,7 +26,7 @@ void MemoryReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
 void PassthroughReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
   out.segs.clear();
   out.direct = nullptr;
-  out.src = GatherSource{nullptr, std::span<const int>(&raw_, 1), {}, name_};
+  out.src = io::GatherSource{nullptr, std::span<const int>(&raw_, 1), {}, name_};
   // The file may have grown or shrunk since open: read what is there, like a plain file.
   out.size = len;
   out.segs.push_back(layout::Segment{0, off, len});
@@ -36,7 +36,7 @@ void OutputReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
   const auto& ck = *view_->ckpt;
   layout::map_range(ck, output_, off, len, out.segs);
   out.direct = nullptr;
-  out.src = GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}, fds_->remote.get()};
+  out.src = io::GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}, fds_->remote.get()};
   out.size = 0;
   for (const auto& s : out.segs) out.size += s.len;
 }
@@ -48,7 +48,7 @@ uint64_t WriteFileReader::size() const {
 
 void WriteFileReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
   out.segs.clear();
-  out.src = GatherSource{};
+  out.src = io::GatherSource{};
   out.direct = this;
   out.direct_off = off;
   out.size = len;

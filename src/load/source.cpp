@@ -16,7 +16,7 @@
 #include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
-#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/shards.hpp"
 
@@ -250,8 +250,8 @@ Status Source::read(uint32_t t, uint64_t off, uint64_t len, char* dst, ReadScrat
   uint64_t src_bytes = 0;
   for (const auto& g : s.segs) src_bytes += g.is_memory() ? 0 : g.src_len();
   bytes_read_.fetch_add(src_bytes, std::memory_order_relaxed);
-  fs::GatherSource gs{&ck, raw_, out.header, {}};
-  if (!direct_) return fs::gather(gs, s.segs, dst);
+  io::GatherSource gs{&ck, raw_, out.header, {}};
+  if (!direct_) return io::gather(gs, s.segs, dst);
   // Direct: long plain runs through O_DIRECT, the rest (short strided runs, casts) buffered
   // with gather, a consecutive span of segments at a time.
   const std::span<const layout::Segment> segs(s.segs);
@@ -273,7 +273,7 @@ Status Source::read(uint32_t t, uint64_t off, uint64_t len, char* dst, ReadScrat
       n += segs[j].len;
       ++j;
     }
-    CKPTFS_CHECK(fs::gather(gs, segs.subspan(i, j - i), dst + pos));
+    CKPTFS_CHECK(io::gather(gs, segs.subspan(i, j - i), dst + pos));
     pos += n;
     i = j;
   }

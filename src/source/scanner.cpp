@@ -426,7 +426,7 @@ void read_records(int dirfd, const std::vector<DirEntry>& entries, const std::st
     }
     if (rec->remote()) {
       // Node-local shards: built from the headers the record carries; their bytes are read
-      // from the owning rank (flush::ShardReader). Their stamp is the record's, and so are
+      // from the owning rank (io::ShardReader). Their stamp is the record's, and so are
       // their owner and mode: the writer's, or root's alone for a record that has none.
       for (auto& sh : rec->shards) {
         layout::ShardInput si;

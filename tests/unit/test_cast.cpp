@@ -1,6 +1,6 @@
 // dtype casts: the element conversions (expected bits computed by hand from IEEE 754 and
 // checked against torch 2.15 on CPU), NeMo's dtype mapping parser, the cast extent map and
-// its execution by fs::gather at every offset.
+// its execution by io::gather at every offset.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -12,7 +12,7 @@
 #include "ckptfs/format/cast.hpp"
 #include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
-#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
@@ -267,8 +267,8 @@ std::string read_view(const CastView& v, uint64_t off, uint64_t len) {
   uint64_t n = 0;
   for (const auto& s : segs) n += s.len;
   std::string out(n, '\0');
-  fs::GatherSource src{v.ck.get(), v.raw, v.ck->outputs[0].header, {}};
-  auto st = fs::gather(src, segs, out.data());
+  io::GatherSource src{v.ck.get(), v.raw, v.ck->outputs[0].header, {}};
+  auto st = io::gather(src, segs, out.data());
   EXPECT_TRUE(st.ok()) << st.error().message;
   return out;
 }
@@ -383,7 +383,7 @@ TEST(CastView, EveryRangeReadsTheConvertedTensor) {
 // A cast longer than one gather block streams through the bounded scratch.
 TEST(CastView, LargeTensorStreamsInBlocks) {
   std::mt19937_64 rng(4);
-  const uint64_t n = fs::kCastBlock / 4 * 3 + 5;  // more than three blocks of F32
+  const uint64_t n = io::kCastBlock / 4 * 3 + 5;  // more than three blocks of F32
   const std::string full = test::random_bytes(rng, n * 4);
   layout::BuildOptions opts;
   opts.dtype_policy = layout::BuildOptions::DtypePolicy::Cast;

@@ -10,7 +10,7 @@
 
 #include "ckptfs/engine/consolidate.hpp"
 #include "ckptfs/format/names.hpp"
-#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/load/checksum.hpp"
 #include "ckptfs/load/collective.hpp"
@@ -135,7 +135,7 @@ std::map<std::string, std::string> extent_map_reference(const std::string& dir,
     layout::map_range(**ck, t.output, t.out_offset, t.nbytes, segs);
     std::string bytes(t.nbytes, '\0');
     EXPECT_TRUE(
-        fs::gather(fs::GatherSource{ck->get(), raw, f.header, {}}, segs, bytes.data()).ok());
+        io::gather(io::GatherSource{ck->get(), raw, f.header, {}}, segs, bytes.data()).ok());
     out[t.name] = bytes;
   }
   return out;

@@ -26,7 +26,7 @@ class FakeReader final : public FileReader {
   [[nodiscard]] uint64_t size() const override { return size_; }
   void plan(uint64_t off, uint64_t len, ReadPlan& out) const override {
     out.segs.clear();
-    out.src = GatherSource{};
+    out.src = io::GatherSource{};
     out.direct = this;
     out.direct_off = off;
     out.size = off >= size_ ? 0 : std::min(len, size_ - off);

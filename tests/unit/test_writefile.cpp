@@ -478,7 +478,7 @@ namespace {
 
 // What the OpenMPI flusher's node-local mode reads with, minus MPI: one ShardStore per "rank"
 // directory; the view's Flusher hands it out.
-class StoreReader final : public flush::ShardReader {
+class StoreReader final : public io::ShardReader {
  public:
   std::vector<std::unique_ptr<flush::ShardStore>> stores;
   Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
@@ -492,7 +492,7 @@ class StoreReader final : public flush::ShardReader {
 
 class ReaderFlusher final : public flush::Flusher {
  public:
-  explicit ReaderFlusher(std::shared_ptr<const flush::ShardReader> r) : r_(std::move(r)) {}
+  explicit ReaderFlusher(std::shared_ptr<const io::ShardReader> r) : r_(std::move(r)) {}
   uint32_t default_ranks() const override { return 1; }
   Result<std::unique_ptr<flush::Transaction>> begin(const flush::Target& t,
                                                     const write::ShardSet& set,
@@ -503,11 +503,11 @@ class ReaderFlusher final : public flush::Flusher {
   Status remove(const flush::Target& t, uint32_t k, uint32_t m) override {
     return local_->remove(t, k, m);
   }
-  std::shared_ptr<const flush::ShardReader> reader() const override { return r_; }
+  std::shared_ptr<const io::ShardReader> reader() const override { return r_; }
 
  private:
   std::unique_ptr<flush::Flusher> local_ = flush::make_local_flusher();
-  std::shared_ptr<const flush::ShardReader> r_;
+  std::shared_ptr<const io::ShardReader> r_;
 };
 
 }  // namespace

@@ -9,7 +9,7 @@
 // the staging directory is removed; staging left by a killed run is removed by the next.
 //
 // Bytes move with copy_file_range where a window's runs are long, and otherwise with
-// fs::gather (one preadv per shard span) into a 512 KiB buffer and one buffered pwrite per
+// io::gather (one preadv per shard span) into a 512 KiB buffer and one buffered pwrite per
 // block. Writeback of each window is started at once (sync_file_range), so the disk writes
 // while the next windows are read and the final fsync is short. Memory is bounded by
 // threads x (512 KiB + a 1 MiB copy buffer), whatever the checkpoint size.

@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/io/shard_io.hpp"
 #include "ckptfs/util/result.hpp"
 #include "ckptfs/write/plan.hpp"
-#include "ckptfs/write/router.hpp"
 
 namespace ckptfs::flush {
 
@@ -64,7 +64,7 @@ struct CommitInfo {
 };
 
 // One file's shards, staged and then committed. Not thread-safe: its WriteFile serializes.
-class Transaction : public write::ShardSink {
+class Transaction : public io::ShardSink {
  public:
   // Makes the staged shard bytes durable (fsync).
   virtual Status sync() = 0;
@@ -84,17 +84,6 @@ class Transaction : public write::ShardSink {
   [[nodiscard]] virtual std::string staging_name() const { return {}; }
 };
 
-// Reads shards that a Flusher stored outside the source: on the node-local targets of the
-// OpenMPI flusher (-o target=), named by version 2 commit records. Thread-safe.
-class ShardReader {
- public:
-  virtual ~ShardReader() = default;
-  // Reads exactly n bytes at `off` of the shard at `path` below rank `owner`'s target, whose
-  // size must be `size` (a shard changed under its record is an error, never other bytes).
-  virtual Status read(int32_t owner, std::string_view path, uint64_t size, uint64_t off, char* dst,
-                      size_t n) const = 0;
-};
-
 class Flusher {
  public:
   virtual ~Flusher() = default;
@@ -110,7 +99,7 @@ class Flusher {
   // Removes the stored form of file k of m: its shards and commit records.
   virtual Status remove(const Target& t, uint32_t k, uint32_t m) = 0;
   // Reads the shards this flusher stores outside the source; null when it stores none there.
-  [[nodiscard]] virtual std::shared_ptr<const ShardReader> reader() const { return nullptr; }
+  [[nodiscard]] virtual std::shared_ptr<const io::ShardReader> reader() const { return nullptr; }
 };
 
 // Removes `name` under directory `parent`, and everything in it when it is a directory; no

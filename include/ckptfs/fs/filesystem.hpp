@@ -30,8 +30,8 @@
 
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/fs/access.hpp"
-#include "ckptfs/fs/gather.hpp"
 #include "ckptfs/fs/seams.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/util/result.hpp"
 #include "ckptfs/write/plan.hpp"
@@ -112,7 +112,7 @@ class FileReader;
 
 struct ReadPlan {
   std::vector<layout::Segment> segs;
-  GatherSource src;
+  io::GatherSource src;
   uint64_t size = 0;  // bytes planned (short at end of file)
   // Set instead of segments for a file open for writing: execute() asks it for the bytes.
   const FileReader* direct = nullptr;

@@ -3,7 +3,7 @@
 //
 //   requests -> pieces of at most `chunk` bytes -> T reader threads, each:
 //     take a free ring slot (waiting for its last copy's event) -> Source::read into it
-//     (extent map + fs::gather, or pread of a consolidated file) -> optional checksum of
+//     (extent map + io::gather, or pread of a consolidated file) -> optional checksum of
 //     the piece -> Backend::copy (cudaMemcpyAsync on stream t % S + event, or memcpy)
 //     -> the slot goes back to the ring.
 //   Memory: ring_slots x chunk bytes of staging, whatever the checkpoint size.

@@ -5,7 +5,7 @@
 //    source::load_checkpoint_path exactly as the mount does; a checkpoint with problems is
 //    refused with every problem listed (file and tensor). Bytes come through the extent map
 //    (layout::map_range over the tensor's range of its consolidated output file) and
-//    fs::gather (one preadv per shard span; column-sharded runs gathered on the host; cast
+//    io::gather (one preadv per shard span; column-sharded runs gathered on the host; cast
 //    views converted).
 //  - a consolidated HuggingFace directory (model.safetensors, or model-K-of-M.safetensors
 //    with model.safetensors.index.json): every header parsed with format::read_header (all

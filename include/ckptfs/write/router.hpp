@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/io/shard_io.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/result.hpp"
@@ -20,12 +21,7 @@
 
 namespace ckptfs::write {
 
-// Where routed bytes go. The real one (staging files, a Flusher) comes later; tests use memory.
-class ShardSink {
- public:
-  virtual ~ShardSink() = default;
-  virtual Status pwrite(uint32_t rank, uint64_t offset, std::string_view bytes) = 0;
-};
+using io::ShardSink;  // ckptfs/io/shard_io.hpp
 
 // The error code of a write the router cannot take in stream order: backwards, a hole, a
 // rewrite, header bytes that differ from the original, or bytes past the described end. The

@@ -1,4 +1,4 @@
-// Executes an extent-map plan: copies the bytes of a list of segments into one buffer.
+// io/gather: executes an extent-map plan: copies the bytes of a list of segments into one buffer.
 //
 // Segments of the same shard are read with one preadv per shard span (runs separated by
 // small gaps are merged, the gap bytes going to a scratch sink), so a column-sharded range
@@ -9,11 +9,11 @@
 #include <span>
 #include <string_view>
 
-#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/io/shard_io.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/result.hpp"
 
-namespace ckptfs::fs {
+namespace ckptfs::io {
 
 struct GatherSource {
   const layout::Checkpoint* ckpt = nullptr;  // names shards in errors (else `file` does)
@@ -22,7 +22,7 @@ struct GatherSource {
   std::string_view file;                     // name for errors when there is no checkpoint
   // Reads the shards that are not files here (layout::ShardFile::remote(); their fd is -1):
   // the OpenMPI flusher's node-local targets. Null: such a shard cannot be read (EIO).
-  const flush::ShardReader* remote = nullptr;
+  const ShardReader* remote = nullptr;
 
   [[nodiscard]] std::string name_of(uint32_t shard) const;
 };
@@ -36,4 +36,4 @@ inline constexpr uint64_t kGatherMaxGap = 64 * 1024;
 
 Status gather(const GatherSource& src, std::span<const layout::Segment> segs, char* dst);
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::io

@@ -1,4 +1,4 @@
-#include "ckptfs/fs/gather.hpp"
+#include "ckptfs/io/gather.hpp"
 
 #include <limits.h>
 #include <sys/uio.h>
@@ -11,7 +11,7 @@
 
 #include "ckptfs/format/cast.hpp"
 
-namespace ckptfs::fs {
+namespace ckptfs::io {
 namespace {
 
 // Per-thread scratch so the hot path allocates nothing once warm.
@@ -185,4 +185,4 @@ Status gather(const GatherSource& src, std::span<const layout::Segment> segs, ch
   return {};
 }
 
-}  // namespace ckptfs::fs
+}  // namespace ckptfs::io
