@@ -36,8 +36,7 @@ Status parse_remote_shard(const nlohmann::json& e, RecordShard& s, std::string_v
   if (s.path.empty() || !is_safe_rel(s.path)) {
     return bad(fmt::format("path '{}' is not plain", s.path));
   }
-  const size_t slash = s.path.rfind('/');
-  if (std::string_view(s.path).substr(slash == std::string::npos ? 0 : slash + 1) != s.name) {
+  if (split_rel(s.path).name != s.name) {
     return bad(fmt::format("path '{}' does not end in its name", s.path));
   }
   const auto& json = hj->get_ref<const std::string&>();

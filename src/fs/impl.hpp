@@ -24,6 +24,7 @@
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/log_limit.hpp"
+#include "ckptfs/util/path.hpp"
 #include "ckptfs/write/budget.hpp"
 #include "ckptfs/write/file.hpp"
 #include "dir_views.hpp"
@@ -53,14 +54,8 @@ inline void set_times(struct stat& st, int64_t ns) {
 }
 
 // The last component of a path relative to the source root, and the path of its directory.
-inline std::string last_of(std::string_view rel) {
-  auto slash = rel.rfind('/');
-  return std::string(slash == std::string_view::npos ? rel : rel.substr(slash + 1));
-}
-inline std::string parent_of(std::string_view rel) {
-  auto slash = rel.rfind('/');
-  return slash == std::string_view::npos ? std::string() : std::string(rel.substr(0, slash));
-}
+inline std::string last_of(std::string_view rel) { return std::string(split_rel(rel).name); }
+inline std::string parent_of(std::string_view rel) { return std::string(split_rel(rel).dir); }
 
 struct Filesystem::Impl {
   // `root`: the source directory, open. Call start() once the Impl has its final address.

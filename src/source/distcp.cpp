@@ -122,10 +122,7 @@ bool distcp_files_under(const std::vector<DirEntry>& entries, std::string_view p
 }  // namespace
 
 bool is_distcp_entry(const DirEntry& e) {
-  const size_t slash = e.name.rfind('/');
-  return format::is_distcp_file_name(slash == std::string::npos
-                                         ? std::string_view(e.name)
-                                         : std::string_view(e.name).substr(slash + 1));
+  return format::is_distcp_file_name(split_rel(e.name).name);
 }
 
 bool is_distcp_dir(const std::vector<DirEntry>& entries) {
