@@ -1,3 +1,5 @@
+// flush/local: the local flusher: staged shards in D/.ckptfs, commit records, roll forward and
+// recovery.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>

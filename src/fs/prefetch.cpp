@@ -1,3 +1,5 @@
+// fs/prefetch: the read path's prefetch policy behind a PagePusher, and its defaults from the
+// machine.
 #include "ckptfs/fs/prefetch.hpp"
 
 #include <sched.h>

@@ -1,3 +1,4 @@
+// io/gather: executes extent-map segments: one preadv per shard span, casts converted in blocks.
 #include "ckptfs/io/gather.hpp"
 
 #include <limits.h>
