@@ -59,13 +59,35 @@ Status preadv_all(int fd, iovec* iov, int cnt, uint64_t off, const GatherSource&
   return {};
 }
 
+// Reads a span of `cnt` iovecs at `off` with one call of `read` into a scratch buffer, then
+// scatters it.
+template <class Read>
+Status read_scattered(iovec* iov, int cnt, uint64_t off, const Read& read) {
+  uint64_t total = 0;
+  for (int i = 0; i < cnt; ++i) total += iov[i].iov_len;
+  auto& buf = scratch().remote;
+  if (buf.size() < total) buf.resize(total);
+  CKPTFS_CHECK(read(off, buf.data(), static_cast<size_t>(total)));
+  const char* p = buf.data();
+  for (int i = 0; i < cnt; ++i) {
+    std::memcpy(iov[i].iov_base, p, iov[i].iov_len);
+    p += iov[i].iov_len;
+  }
+  return {};
+}
+
 // preadv_all for any shard: a shard on a node-local target (fd -1) is read in one request to
-// its owner through src.remote, then scattered into the iovecs.
+// its owner through src.remote, and a staged shard of a file being written through
+// src.staged, each then scattered into the iovecs.
 Status read_span(const GatherSource& src, uint32_t shard, iovec* iov, int cnt, uint64_t off) {
   const int fd = src.fds[shard];
   if (fd >= 0) return preadv_all(fd, iov, cnt, off, src, shard);
   const layout::ShardFile* sf =
       src.ckpt && shard < src.ckpt->shards.size() ? &src.ckpt->shards[shard] : nullptr;
+  if (sf && !sf->remote() && src.staged) {
+    return read_scattered(
+        iov, cnt, off, [&](uint64_t o, char* d, size_t n) { return src.staged(shard, o, d, n); });
+  }
   if (!sf || !sf->remote()) return make_error(EIO, "{}: not open", src.name_of(shard));
   if (!src.remote) {
     return make_error(EIO,
@@ -73,21 +95,12 @@ Status read_span(const GatherSource& src, uint32_t shard, iovec* iov, int cnt, u
                       "its `mpirun ckptfs mount -o target=...` job can read it",
                       src.name_of(shard), sf->owner, sf->remote_path);
   }
-  uint64_t total = 0;
-  for (int i = 0; i < cnt; ++i) total += iov[i].iov_len;
-  auto& buf = scratch().remote;
-  if (buf.size() < total) buf.resize(total);
-  if (auto st = src.remote->read(sf->owner, sf->remote_path, sf->stamp.size, off, buf.data(),
-                                 static_cast<size_t>(total));
-      !st) {
-    return std::move(st).error().context(src.name_of(shard));
-  }
-  const char* p = buf.data();
-  for (int i = 0; i < cnt; ++i) {
-    std::memcpy(iov[i].iov_base, p, iov[i].iov_len);
-    p += iov[i].iov_len;
-  }
-  return {};
+  return read_scattered(iov, cnt, off, [&](uint64_t o, char* d, size_t n) -> Status {
+    if (auto st = src.remote->read(sf->owner, sf->remote_path, sf->stamp.size, o, d, n); !st) {
+      return std::move(st).error().context(src.name_of(shard));
+    }
+    return {};
+  });
 }
 
 // Reads the source elements of cast segment `g` block by block (kCastBlock bytes at most)

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/util/checked.hpp"
 
 namespace ckptfs::write {
@@ -156,24 +157,18 @@ Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
                                   const ShardRead& pread) const {
   if (off >= file_size_) return size_t{0};
   const uint64_t n = std::min<uint64_t>(len, file_size_ - off);
+  if (!geo_) {  // a file of no tensors: all header
+    std::copy_n(header_.data() + off, n, dst);
+    return static_cast<size_t>(n);
+  }
+  // The same segments a committed file is read with, executed by the one executor: the shards
+  // have no fds here, so io::gather reads them through `pread` (the transaction's).
   std::vector<layout::Segment> segs;
-  if (geo_) {
-    layout::map_range(*geo_, 0, off, n, segs);
-  } else {
-    segs.push_back(layout::Segment{layout::Segment::kMemory, off, n});  // a file of no tensors
-  }
-  uint64_t pos = 0;
-  for (const auto& sg : segs) {
-    if (sg.is_memory()) {
-      std::copy_n(header_.data() + sg.src, sg.len, dst + pos);
-    } else if (sg.is_cast()) {
-      return make_error(EIO, "{}: byte {} maps to a cast", what_, off + pos);  // a bug
-    } else {
-      CKPTFS_CHECK(pread(sg.shard, sg.src, dst + pos, static_cast<size_t>(sg.len)));
-    }
-    pos += sg.len;
-  }
-  if (pos != n) return make_error(EIO, "{}: byte {} belongs to no tensor", what_, off + pos);
+  layout::map_range(*geo_, 0, off, n, segs);
+  const std::vector<int> no_fds(geo_->shards.size(), -1);
+  io::GatherSource src{geo_.get(), no_fds, header_, what_};
+  src.staged = pread;
+  CKPTFS_CHECK(io::gather(src, segs, dst));
   return static_cast<size_t>(n);
 }
 

@@ -6,6 +6,7 @@
 // of kCastBlock source bytes and converted into place (format/cast.hpp).
 #pragma once
 
+#include <functional>
 #include <span>
 #include <string_view>
 
@@ -23,6 +24,9 @@ struct GatherSource {
   // Reads the shards that are not files here (layout::ShardFile::remote(); their fd is -1):
   // the OpenMPI flusher's node-local targets. Null: such a shard cannot be read (EIO).
   const ShardReader* remote = nullptr;
+  // Reads the shards that have no fd here and no owner elsewhere: those of a file still being
+  // written, through its flusher's transaction (write::StreamRouter::read). Must fill all n.
+  std::function<Status(uint32_t shard, uint64_t off, char* dst, size_t n)> staged = nullptr;
 
   [[nodiscard]] std::string name_of(uint32_t shard) const;
 };
