@@ -418,7 +418,7 @@ class Sequence {
     return std::nullopt;
   }
 
-  // KNOWN DISCREPANCY (reported to the lead, issue 21; not in semantics.md): the writer of a
+  // KNOWN DISCREPANCY (found by this test in issue 21, left open; not in semantics.md): the writer of a
   // consolidated file whose name (a model name) was unlinked or renamed over, an orphan whose
   // POSIX close() returns 0, can get EINVAL from a FLUSH when it is incomplete or was FLUSHed or
   // fsynced before: the daemon judges it against what the path it had holds now: another file
@@ -578,7 +578,7 @@ class Sequence {
         std::any_of(td.entries.begin(), td.entries.end(), [&](const auto& kv) {
           return kv.first != tname && kv.second.kind == Entry::File && kv.second.stored;
         })) {
-      // KNOWN DISCREPANCY (reported to the lead, issue 21): a rename of a missing name onto a
+      // KNOWN DISCREPANCY (found by this test in issue 21, left open): a rename of a missing name onto a
       // model name of a directory of other files' shards answers EINVAL ("... would be hidden:
       // X: not a regular file"), not POSIX's ENOENT: fs/rename checks the target before the
       // source exists. Remove this block when it is fixed.
@@ -658,7 +658,7 @@ class Sequence {
         hit("rename dir over a non-empty dir ENOTEMPTY");
         return expect_err("rename of a directory over a non-empty one", st, ENOTEMPTY);
       }
-      // KNOWN DISCREPANCY (reported to the lead, issue 21; not in semantics.md): a directory
+      // KNOWN DISCREPANCY (found by this test in issue 21, left open; not in semantics.md): a directory
       // the view shows empty that holds the write path's hidden .ckptfs (left by a file
       // written there, even after it was removed) is not replaced by a rename: ENOTEMPTY from
       // SRC, where POSIX (and rmdir, which removes hidden leftovers) would succeed. The model
