@@ -41,8 +41,7 @@ std::string version_text() {
                      NLOHMANN_JSON_VERSION_MINOR, NLOHMANN_JSON_VERSION_PATCH);
   // systemd: the sd_notify protocol is spoken directly (no libsystemd), so always present.
   out += fmt::format("features: openmpi={} cuda={} nccl={} sd_notify=yes\n",
-                     yes_no(CKPTFS_HAVE_MPI), yes_no(CKPTFS_HAVE_CUDA),
-                     yes_no(CKPTFS_HAVE_NCCL));
+                     yes_no(CKPTFS_HAVE_MPI), yes_no(CKPTFS_HAVE_CUDA), yes_no(CKPTFS_HAVE_NCCL));
   return out;
 }
 
