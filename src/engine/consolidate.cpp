@@ -255,7 +255,7 @@ std::vector<std::pair<std::string, std::string>> side_files(
     // A DCP checkpoint's .metadata and .distcp files are its shards.
     if (format::looks_like_shard_name(name) || is_model_output_name(name) ||
         format::is_distcp_file_name(name) || format::is_verl_file_name(name) ||
-        name == "consolidate.sh") {
+        name == format::kNemoConsolidateScript) {
       continue;
     }
     if (e.is_symlink(ec)) {

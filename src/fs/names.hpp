@@ -17,9 +17,7 @@ inline bool is_status_dir(Ino dir, std::string_view n) {
   return dir == kRootIno && n == kStatusDirName;
 }
 
-// NeMo AutoModel writes this script beside its shards to make the consolidated checkpoint
-// the view already is; NeMo's own consolidated output leaves it out, and so does the view.
-inline constexpr std::string_view kNemoConsolidateScript = "consolidate.sh";
+using format::kNemoConsolidateScript;  // hidden in a checkpoint directory
 
 // Listed in a checkpoint directory while it settles: a read-only file saying what it waits for.
 inline constexpr std::string_view kPending = ".ckptfs-pending";

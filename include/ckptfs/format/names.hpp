@@ -13,6 +13,10 @@
 namespace ckptfs::format {
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+// NeMo AutoModel writes this script beside its shards to make the consolidated checkpoint the
+// view already is; NeMo's own consolidated output leaves it out, and so do the view and
+// `ckptfs consolidate`.
+inline constexpr std::string_view kNemoConsolidateScript = "consolidate.sh";
 inline constexpr std::string_view kSingleFileName = "model.safetensors";
 inline constexpr std::string_view kHfMetadataDir = ".hf_metadata";
 // verl's FSDP checkpoints keep config.json and the tokenizer in this folder.
