@@ -76,9 +76,7 @@ std::string tensors_file(std::mt19937_64& rng, const std::string& prefix) {
                   rows, w, w + b, prefix, w + b + e);
   json.append(rng() % 9, ' ');
   while ((8 + json.size()) % 8 != 0) json.push_back(' ');
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
-  out += json;
+  std::string out = format::with_length_prefix(json);
   out += test::random_bytes(rng, w + b + e);
   return out;
 }

@@ -40,9 +40,7 @@ std::string consolidated(uint64_t seed, uint64_t rows = 96, std::string_view pre
                   rows, w, w + b, prefix, w + b + e);
   json.append(13, ' ');
   while ((8 + json.size()) % 8 != 0) json.push_back(' ');
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
-  out += json;
+  std::string out = format::with_length_prefix(json);
   out += test::random_bytes(rng, w + b + e);
   return out;
 }
