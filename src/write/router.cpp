@@ -27,6 +27,7 @@ Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format
   r.sink_ = &sink;
   r.file_size_ = h.file_size();
   for (const auto& sh : s.shards) r.shard_headers_.push_back(sh.header);
+  r.no_fds_.assign(p.ranks, -1);
   if (h.tensors.empty()) return r;  // all header: nothing to route, no geometry
 
   // The plan's chunks, declared to the layout builder as they will sit in the shards, and this
@@ -165,8 +166,7 @@ Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
   // have no fds here, so io::gather reads them through `pread` (the transaction's).
   std::vector<layout::Segment> segs;
   layout::map_range(*geo_, 0, off, n, segs);
-  const std::vector<int> no_fds(geo_->shards.size(), -1);
-  io::GatherSource src{geo_.get(), no_fds, header_, what_};
+  io::GatherSource src{geo_.get(), no_fds_, header_, what_};
   src.staged = pread;
   CKPTFS_CHECK(io::gather(src, segs, dst));
   return static_cast<size_t>(n);

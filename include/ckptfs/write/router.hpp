@@ -78,6 +78,7 @@ class StreamRouter {
   // built from the plan's chunks and this header. Shard index = rank. Null: no tensors.
   std::shared_ptr<const layout::Checkpoint> geo_;
   std::vector<layout::Segment> segs_;  // write()'s scratch
+  std::vector<int> no_fds_;            // -1 per rank: read() reads shards through `pread`
   ShardSink* sink_ = nullptr;
   uint64_t file_size_ = 0;
   uint64_t pos_ = 0;  // next byte expected
