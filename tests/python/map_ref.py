@@ -16,7 +16,8 @@ dotted config paths, true/false as 1/0, null as missing), patterns with {NAME} c
 `concat` list of parts, `index`, `rows` (einops-style `LHS -> RHS` over the leading axes with
 `name[a:b]` slices), `let`, `for`, `shape`, `when` (`key` / `!key`), `optional`, `drop`, and
 `detect` (`all`, `any`, `none`, `format`). What it checks: every capture of `from` appears in
-`hf`, each HF name is made once, every index and slice is within its axis, the `rows` sizes
+`hf`, each HF name is made once, every index and slice is within its axis, an `index` by a `for`
+capture counts exactly the axis it selects from (no expert silently lost), the `rows` sizes
 match the stored axes, no output reads a stored row twice (a pass over row ids), and every
 stored tensor is read by some rule, dropped, or belongs to a rule whose `when` does not hold.
 Errors are MapError with a message naming the rule or tensor. It is a reference for tests, not
@@ -575,6 +576,9 @@ def apply(m, stored, config, *, check_coverage=True):
                         raise MapError(f"{what}: index {j} on {src!r} of shape {list(t.shape)}: no leading axis left")
                     if not 0 <= v < t.shape[0]:
                         raise MapError(f"{what}: index {e}={v} is outside axis 0 of {src!r} ({t.shape[0]})")
+                    if e in rule.get("for", {}) and env.eval(rule["for"][e]) != t.shape[0]:
+                        raise MapError(f"{what}: 'for' {e} counts {env.eval(rule['for'][e])} but indexes an axis of "
+                                       f"{t.shape[0]} in {src!r}: the rest would be lost")
                     t, rid = t[v], rid[v]
                 if "rows" in p:
                     t = apply_rows(t, p["rows"], penv, f"{what}: tensor {src!r}")

@@ -72,6 +72,7 @@ def test_index_for_concat_when_drop():
     ({"hf": "x", "from": "w", "rows": "(a b) -> (a b)", "let": {"a": "3", "b": "3"}}, {"w": [8, 2]}, {}, "3 x 3 = 9"),
     ({"hf": "x", "from": "w", "rows": "v -> v[0:n]"}, {"w": [8, 2]}, {"n": 9}, "outside"),
     ({"hf": "x", "from": "w", "index": ["5"]}, {"w": [3, 2, 2]}, {}, "outside axis 0"),
+    ({"hf": "x.{E}", "from": "w", "for": {"E": "2"}, "index": ["E"]}, {"w": [3, 2, 2]}, {}, "the rest would be lost"),
     ({"hf": "x", "from": {"concat": [{"from": "w"}, {"from": "w"}]}}, {"w": [3, 2]}, {}, "reads a stored row twice"),
     ({"hf": "x", "from": "w", "shape": ["h"]}, {"w": [3, 2]}, {"h": 3}, "'shape' says"),
     ({"hf": "x", "from": "w", "shape": ["h / 2"]}, {"w": [3, 2]}, {"h": 3}, "does not divide exactly"),
