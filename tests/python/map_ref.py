@@ -11,15 +11,17 @@ of byte runs, so a map can be checked in Python without the mount:
 
 What it implements: the strict JSON (duplicate and unknown keys refused, the arithmetic keys
 refused by name), expressions (+ - * / and parentheses, exact division, `|` alternatives,
-dotted config paths, true/false as 1/0, null as missing), patterns with {NAME} captures
-(decimal, no leading zero) and `*` in `drop`, `prefixes`, `axes`, rules with `from` or a
-`concat` list of parts, `index`, `rows` (einops-style `LHS -> RHS` over the leading axes with
-`name[a:b]` slices), `let`, `for`, `shape`, `when` (`key` / `!key`), `optional`, `drop`, and
-`detect` (`all`, `any`, `none`, `format`). What it checks: every capture of `from` appears in
-`hf`, each HF name is made once, every index and slice is within its axis, an `index` by a `for`
-capture counts exactly the axis it selects from (no expert silently lost), the `rows` sizes
-match the stored axes, no output reads a stored row twice (a pass over row ids), and every
-stored tensor is read by some rule, dropped, or belongs to a rule whose `when` does not hold.
+dotted config paths, true/false as 1/0, null as missing; inside its own definition a name
+means config.json's value, so `"head_dim": "head_dim | hidden_size / num_attention_heads"`
+works), patterns with {NAME} captures (decimal, no leading zero) and `*` in `drop`,
+`prefixes`, `axes`, rules (numbered from 1) with `from` or a `concat` list of parts, `index`,
+`rows` (einops-style `LHS -> RHS` over the leading axes with `name[a:b]` slices), `let`,
+`for`, `shape`, `when` (`key` / `!key`), `optional`, `drop`, and `detect` (`all`, `any`,
+`none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
+made once, every index and slice is within its axis, an `index` by a `for` capture counts
+exactly the axis it selects from (no expert silently lost), the `rows` sizes match the stored
+axes, no output reads a stored row twice (a pass over row ids), and every stored tensor is
+read by some rule, dropped, or belongs to a rule whose `when` does not hold.
 Errors are MapError with a message naming the rule or tensor. It is a reference for tests, not
 the product: the caps and the fuzz-hardening of format/model_map are the C++ side's.
 """
@@ -36,7 +38,7 @@ MAPS = ROOT / "maps"
 
 ARITHMETIC = ("transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast", "dtype", "reshape", "view")
 TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop"}
-RULE_KEYS = {"hf", "from", "index", "rows", "let", "for", "shape", "when", "optional"}
+RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "when", "optional"}
 PART_KEYS = {"from", "index", "rows", "let"}
 DETECT_KEYS = {"all", "any", "none", "format"}
 NAME_RE = re.compile(r"[a-z0-9._-]{1,64}")
@@ -109,7 +111,7 @@ def load(src) -> dict:
     _str_list(m.get("drop", []), "drop")
     if not isinstance(m.get("tensors"), list) or not m["tensors"]:
         raise MapError("map: 'tensors' must be a non-empty list")
-    for i, r in enumerate(m["tensors"]):
+    for i, r in enumerate(m["tensors"], 1):
         what = f"rule {i} ({r.get('hf')!r})" if isinstance(r, dict) else f"rule {i}"
         _check_keys(r, RULE_KEYS, what)
         if not isinstance(r.get("hf"), str):
@@ -133,19 +135,24 @@ def load(src) -> dict:
         for c in r.get("for", {}):
             if c not in hf_caps:
                 raise MapError(f"{what}: 'for' capture {c!r} does not appear in 'hf'")
-        if "rows" in r and not isinstance(r["from"], str):
-            raise MapError(f"{what}: 'rows' with 'concat' belongs in the parts")
+        for c in CAPTURE_RE.findall(parts[0]["from"]):
+            if c in r.get("for", {}):
+                raise MapError(f"{what}: capture {c!r} is both matched and in 'for'")
     return m
 
 
 def _parts(r, what):
-    """The rule's parts: [rule] for a single `from`, the `concat` list otherwise."""
-    f = r.get("from")
-    if isinstance(f, str):
+    """The rule's parts: [rule] for a `from`, the list of a `concat` (exactly one of the two)."""
+    if ("from" in r) == ("concat" in r):
+        raise MapError(f"{what}: exactly one of 'from' and 'concat'")
+    if "from" in r:
         return [r]
-    if isinstance(f, dict) and set(f) == {"concat"} and isinstance(f["concat"], list) and f["concat"]:
-        return f["concat"]
-    raise MapError(f"{what}: 'from' must be a pattern or {{\"concat\": [parts]}}")
+    c = r["concat"]
+    if not isinstance(c, list) or not c or not all(isinstance(p, dict) for p in c):
+        raise MapError(f"{what}: 'concat' is not a list of parts")
+    if "index" in r or "rows" in r:
+        raise MapError(f"{what}: 'index' and 'rows' belong in each 'concat' part")
+    return c
 
 
 def _check_part(p, what):
@@ -546,7 +553,7 @@ def apply(m, stored, config, *, check_coverage=True):
     read, skipped = set(), set()
     hf, sources = {}, {}
     base = {n: k << 40 for k, n in enumerate(sorted(stored))}  # row ids unique across stored tensors
-    for i, rule in enumerate(m["tensors"]):
+    for i, rule in enumerate(m["tensors"], 1):
         what = f"rule {i} ({rule['hf']!r})"
         parts = _parts(rule, what)
         if not _when(rule, config):
@@ -585,7 +592,8 @@ def apply(m, stored, config, *, check_coverage=True):
                     rid = apply_rows(rid, p["rows"], penv, f"{what}: tensor {src!r}")
                 pieces.append(t)
                 ids.append(rid.reshape(-1) + base[src])
-                srcs.append((src, p.get("rows", "") or ("index " + ",".join(p["index"]) if "index" in p else "as stored")))
+                how = p.get("rows") or ("index " + ",".join(p["index"]) if "index" in p else "as stored")
+                srcs.append((src, how))
                 read.add(src)
             if len(pieces) > 1:
                 if len({x.dtype for x in pieces}) != 1 or len({tuple(x.shape[1:]) for x in pieces}) != 1:

@@ -53,7 +53,7 @@ def test_index_for_concat_when_drop():
     stack = torch.randn(3, 5, 4)  # 3 layers stacked
     m = {"ckptfs_map": 1, "name": "t", "tensors": [
         {"hf": "l.{L}.w", "from": "stack", "for": {"L": "n"}, "index": ["L"]},
-        {"hf": "cat.{L}", "from": {"concat": [{"from": "a.{L}"}, {"from": "b.{L}", "index": ["0"]}]}},
+        {"hf": "cat.{L}", "concat": [{"from": "a.{L}"}, {"from": "b.{L}", "index": ["0"]}]},
         {"hf": "head", "from": "head", "when": "!tie_word_embeddings"}],
         "drop": ["rope.*"]}
     stored = {"stack": stack, "a.0": torch.randn(2, 4), "b.0": torch.randn(1, 3, 4), "a.1": torch.randn(2, 4),
@@ -73,7 +73,7 @@ def test_index_for_concat_when_drop():
     ({"hf": "x", "from": "w", "rows": "v -> v[0:n]"}, {"w": [8, 2]}, {"n": 9}, "outside"),
     ({"hf": "x", "from": "w", "index": ["5"]}, {"w": [3, 2, 2]}, {}, "outside axis 0"),
     ({"hf": "x.{E}", "from": "w", "for": {"E": "2"}, "index": ["E"]}, {"w": [3, 2, 2]}, {}, "the rest would be lost"),
-    ({"hf": "x", "from": {"concat": [{"from": "w"}, {"from": "w"}]}}, {"w": [3, 2]}, {}, "reads a stored row twice"),
+    ({"hf": "x", "concat": [{"from": "w"}, {"from": "w"}]}, {"w": [3, 2]}, {}, "reads a stored row twice"),
     ({"hf": "x", "from": "w", "shape": ["h"]}, {"w": [3, 2]}, {"h": 3}, "'shape' says"),
     ({"hf": "x", "from": "w", "shape": ["h / 2"]}, {"w": [3, 2]}, {"h": 3}, "does not divide exactly"),
     ({"hf": "x", "from": "w"}, {"w": [2], "extra": [2]}, {}, "'extra' is neither mapped nor dropped"),

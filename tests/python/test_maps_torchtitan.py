@@ -93,8 +93,8 @@ def same_bits(a, b) -> bool:
 
 
 def assert_same(got: dict, want: dict, what: str):
-    assert sorted(got) == sorted(want), \
-        f"{what}: names differ: only served {sorted(set(got) - set(want))}, only expected {sorted(set(want) - set(got))}"
+    assert sorted(got) == sorted(want), (f"{what}: names differ: only served {sorted(set(got) - set(want))}, "
+                                         f"only expected {sorted(set(want) - set(got))}")
     bad = [f"{k}: served {got[k].dtype} {list(got[k].shape)}, expected {want[k].dtype} {list(want[k].shape)}"
            + ("" if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape else " (bytes differ)")
            for k in want if not same_bits(got[k], want[k])]
