@@ -18,6 +18,7 @@
 #include "ckptfs/cli/args.hpp"
 #include "ckptfs/cli/progress.hpp"
 #include "ckptfs/engine/consolidate.hpp"
+#include "ckptfs/source/maps.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/text.hpp"
@@ -100,8 +101,11 @@ class StopOnSignal {
 }  // namespace
 
 int cmd_consolidate(std::span<char*> argv) {
-  static constexpr OptSpec spec[] = {
-      {"threads", 'j', true}, {"force", 0, false}, {"dtype", 0, true}};
+  static constexpr OptSpec spec[] = {{"threads", 'j', true},
+                                     {"force", 0, false},
+                                     {"dtype", 0, true},
+                                     {"map", 0, true},
+                                     {"hf-config", 0, true}};
   const std::string usage = fmt::format(kUsage, engine::default_threads());
   auto parsed = parse_command(argv, spec, {"consolidate", usage, "SRC and DST", 2});
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
@@ -119,6 +123,12 @@ int cmd_consolidate(std::span<char*> argv) {
   opts.dst = args->positional[1];
   opts.force = args->has("force");
   if (auto st = layout::set_dtype_policy(opts.build, args->get("dtype").value_or("auto")); !st) {
+    fmt::print(stderr, "ckptfs consolidate: {}\n", st.error().message);
+    return 2;
+  }
+  if (auto st = source::set_map_options(opts.build, args->get("map").value_or(""),
+                                        args->get("hf-config").value_or(""));
+      !st) {
     fmt::print(stderr, "ckptfs consolidate: {}\n", st.error().message);
     return 2;
   }

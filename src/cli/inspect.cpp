@@ -13,6 +13,7 @@
 
 #include "ckptfs/cli/args.hpp"
 #include "ckptfs/cli/progress.hpp"
+#include "ckptfs/source/maps.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/shards.hpp"
 #include "ckptfs/util/checked.hpp"
@@ -22,7 +23,8 @@
 namespace ckptfs::cli {
 namespace {
 
-constexpr std::string_view kInspectUsage = R"(usage: ckptfs inspect DIR [--json]
+constexpr std::string_view kInspectUsage =
+    R"(usage: ckptfs inspect DIR [--json] [--map M] [--hf-config PATH]
 
 Lists every rank-sharded checkpoint at or below DIR: its shards, tensors (dtype, full shape,
 chunk grid), the consolidated files ckptfs would present and their sizes, and every problem
@@ -30,16 +32,24 @@ found. Exits 0 when every checkpoint is valid, 1 when any has problems, 2 on usa
 
 options:
   --json      machine-readable output (stable keys; see docs/architecture.md)
+  --map M     model map (docs/maps.md): a built-in's name, a .json map, or none; default:
+              the built-in whose detect clause fits. Each HF tensor then shows its source
+              tensor and the rule that made it
+  --hf-config PATH
+              config.json for mapped checkpoints without their own
   -h, --help  this text
 )";
 
-constexpr std::string_view kVerifyUsage = R"(usage: ckptfs verify DIR [--data]
+constexpr std::string_view kVerifyUsage =
+    R"(usage: ckptfs verify DIR [--data] [--map M] [--hf-config PATH]
 
 Checks every rank-sharded checkpoint at or below DIR and prints one line per problem.
 Exits 0 when all are valid, 1 otherwise, 2 on usage errors.
 
 options:
   --data      also read replicated chunks and check that every copy holds equal bytes
+  --map M, --hf-config PATH
+              as for inspect: the model map and config.json the mount would use
   -h, --help  this text
 )";
 
@@ -85,6 +95,7 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
     for (const auto& b : t.grid.bounds) g.push_back(b.size() - 1);
     tj["grid"] = g;
     tj["nbytes"] = t.nbytes;
+    if (t.mapped) tj["source"] = t.origin;
     if (!c.outputs.empty()) {
       tj["file"] = c.outputs[t.output].name;
       tj["offset"] = t.out_offset;
@@ -110,6 +121,11 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
   j["format"] = c.format;
   j["notes"] = c.notes;
   j["left_out"] = c.left_out;
+  j["map"] = c.map;
+  if (!c.map_note.empty()) j["map_note"] = c.map_note;
+  J stored = J::array();
+  for (const auto& t : c.stored) stored.push_back({{"name", t.name}, {"shape", t.shape}});
+  j["stored"] = std::move(stored);
   return j;
 }
 
@@ -119,6 +135,12 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
 void print_text(const layout::Checkpoint& c) {
   fmt::print("checkpoint {}: {}\n", printable(c.dir), c.valid() ? "valid" : "INVALID");
   fmt::print("  format: {}\n", c.format);
+  if (!c.map.empty()) {
+    fmt::print("  model map: {}: {} HF tensors made of {} stored tensors{}\n", c.map,
+               c.tensors.size(), c.stored.size(),
+               c.config_json.empty() ? "" : " (config.json from hf_config)");
+  }
+  if (!c.map_note.empty()) fmt::print("  model map: {}\n", printable(c.map_note));
   fmt::print("  {} shard files, {} tensors, {} bytes of tensor data\n", c.shards.size(),
              c.tensors.size(), c.total_bytes());
   if (!c.outputs.empty()) {
@@ -133,6 +155,12 @@ void print_text(const layout::Checkpoint& c) {
   if (!c.tensors.empty()) {
     fmt::print("  tensors:\n");
     for (const auto& t : c.tensors) {
+      if (t.mapped) {
+        fmt::print("    {}  {} [{}]  <- {}{}\n", printable(t.name), format::dtype_name(t.dtype),
+                   fmt::join(t.shape, ", "), printable(t.origin),
+                   c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
+        continue;
+      }
       size_t reps = 0;
       for (const auto& ch : t.chunks) reps += ch.replicas.size();
       // A cast view shows both: stored -> served.
@@ -153,8 +181,8 @@ void print_text(const layout::Checkpoint& c) {
         : c.from_mapping ? std::string("listed by .hf_metadata/fqn_to_file_index_mapping.json")
                          : std::string("not listed anywhere (a tensor held by a missing rank "
                                        "alone would not be seen)"),
-        c.shapes_stored, c.tensors.size(),
-        c.shapes_stored == c.tensors.size()
+        c.shapes_stored, c.stored.empty() ? c.tensors.size() : c.stored.size(),
+        c.shapes_stored == (c.stored.empty() ? c.tensors.size() : c.stored.size())
             ? ""
             : " (the others are inferred from their chunks: a missing last rank would "
               "look like a smaller tensor)");
@@ -178,7 +206,7 @@ struct Loaded {
   std::vector<std::string> too_deep;  // directories the search did not enter
 };
 
-Result<Loaded> load_all(const std::string& dir) {
+Result<Loaded> load_all(const std::string& dir, const layout::BuildOptions& base) {
   CKPTFS_TRY(auto found, source::find_checkpoint_dirs(dir));
   if (found.dirs.empty() && found.too_deep.empty()) {
     return make_error(
@@ -192,7 +220,7 @@ Result<Loaded> load_all(const std::string& dir) {
   out.too_deep = std::move(found.too_deep);
   for (const auto& d : found.dirs) {
     // As the mount shows it by default (dtype=auto: NeMo's dtype mapping applied).
-    layout::BuildOptions opts;
+    layout::BuildOptions opts = base;
     opts.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;
     CKPTFS_TRY(auto c, source::load_checkpoint_path(d, opts));
     out.ckpts.push_back(std::move(c));
@@ -230,7 +258,7 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
   };
   constexpr size_t kBlock = 1 << 20;
   std::vector<char> a(kBlock), b(kBlock);
-  for (const auto& t : c.tensors) {
+  for (const auto& t : c.stored.empty() ? c.tensors : c.stored) {
     for (const auto& ch : t.chunks) {
       if (ch.replicas.empty()) continue;
       uint64_t nbytes = *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));
@@ -265,11 +293,18 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
 }  // namespace
 
 int cmd_inspect(std::span<char*> argv) {
-  static constexpr OptSpec spec[] = {{"json", 0, false}};
+  static constexpr OptSpec spec[] = {{"json", 0, false}, {"map", 0, true}, {"hf-config", 0, true}};
   auto parsed = parse_command(argv, spec, {"inspect", kInspectUsage, "DIR", 1});
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
   auto* args = &std::get<Args>(parsed);
-  auto all = load_all(args->positional[0]);
+  layout::BuildOptions base;
+  if (auto st = source::set_map_options(base, args->get("map").value_or(""),
+                                        args->get("hf-config").value_or(""));
+      !st) {
+    fmt::print(stderr, "ckptfs inspect: {}\n", printable(st.error().message));
+    return 2;
+  }
+  auto all = load_all(args->positional[0], base);
   if (!all) {
     fmt::print(stderr, "ckptfs inspect: {}\n", printable(all.error().message));
     return 1;
@@ -291,11 +326,18 @@ int cmd_inspect(std::span<char*> argv) {
 }
 
 int cmd_verify(std::span<char*> argv) {
-  static constexpr OptSpec spec[] = {{"data", 0, false}};
+  static constexpr OptSpec spec[] = {{"data", 0, false}, {"map", 0, true}, {"hf-config", 0, true}};
   auto parsed = parse_command(argv, spec, {"verify", kVerifyUsage, "DIR", 1});
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
   auto* args = &std::get<Args>(parsed);
-  auto all = load_all(args->positional[0]);
+  layout::BuildOptions base;
+  if (auto st = source::set_map_options(base, args->get("map").value_or(""),
+                                        args->get("hf-config").value_or(""));
+      !st) {
+    fmt::print(stderr, "ckptfs verify: {}\n", printable(st.error().message));
+    return 2;
+  }
+  auto all = load_all(args->positional[0], base);
   if (!all) {
     fmt::print(stderr, "ckptfs verify: {}\n", printable(all.error().message));
     return 1;
@@ -306,7 +348,7 @@ int cmd_verify(std::span<char*> argv) {
   uint64_t done = 0, total = 0;
   for (const auto& c : all->ckpts) {
     if (!bar.enabled() || !c->valid()) continue;
-    for (const auto& t : c->tensors) {
+    for (const auto& t : c->stored.empty() ? c->tensors : c->stored) {
       for (const auto& ch : t.chunks) {
         if (ch.replicas.empty()) continue;
         total += 2 * ch.replicas.size() * *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));

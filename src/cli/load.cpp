@@ -68,9 +68,9 @@ void print_error(std::string_view msg) {
 
 int cmd_load(std::span<char*> argv) {
   static constexpr OptSpec spec[] = {
-      {"device", 0, true}, {"threads", 'j', true}, {"chunk-mb", 0, true},
-      {"ring", 0, true},   {"direct", 0, false},   {"dtype", 0, true},
-      {"bench", 0, false}, {"json", 0, false},     {"stage", 0, false}};
+      {"device", 0, true},  {"threads", 'j', true}, {"chunk-mb", 0, true}, {"ring", 0, true},
+      {"direct", 0, false}, {"dtype", 0, true},     {"bench", 0, false},   {"json", 0, false},
+      {"stage", 0, false},  {"map", 0, true},       {"hf-config", 0, true}};
   const std::string usage = fmt::format(kUsage, load::default_threads());
   auto parsed = parse_command(argv, spec, {"load", usage, "CKPT", 1});
   if (auto* rc = std::get_if<int>(&parsed)) return *rc;
@@ -103,6 +103,8 @@ int cmd_load(std::span<char*> argv) {
   load::SourceOptions so;
   so.dtype = args.get("dtype").value_or("auto");
   so.direct = args.has("direct");
+  so.map = args.get("map").value_or("");
+  so.hf_config = args.get("hf-config").value_or("");
 
   auto backend = load::make_backend(device);
   if (!backend) {

@@ -14,6 +14,7 @@
 #include "ckptfs/cli/args.hpp"
 #include "ckptfs/flush/mpi.hpp"
 #include "ckptfs/fuse/adapter.hpp"
+#include "ckptfs/source/maps.hpp"
 
 namespace ckptfs::cli {
 namespace {
@@ -47,6 +48,11 @@ ckptfs -o options:
                          .hf_metadata/fqn_to_dtype_mapping.json where present, stored serves
                          the shards' dtypes, bf16/fp16/fp32 cast every F16/BF16/F32/F64 tensor
                          (F8, integer and bool tensors stay as stored)
+  map=NAME|PATH|none      the model map serving native trainer checkpoints under HF names
+                         and layouts (docs/maps.md): a built-in's name, a .json map, or none;
+                         default: the built-in whose detect clause fits each checkpoint
+  hf_config=PATH         config.json for mapped checkpoints without their own (the view
+                         shows it as their config.json)
   show_shards            list the hidden shard files under <checkpoint>/.shards/
   prefetch=on|off        push consolidated files into the page cache ahead of readers
                          (default: on below 8 cores with 2 GiB available, else off)
@@ -108,12 +114,20 @@ struct MpiCli {
   flush::mpi::MpiOptions opts;
 };
 
+// -o map= and -o hf_config=: read together once every option is parsed.
+struct MapCli {
+  std::string map, hf_config;
+};
+
 // Applies one -o option; unknown ones are passed to libfuse, which refuses what it can't use.
-Status apply_option(fuse::MountOptions& o, MpiCli& m, const std::string& opt) {
+Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::string& opt) {
   auto eq = opt.find('=');
   std::string key = opt.substr(0, eq);
   std::string val = eq == std::string::npos ? "" : opt.substr(eq + 1);
-  if (key == "mpi") {
+  if (key == "map" || key == "hf_config") {
+    if (val.empty()) return make_error(EINVAL, "{}: empty value", key);
+    (key == "map" ? maps.map : maps.hf_config) = val;
+  } else if (key == "mpi") {
     if (val != "auto") {
       CKPTFS_TRY(m.mode, parse_onoff(val, "mpi"));
     }
@@ -277,6 +291,7 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
   fuse::MountOptions o;
   o.fs.build.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;  // dtype=auto
   MpiCli mpi;
+  MapCli maps;
   o.source = args->positional[0];
   o.mountpoint = args->positional[1];
   while (o.source.size() > 1 && o.source.back() == '/') o.source.pop_back();
@@ -296,11 +311,15 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
     std::string opt;
     while (std::getline(ss, opt, ',')) {
       if (opt.empty()) continue;
-      if (auto st = apply_option(o, mpi, opt); !st) {
+      if (auto st = apply_option(o, mpi, maps, opt); !st) {
         fmt::print(stderr, "ckptfs mount: {}\n", st.error().message);
         return 2;
       }
     }
+  }
+  if (auto st = source::set_map_options(o.fs.build, maps.map, maps.hf_config); !st) {
+    fmt::print(stderr, "ckptfs mount: {}\n", st.error().message);
+    return 2;
   }
   auto level = spdlog::level::from_str(o.log_level);
   if (level == spdlog::level::off && o.log_level != "off") {

@@ -408,6 +408,13 @@ Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::
     if (stopped(stop)) return interrupted();
     CKPTFS_CHECK(copy_file(from, staging + "/" + name));
   }
+  // A mapped checkpoint sized by --hf-config (no config.json of its own): the output gets it,
+  // as the mount shows it, so from_pretrained(DST) works.
+  if (!ck.config_json.empty() && std::none_of(sides.begin(), sides.end(), [](const auto& s) {
+        return s.second == "config.json";
+      })) {
+    CKPTFS_CHECK(write_text(staging + "/config.json", ck.config_json));
+  }
   CKPTFS_CHECK(write_text(staging + "/" + std::string(format::kIndexFileName), ck.index_json));
   fsync_dir(staging);
   if (stopped(stop)) return interrupted();

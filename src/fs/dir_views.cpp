@@ -217,6 +217,7 @@ void Filesystem::Impl::changed(const std::shared_ptr<const View>& old,
   if (old && old->complete) {
     for (const auto& o : old->ckpt->outputs) notifier->inval_entry(dir_ino, o.name);
     notifier->inval_entry(dir_ino, std::string(format::kIndexFileName));
+    if (!old->ckpt->config_json.empty()) notifier->inval_entry(dir_ino, std::string(kConfigName));
   }
   if (old && old->settling) notifier->inval_entry(dir_ino, std::string(names::kPending));
   notifier->inval_inode(dir_ino);

@@ -46,6 +46,16 @@ struct View {
   mutable std::weak_ptr<const ShardFds> fds;
 };
 
+// The files a view serves from memory (Kind::Index nodes, told apart by Node::output): the
+// synthesized index, and config.json when it came from -o hf_config (a mapped checkpoint with
+// no config.json of its own).
+inline constexpr uint32_t kIndexFile = 0;
+inline constexpr uint32_t kConfigFile = 1;
+inline constexpr std::string_view kConfigName = "config.json";
+inline const std::string& memory_file(const View& v, uint32_t which) {
+  return which == kConfigFile ? v.ckpt->config_json : v.ckpt->index_json;
+}
+
 // Shard fds of one View, opened on first open of a consolidated file and verified against
 // the stamps the View was built from (Impl::open_view_shards).
 struct ShardFds {

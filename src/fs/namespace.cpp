@@ -176,7 +176,7 @@ struct stat Filesystem::Impl::virtual_attr(const Node& n) const {
   st.st_ino = virtual_ino(n.key.dev, n.key.ino, n.key.gen, n.key.name);
   st.st_mode = S_IFREG | (n.kind == Kind::Pending ? mode_t{0444} : n.view->shown.mode);
   st.st_nlink = 1;
-  uint64_t size = n.kind == Kind::Index     ? n.view->ckpt->index_json.size()
+  uint64_t size = n.kind == Kind::Index     ? memory_file(*n.view, n.output).size()
                   : n.kind == Kind::Pending ? n.view->pending.size()
                                             : n.view->ckpt->outputs[n.output].size;
   st.st_size = static_cast<off_t>(size);
@@ -314,6 +314,10 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     auto st = stat_beneath(root.get(), lifted);
     if (st && S_ISREG(st->st_mode)) return lookup_real(lifted, dir.ino, name);
   }
+  // A mapped checkpoint without a config.json of its own shows -o hf_config's.
+  if (name == kConfigName && v->complete && !v->ckpt->config_json.empty()) {
+    return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kConfigFile, name);
+  }
   return real;
 }
 
@@ -400,6 +404,11 @@ Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const C
       out.push_back(DirEntryOut{
           std::string(format::kIndexFileName),
           virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
+    }
+    if (!ck.config_json.empty() && !listed.count(std::string(kConfigName))) {
+      out.push_back(DirEntryOut{std::string(kConfigName),
+                                virtual_ino(v->dir_dev, v->dir_ino, v->generation, kConfigName),
+                                S_IFREG});
     }
   }
   if (v->settling) {

@@ -89,7 +89,7 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
       break;
     }
     case Kind::Index:
-      h->reader = std::make_shared<MemoryReader>(n->view, n->view->ckpt->index_json);
+      h->reader = std::make_shared<MemoryReader>(n->view, memory_file(*n->view, n->output));
       out.keep_cache = true;
       out.is_virtual = true;
       break;

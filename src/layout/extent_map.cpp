@@ -145,6 +145,33 @@ void map_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& o
   }
 }
 
+// Maps bytes [a, b) of a tensor made by a model map: each block of its runs is a byte range of
+// a stored tensor, mapped as that tensor's own bytes are (its chunks, its cast).
+void map_mapped_tensor(const Checkpoint& ck, const Tensor& t, uint64_t a, uint64_t b,
+                       std::vector<Segment>& out) {
+  const uint64_t esz = format::dtype_bits(t.dtype) / 8;  // maps refuse sub-byte dtypes
+  const uint64_t first = a / esz;
+  auto it = std::upper_bound(t.runs.begin(), t.runs.end(), first,
+                             [](uint64_t e, const MapRun& r) { return e < r.out_elem; });
+  size_t i = it == t.runs.begin() ? 0 : static_cast<size_t>(it - t.runs.begin()) - 1;
+  uint64_t pos = a;
+  while (pos < b && i < t.runs.size()) {
+    const MapRun& r = t.runs[i];
+    const uint64_t block = r.len * esz;
+    const uint64_t rel = pos - r.out_elem * esz;
+    const uint64_t k = rel / block;
+    if (k >= r.count) {
+      ++i;
+      continue;
+    }
+    const uint64_t within = rel - k * block;
+    const uint64_t n = std::min(block - within, b - pos);
+    const uint64_t src = (r.src_elem + k * r.stride) * esz + within;
+    map_tensor(ck.stored[r.src], src, src + n, out);
+    pos += n;
+  }
+}
+
 }  // namespace
 
 uint32_t find_chunk(const Tensor& t, const uint64_t* x) {
@@ -192,7 +219,11 @@ void map_range(const Checkpoint& ckpt, uint32_t file, uint64_t off, uint64_t len
     const Tensor& t = ckpt.tensors[f.data_tensors[i]];
     const uint64_t tend = std::min(end, t.out_offset + t.nbytes);
     if (tend <= pos) continue;
-    map_tensor(t, pos - t.out_offset, tend - t.out_offset, out);
+    if (t.mapped) {
+      map_mapped_tensor(ckpt, t, pos - t.out_offset, tend - t.out_offset, out);
+    } else {
+      map_tensor(t, pos - t.out_offset, tend - t.out_offset, out);
+    }
     pos = tend;
   }
 }

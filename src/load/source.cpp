@@ -17,6 +17,7 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/io/gather.hpp"
+#include "ckptfs/source/maps.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/shards.hpp"
 
@@ -63,6 +64,7 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
   if (source::is_checkpoint_dir(dfd.get(), entries)) {
     layout::BuildOptions bo;
     CKPTFS_CHECK(layout::set_dtype_policy(bo, opts.dtype));
+    CKPTFS_CHECK(source::set_map_options(bo, opts.map, opts.hf_config));
     CKPTFS_TRY(s->ck_, source::load_checkpoint_path(dir, bo));
     const auto& ck = *s->ck_;
     if (!ck.valid()) {

@@ -95,15 +95,6 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
 
 }  // namespace
 
-uint32_t OutputPacker::place(uint64_t bytes) {
-  if (in_k_ > 0 && bytes > kMaxOutputBytes - std::min(in_k_, kMaxOutputBytes)) {
-    ++k_;
-    in_k_ = 0;
-  }
-  in_k_ = checked_add(in_k_, bytes).value_or(UINT64_MAX);
-  return k_;
-}
-
 namespace {
 
 // Whether the DCP files among `entries` whose names start with `prefix` make a checkpoint.

@@ -17,6 +17,7 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/source/distcp.hpp"
+#include "ckptfs/source/maps.hpp"
 #include "ckptfs/source/verl.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/path.hpp"
@@ -163,6 +164,13 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(st));
     sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(st), ctime_ns(st)});
   }
+  // A native checkpoint's config.json sizes its model map (read_dir_config): a change rebuilds.
+  if (is_distcp_dir(entries) || is_accelerate_dir(entries)) {
+    for (const auto& e : entries) {
+      if (e.name != "config.json") continue;
+      sig.files.emplace_back(e.name, stamp_of(e.st));
+    }
+  }
   for (const auto* rel : {&kMappingRel, &kDtypeMappingRel}) {
     if (auto st = stat_beneath(dirfd, *rel); st.ok()) {
       sig.files.emplace_back(*rel, stamp_of(*st));
@@ -242,6 +250,7 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
   in.dir = display;
   if (is_distcp_dir(entries)) {
     read_distcp_input(dirfd, in);
+    in.config = read_dir_config(dirfd);
     return in;
   }
   if (is_verl_dir(entries)) {
@@ -256,6 +265,7 @@ layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
       return in;
     }
     read_distcp_input(fd->get(), in, sub + "/");
+    in.config = read_dir_config(dirfd);
     return in;
   }
   for (const auto& e : entries) {

@@ -14,6 +14,7 @@
 #include "ckptfs/format/dcp.hpp"
 #include "ckptfs/format/dtype.hpp"
 #include "ckptfs/format/index.hpp"
+#include "ckptfs/format/model_map.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/util/result.hpp"
@@ -88,6 +89,19 @@ struct ChunkGrid {
   std::vector<uint32_t> cell_chunk;           // row-major over cells
 };
 
+// A run of a tensor made by a model map (layout/model_map): `count` blocks of `len` elements,
+// block b read from element `src_elem + b * stride` of stored tensor `src` (an index into
+// Checkpoint::stored), placed one after another from element `out_elem` of the mapped tensor.
+struct MapRun {
+  uint32_t src = 0;
+  uint64_t out_elem = 0;
+  uint64_t src_elem = 0;
+  uint64_t len = 0;
+  uint64_t count = 1;
+  uint64_t stride = 0;
+  bool operator==(const MapRun&) const = default;
+};
+
 struct Tensor {
   std::string name;
   // The dtype served (header, sizes, bytes) and the dtype its chunks hold in the shards. They
@@ -102,6 +116,12 @@ struct Tensor {
   uint64_t out_offset = 0;  // absolute offset of this tensor's bytes in its output file
   uint64_t nbytes = 0;      // served bytes (numel elements of `dtype`)
   uint64_t numel = 0;
+
+  // Made by a model map: its bytes are `runs` of Checkpoint::stored tensors, and `chunks` is
+  // empty. `origin` says which stored tensor and rule made it.
+  bool mapped = false;
+  std::vector<MapRun> runs;
+  std::string origin;
 
   [[nodiscard]] bool is_cast() const { return dtype != src_dtype; }
 };
@@ -148,6 +168,14 @@ struct Checkpoint {
   // Tensors whose full shape the shards store; the others' is inferred from their chunks (as
   // every reader does), so a missing last chunk cannot be told from a smaller tensor.
   uint32_t shapes_stored = 0;
+  // A model map applied (docs/maps.md): its name, and the stored tensors the mapped ones read.
+  // `map_note` says why a map was not applied where one was detected (no config.json).
+  std::string map;
+  std::vector<Tensor> stored;
+  std::string map_note;
+  // config.json as the view shows it when it came from BuildOptions::hf_config (the directory
+  // has none of its own); empty otherwise.
+  std::string config_json;
   // Some output was written through ckptfs (has a commit record): the directory's own index
   // file, if it has one, is the real one and none is synthesized.
   bool written = false;
@@ -176,6 +204,13 @@ struct BuildOptions {
   enum class DtypePolicy : uint8_t { Stored, Mapping, Cast };
   DtypePolicy dtype_policy = DtypePolicy::Stored;
   format::DType cast_to = format::DType::F32;  // for Cast; must be castable
+  // Model maps (docs/maps.md). `map`: the one named (-o map=), applied to every checkpoint not
+  // written through ckptfs; null: built-ins are detected. `no_map`: map=none, nothing applied.
+  // `hf_config`: config.json text for checkpoints without their own (-o hf_config=).
+  std::shared_ptr<const format::ModelMap> map;
+  bool no_map = false;
+  std::string hf_config;
+  std::string hf_config_what;  // its path, for messages
 };
 
 // Sets the dtype policy from an option value: "auto" (NeMo's mapping), "stored", or a cast
@@ -222,6 +257,24 @@ struct BuildInput {
   std::vector<std::string> left_out;           // see Checkpoint::left_out
   std::vector<OutputOverride> overrides;
   std::optional<Declared> declared;  // set: a checkpoint-wide index declares the chunks
+  // The directory's own config.json (for model maps), read by the source; empty when none.
+  std::string config;
+};
+
+// save_pretrained's "5GB": the most bytes the native sources and the maps put in one output.
+inline constexpr uint64_t kMaxOutputBytes = 5'000'000'000;
+
+// Packs tensors, in order, into output files of at most kMaxOutputBytes each (a larger tensor
+// has a file of its own): how many files a native or mapped checkpoint's view shows.
+class OutputPacker {
+ public:
+  // The output file (1-based) a tensor of `bytes` goes in, placed after the previous ones.
+  uint32_t place(uint64_t bytes);
+  [[nodiscard]] uint32_t outputs() const { return k_; }
+
+ private:
+  uint32_t k_ = 1;
+  uint64_t in_k_ = 0;  // bytes already in file k_
 };
 
 // Builds and validates the model. Never fails: every problem is recorded in `problems`, and

@@ -42,6 +42,10 @@ struct SourceOptions {
   // Dtypes served from rank shards (layout::set_dtype_policy): "auto" as the mount does,
   // "stored", or a cast view ("bf16", "fp16", "fp32"). Ignored for consolidated input.
   std::string dtype = "auto";
+  // The model map and config.json (source::set_map_options): as the mount's -o map= and
+  // -o hf_config=; empty: built-ins detected, the directory's own config.json.
+  std::string map;
+  std::string hf_config;
   // Also open every file with O_DIRECT; long contiguous runs are then read through an
   // aligned bounce buffer, bypassing the page cache. Where O_DIRECT is refused (tmpfs) the
   // buffered descriptor is used and `direct_fallback()` says so.

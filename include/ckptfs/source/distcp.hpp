@@ -21,21 +21,9 @@
 
 namespace ckptfs::source {
 
-inline constexpr uint64_t kMaxOutputBytes = 5'000'000'000;  // as save_pretrained's "5GB"
+using layout::kMaxOutputBytes;  // the packing rule is the layout's (maps repack too)
+using layout::OutputPacker;
 inline constexpr uint64_t kMaxTensorPickleBytes = 1 << 20;  // one chunk's data.pkl
-
-// Packs served tensors, in order, into output files of at most kMaxOutputBytes each (a larger
-// tensor has a file of its own): the native sources' rule for how many files the view shows.
-class OutputPacker {
- public:
-  // The output file (1-based) a tensor of `bytes` goes in, placed after the previous ones.
-  uint32_t place(uint64_t bytes);
-  [[nodiscard]] uint32_t outputs() const { return k_; }
-
- private:
-  uint32_t k_ = 1;
-  uint64_t in_k_ = 0;  // bytes already in file k_
-};
 
 // `.metadata` or a `*.distcp` file: the inputs of a DCP checkpoint.
 bool is_distcp_entry(const DirEntry& e);

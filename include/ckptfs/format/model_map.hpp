@@ -1,0 +1,140 @@
+// format/model_map: the model map format (docs/maps.md): strict, capped parsing of a map's JSON
+// into rules, and the small languages inside it (expressions, name patterns, row rearrangements).
+//
+// Parsing checks everything that needs no checkpoint: keys, types, syntax, caps, each `rows`
+// name used once, and refuses by name every request for arithmetic on the bytes. What needs a
+// checkpoint and its config.json (sizes, shapes, coverage) is layout/model_map's.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::format {
+
+inline constexpr size_t kMaxMapBytes = 1 << 20;
+inline constexpr size_t kMaxMapRules = 4096;
+inline constexpr size_t kMaxExprChars = 256;
+inline constexpr size_t kMaxExprNames = 64;
+inline constexpr size_t kMaxRowsNames = 16;
+inline constexpr size_t kMaxPatternChars = 512;
+inline constexpr size_t kMaxConcatParts = 64;
+inline constexpr size_t kMaxConfigBytes = 1 << 20;
+
+// Integer expression: `+ - * /`, parentheses, decimal literals and names; `|` separates
+// alternatives (the first whose names all resolve is used). Kept as postfix programs.
+struct MapExpr {
+  struct Op {
+    enum Kind : uint8_t { Num, Name, Add, Sub, Mul, Div } kind = Num;
+    uint64_t num = 0;   // Num
+    uint32_t name = 0;  // Name: index into names
+  };
+  std::vector<std::vector<Op>> alts;
+  std::vector<std::string> names;
+  std::string text;
+};
+
+// What a name is worth: nullopt when unknown (the alternative is then skipped).
+using MapLookup = std::function<std::optional<uint64_t>(std::string_view)>;
+
+// Evaluates an expression: overflow, a negative result, division by zero or an inexact
+// division are errors naming the expression.
+Result<uint64_t> eval_expr(const MapExpr& e, const MapLookup& lookup);
+
+// A name pattern: literal text with `{NAME}` captures (a decimal index: 0 or no leading zero)
+// and, in `drop` and `detect` only, `*` (any run of characters).
+struct MapPattern {
+  struct Piece {
+    enum Kind : uint8_t { Lit, Cap, Star } kind = Lit;
+    std::string text;  // Lit: the literal; Cap: the capture's name
+  };
+  std::vector<Piece> pieces;
+  std::string text;
+  [[nodiscard]] std::vector<std::string> captures() const;
+  [[nodiscard]] bool has_captures() const;
+};
+
+// Matches `name` against `p`; captured values (in order of captures) on success. Linear in
+// name x pattern, never backtracks exponentially.
+std::optional<std::vector<uint64_t>> match_pattern(const MapPattern& p, std::string_view name);
+// Substitutes captures (`values` by capture name) into a pattern without stars.
+std::string expand_pattern(const MapPattern& p,
+                           const std::vector<std::pair<std::string, uint64_t>>& values);
+
+// `LHS -> RHS` over the leading axes (every axis but the last).
+struct MapRows {
+  struct Out {
+    uint32_t axis = 0;              // index into names
+    std::optional<MapExpr> lo, hi;  // a slice [lo:hi] of the axis
+  };
+  std::vector<std::string> names;          // every axis name of the LHS, in LHS order
+  std::vector<std::vector<uint32_t>> lhs;  // per input leading axis, its names
+  std::vector<std::vector<Out>> rhs;       // per output leading axis
+  std::string text;
+};
+
+struct MapIndex {
+  std::string capture;           // a capture name, or
+  std::optional<MapExpr> value;  // an expression
+};
+
+struct MapPart {
+  MapPattern from;
+  std::vector<MapIndex> index;
+  std::optional<MapRows> rows;
+  std::vector<std::pair<std::string, MapExpr>> let;
+};
+
+struct MapRule {
+  uint32_t number = 0;  // 1-based position in `tensors`, for messages
+  MapPattern hf;
+  std::vector<MapPart> parts;  // one for `from`, several for `concat`
+  bool concat = false;
+  std::vector<std::pair<std::string, MapExpr>> let;
+  std::vector<std::pair<std::string, MapExpr>> for_;  // capture -> count
+  std::optional<std::vector<MapExpr>> shape;
+  std::string when;  // a config key, "" when absent
+  bool when_not = false;
+  bool optional = false;
+  std::string text;  // one line describing the rule, for inspect
+};
+
+struct MapDetect {
+  std::vector<MapPattern> all, any, none;
+  std::string format;  // contained in the checkpoint's format string
+  [[nodiscard]] bool empty() const {
+    return all.empty() && any.empty() && none.empty() && format.empty();
+  }
+};
+
+struct ModelMap {
+  std::string name;
+  std::string about;
+  std::string origin;  // "built-in" or the file it was read from
+  MapDetect detect;
+  std::vector<std::string> prefixes;
+  std::vector<std::pair<std::string, MapExpr>> axes;
+  std::vector<MapRule> rules;
+  std::vector<MapPattern> drop;
+};
+
+// Parses a map. `what` names it in errors (a path, or "built-in map 'x'").
+Result<ModelMap> parse_model_map(std::string_view text, std::string_view what);
+
+// A config.json: a JSON object (strict, capped at kMaxConfigBytes).
+Result<nlohmann::json> parse_map_config(std::string_view text, std::string_view what);
+
+// The built-in maps (maps/*.json compiled in), in detection order. Parsed once.
+const std::vector<std::shared_ptr<const ModelMap>>& builtin_maps();
+std::shared_ptr<const ModelMap> find_builtin_map(std::string_view name);
+
+}  // namespace ckptfs::format

@@ -1,0 +1,53 @@
+// layout/model_map: a model map compiled against a checkpoint's stored tensors and its
+// config.json into HF tensors made of element runs of the stored ones (docs/maps.md).
+//
+// Pure arithmetic, like the rest of the layout: the extent map then serves a mapped tensor's
+// bytes through the stored tensors' own chunks, so the view stays zero-copy.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckptfs/format/model_map.hpp"
+#include "ckptfs/layout/checkpoint.hpp"
+
+namespace ckptfs::layout {
+
+inline constexpr uint64_t kMaxMappedTensors = 65536;
+inline constexpr uint64_t kMaxRunsPerTensor = uint64_t{1} << 24;
+inline constexpr uint64_t kMaxRunsTotal = uint64_t{1} << 26;
+inline constexpr uint64_t kMaxForCount = uint64_t{1} << 20;
+
+struct MappedTensor {
+  std::string name;
+  format::DType dtype = format::DType::U8;
+  format::DType src_dtype = format::DType::U8;
+  std::vector<uint64_t> shape;
+  std::vector<MapRun> runs;
+  std::string origin;  // "layers.0.attention.wq.weight rows ... (rule 3)", for inspect
+};
+
+struct CompiledMap {
+  std::vector<MappedTensor> tensors;  // in rule order
+  std::vector<Problem> problems;
+  uint32_t dropped = 0;  // stored tensors deliberately not served
+};
+
+// The stored name a map matches: `name` without the first of `map.prefixes` it starts with.
+std::string_view map_stored_name(const format::ModelMap& map, std::string_view name);
+
+// Whether the map's detect clause holds for these stored tensors and checkpoint format. A map
+// with no detect clause is never detected (it must be named).
+bool map_detects(const format::ModelMap& map, const std::vector<Tensor>& stored,
+                 std::string_view format);
+
+// Compiles `map` against `stored` (their served dtypes) and `config` (`config_what` names it in
+// messages). Never throws; every problem names the tensor and, where one is at fault, the axis.
+CompiledMap compile_map(const format::ModelMap& map, const nlohmann::json& config,
+                        std::string_view config_what, const std::vector<Tensor>& stored);
+
+}  // namespace ckptfs::layout

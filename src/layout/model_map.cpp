@@ -1,0 +1,628 @@
+// layout/model_map: compiling a model map against stored tensors and config.json into runs.
+#include "ckptfs/layout/model_map.hpp"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "ckptfs/util/checked.hpp"
+
+namespace ckptfs::layout {
+namespace {
+
+using format::MapExpr;
+using format::MapPart;
+using format::MapRule;
+using Binding = std::vector<std::pair<std::string, uint64_t>>;
+
+constexpr uint64_t kMaxRowsPerPart = uint64_t{1} << 24;
+
+std::string dims(const std::vector<uint64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
+
+// A config value by key or dotted path: unsigned integers, and booleans as 0 and 1.
+std::optional<uint64_t> config_value(const nlohmann::json& config, std::string_view key) {
+  const nlohmann::json* j = &config;
+  size_t b = 0;
+  for (;;) {
+    const size_t dot = key.find('.', b);
+    const std::string part(key.substr(b, dot == std::string_view::npos ? key.npos : dot - b));
+    if (!j->is_object()) return std::nullopt;
+    auto it = j->find(part);
+    if (it == j->end()) return std::nullopt;
+    j = &*it;
+    if (dot == std::string_view::npos) break;
+    b = dot + 1;
+  }
+  if (j->is_boolean()) return j->get<bool>() ? 1 : 0;
+  if (j->is_number_unsigned()) return j->get<uint64_t>();
+  if (j->is_number_integer() && j->get<int64_t>() >= 0)
+    return static_cast<uint64_t>(j->get<int64_t>());
+  return std::nullopt;
+}
+
+// Sizes: a rule's and a part's `let`, the map's `axes` (evaluated on demand, cycles refused),
+// then config.json.
+class Sizes {
+ public:
+  Sizes(const format::ModelMap& m, const nlohmann::json& config) : map_(m), config_(config) {}
+
+  void scope(const std::vector<std::pair<std::string, MapExpr>>* rule_let,
+             const std::vector<std::pair<std::string, MapExpr>>* part_let, const Binding* b) {
+    rule_let_ = rule_let;
+    part_let_ = part_let;
+    binding_ = b;
+  }
+
+  Result<uint64_t> eval(const MapExpr& e) {
+    err_.reset();
+    auto r = format::eval_expr(e, [this](std::string_view n) { return lookup(n); });
+    if (err_) return *err_;
+    return r;
+  }
+
+  std::optional<uint64_t> lookup(std::string_view n) {
+    // Inside its own definition a name is config.json's: "head_dim": "head_dim | ...".
+    if (std::find(stack_.begin(), stack_.end(), n) != stack_.end()) return config_value(config_, n);
+    if (binding_) {
+      for (const auto& [k, v] : *binding_) {
+        if (k == n) return v;
+      }
+    }
+    for (const auto* let : {part_let_, rule_let_}) {
+      if (!let) continue;
+      for (const auto& [k, e] : *let) {
+        if (k == n) return nested(k, e);
+      }
+    }
+    for (const auto& [k, e] : map_.axes) {
+      if (k != n) continue;
+      if (auto it = axis_cache_.find(k); it != axis_cache_.end()) return it->second;
+      auto v = nested(k, e);
+      if (v) axis_cache_.emplace(k, *v);
+      return v;
+    }
+    return config_value(config_, n);
+  }
+
+ private:
+  std::optional<uint64_t> nested(const std::string& name, const MapExpr& e) {
+    if (std::find(stack_.begin(), stack_.end(), name) != stack_.end() || stack_.size() > 32) {
+      if (!err_) err_ = make_error(EINVAL, "size '{}' is defined in terms of itself", name);
+      return std::nullopt;
+    }
+    stack_.push_back(name);
+    auto r = format::eval_expr(e, [this](std::string_view n) { return lookup(n); });
+    stack_.pop_back();
+    if (!r) {
+      if (!err_ && r.error().code != ENOENT) err_ = std::move(r).error();
+      return std::nullopt;
+    }
+    return *r;
+  }
+
+  const format::ModelMap& map_;
+  const nlohmann::json& config_;
+  const std::vector<std::pair<std::string, MapExpr>>* rule_let_ = nullptr;
+  const std::vector<std::pair<std::string, MapExpr>>* part_let_ = nullptr;
+  const Binding* binding_ = nullptr;
+  std::unordered_map<std::string, uint64_t> axis_cache_;
+  std::vector<std::string> stack_;
+  std::optional<Error> err_;
+};
+
+// A row sequence compressed into runs as it is produced.
+class RunBuilder {
+ public:
+  RunBuilder(std::vector<MapRun>& out, uint32_t src, uint64_t row_elems, uint64_t out_elem)
+      : out_(out), src_(src), row_(row_elems), out_elem_(out_elem) {}
+
+  void row(uint64_t src_elem) {
+    if (have_ && cur_.src_elem + cur_.len == src_elem && cur_.count == 1) {
+      cur_.len += row_;
+      return;
+    }
+    flush_block();
+    cur_ = MapRun{src_, out_elem_, src_elem, row_, 1, 0};
+    have_ = true;
+  }
+  void finish() { flush_block(); }
+
+ private:
+  // Appends the block in cur_ to out_, merging it into the last run when it continues its
+  // stride with the same length.
+  void flush_block() {
+    if (!have_) return;
+    have_ = false;
+    out_elem_ += cur_.len;
+    if (!out_.empty()) {
+      auto& l = out_.back();
+      if (l.src == cur_.src && l.len == cur_.len) {
+        const uint64_t next = l.src_elem + l.count * l.stride;
+        if (l.count == 1 && cur_.src_elem > l.src_elem) {
+          l.stride = cur_.src_elem - l.src_elem;
+          l.count = 2;
+          return;
+        }
+        if (l.count > 1 && next == cur_.src_elem) {
+          ++l.count;
+          return;
+        }
+      }
+    }
+    out_.push_back(cur_);
+  }
+
+  std::vector<MapRun>& out_;
+  uint32_t src_;
+  uint64_t row_;
+  uint64_t out_elem_;
+  MapRun cur_{};
+  bool have_ = false;
+};
+
+class Compiler {
+ public:
+  Compiler(const format::ModelMap& m, const nlohmann::json& config, std::string_view config_what,
+           const std::vector<Tensor>& stored)
+      : map_(m), config_(config), config_what_(config_what), stored_(stored), sizes_(m, config) {
+    for (uint32_t i = 0; i < stored_.size(); ++i) {
+      by_name_.emplace(std::string(map_stored_name(map_, stored_[i].name)), i);
+    }
+    used_.assign(stored_.size(), false);
+    where_ = map_.origin.empty() ? fmt::format("map '{}'", map_.name)
+                                 : fmt::format("map '{}' ({})", map_.name, map_.origin);
+  }
+
+  CompiledMap run() {
+    std::set<std::string> names;
+    for (const auto& r : map_.rules) {
+      rule(r, names);
+      if (!out_.problems.empty()) return std::move(out_);
+    }
+    for (uint32_t i = 0; i < stored_.size(); ++i) {
+      if (used_[i]) continue;
+      const auto n = map_stored_name(map_, stored_[i].name);
+      const bool dropped = std::any_of(map_.drop.begin(), map_.drop.end(), [&](const auto& p) {
+        return format::match_pattern(p, n).has_value();
+      });
+      if (dropped) {
+        ++out_.dropped;
+        continue;
+      }
+      problem(stored_[i].name,
+              fmt::format("stored tensor is neither mapped nor dropped by {}", where_));
+    }
+    if (!out_.problems.empty()) out_.tensors.clear();
+    return std::move(out_);
+  }
+
+ private:
+  void problem(std::string tensor, std::string msg) {
+    if (out_.problems.size() >= 20) return;  // enough to act on
+    out_.problems.push_back(Problem{std::string(config_what_), std::move(tensor), std::move(msg)});
+  }
+
+  std::string rule_where(const MapRule& r) const {
+    return fmt::format("{} rule {} ('{}')", where_, r.number, r.hf.text);
+  }
+
+  // Every binding of the rule's captures, or an empty list with a problem.
+  std::vector<Binding> bindings(const MapRule& r, bool& none) {
+    std::vector<Binding> out;
+    const auto& from = r.parts[0].from;
+    const auto caps = from.captures();
+    none = false;
+    if (caps.empty()) {
+      out.emplace_back();
+    } else {
+      std::set<std::vector<uint64_t>> seen;
+      for (const auto& [n, i] : by_name_) {
+        if (auto v = format::match_pattern(from, n)) seen.insert(*v);
+      }
+      for (const auto& v : seen) {
+        Binding b;
+        for (size_t i = 0; i < caps.size(); ++i) b.emplace_back(caps[i], v[i]);
+        out.push_back(std::move(b));
+      }
+      if (out.empty()) none = true;
+    }
+    for (const auto& [cap, expr] : r.for_) {
+      sizes_.scope(&r.let, nullptr, nullptr);
+      auto n = sizes_.eval(expr);
+      if (!n) {
+        problem(r.hf.text, fmt::format("{}: 'for' {}: {}", rule_where(r), cap, n.error().message));
+        return {};
+      }
+      if (*n > kMaxForCount) {
+        problem(r.hf.text, fmt::format("{}: 'for' {} counts {} (at most {})", rule_where(r), cap,
+                                       *n, kMaxForCount));
+        return {};
+      }
+      for_counts_.emplace_back(cap, *n);
+      std::vector<Binding> next;
+      for (const auto& b : out) {
+        for (uint64_t i = 0; i < *n; ++i) {
+          auto c = b;
+          c.emplace_back(cap, i);
+          next.push_back(std::move(c));
+          if (next.size() > kMaxMappedTensors) {
+            problem(r.hf.text,
+                    fmt::format("{}: more than {} bindings", rule_where(r), kMaxMappedTensors));
+            return {};
+          }
+        }
+      }
+      out = std::move(next);
+    }
+    return out;
+  }
+
+  bool when_holds(const MapRule& r) const {
+    if (r.when.empty()) return true;
+    const bool v = config_value(config_, r.when).value_or(0) != 0;
+    return v != r.when_not;
+  }
+
+  // A stored tensor named by `from` under binding `b`, or UINT32_MAX.
+  uint32_t find(const MapPart& p, const Binding& b) const {
+    auto it = by_name_.find(format::expand_pattern(p.from, b));
+    return it == by_name_.end() ? UINT32_MAX : it->second;
+  }
+
+  void rule(const MapRule& r, std::set<std::string>& names) {
+    bool none = false;
+    for_counts_.clear();
+    auto binds = bindings(r, none);
+    if (!out_.problems.empty()) return;
+    if (!when_holds(r)) {  // its stored tensors count as dropped
+      for (const auto& b : binds) {
+        for (const auto& p : r.parts) {
+          if (auto s = find(p, b); s != UINT32_MAX) used_[s] = true;
+        }
+      }
+      return;
+    }
+    if (none) {
+      if (!r.optional) {
+        problem(r.hf.text, fmt::format("{}: no stored tensor matches '{}'", rule_where(r),
+                                       r.parts[0].from.text));
+      }
+      return;
+    }
+    for (const auto& b : binds) {
+      std::vector<uint32_t> src;
+      for (const auto& p : r.parts) src.push_back(find(p, b));
+      if (std::find(src.begin(), src.end(), UINT32_MAX) != src.end()) {
+        if (r.optional) continue;
+        for (size_t i = 0; i < src.size(); ++i) {
+          if (src[i] == UINT32_MAX) {
+            problem(format::expand_pattern(r.parts[i].from, b),
+                    fmt::format("{}: no such stored tensor", rule_where(r)));
+          }
+        }
+        return;
+      }
+      MappedTensor t;
+      t.name = format::expand_pattern(r.hf, b);
+      if (!names.insert(t.name).second) {
+        problem(t.name, fmt::format("{}: the HF name is made twice", rule_where(r)));
+        return;
+      }
+      if (out_.tensors.size() >= kMaxMappedTensors) {
+        problem(t.name, fmt::format("{} makes more than {} tensors", where_, kMaxMappedTensors));
+        return;
+      }
+      if (!make(r, b, src, t)) return;
+      for (uint32_t s : src) used_[s] = true;
+      total_runs_ += t.runs.size();
+      if (total_runs_ > kMaxRunsTotal) {
+        problem(t.name, fmt::format("{} needs more than {} runs", where_, kMaxRunsTotal));
+        return;
+      }
+      out_.tensors.push_back(std::move(t));
+    }
+  }
+
+  // One part's rows appended to t.runs; its output shape in `shape`.
+  bool part(const MapRule& r, const MapPart& p, const Binding& b, uint32_t si, MappedTensor& t,
+            uint64_t out_elem, std::vector<uint64_t>& shape) {
+    const Tensor& s = stored_[si];
+    sizes_.scope(&r.let, &p.let, &b);
+    auto fail = [&](std::string axis, std::string msg) {
+      problem(s.name, fmt::format("{}: {}{}", rule_where(r), axis.empty() ? "" : axis + ": ", msg));
+      return false;
+    };
+    if (p.index.size() > s.shape.size()) {
+      return fail("", fmt::format("'index' selects {} axes of a tensor of shape {}", p.index.size(),
+                                  dims(s.shape)));
+    }
+    uint64_t base = 0;
+    for (size_t d = 0; d < p.index.size(); ++d) {
+      const auto& ix = p.index[d];
+      std::optional<uint64_t> v;
+      if (!ix.capture.empty()) {
+        for (const auto& [k, x] : b) {
+          if (k == ix.capture) v = x;
+        }
+      }
+      if (!v) {
+        auto e = sizes_.eval(*ix.value);
+        if (!e) return fail(fmt::format("axis {}", d), e.error().message);
+        v = *e;
+      }
+      for (const auto& [cap, count] : for_counts_) {
+        if (cap == ix.capture && count != s.shape[d]) {
+          return fail(fmt::format("axis {}", d),
+                      fmt::format("'for' {} counts {} but the axis holds {} (shape {}, config {})",
+                                  cap, count, s.shape[d], dims(s.shape), config_what_));
+        }
+      }
+      if (*v >= s.shape[d]) {
+        return fail(fmt::format("axis {}", d),
+                    fmt::format("index {} ('{}') is beyond the axis's {} of shape {}", *v,
+                                ix.value->text, s.shape[d], dims(s.shape)));
+      }
+      base += *v * s.strides[d];  // < numel: no overflow
+    }
+    std::vector<uint64_t> rest(s.shape.begin() + static_cast<ptrdiff_t>(p.index.size()),
+                               s.shape.end());
+    if (rest.empty()) {
+      if (p.rows) return fail("", "'rows' on a tensor with no axes left");
+      shape = {};
+      RunBuilder rb(t.runs, si, 1, out_elem);
+      rb.row(base);
+      rb.finish();
+      return true;
+    }
+    const uint64_t inner = rest.back();  // elements per row: the last axis
+    const std::vector<uint64_t> lead(rest.begin(), rest.end() - 1);
+    if (!p.rows) {
+      shape = rest;
+      uint64_t n = 1;
+      for (auto d : rest) n *= d;  // <= numel
+      if (n > 0) {
+        t.runs.push_back(MapRun{si, out_elem, base, n, 1, 0});
+      }
+      return true;
+    }
+    const auto& rows = *p.rows;
+    if (rows.lhs.size() != lead.size()) {
+      return fail("", fmt::format("'rows' {} describes {} leading axes; the tensor of shape {} "
+                                  "has {} (the last axis is never named)",
+                                  rows.text, rows.lhs.size(), dims(rest), lead.size()));
+    }
+    // Sizes of the named axes, one unknown per group inferred from the stored size.
+    std::vector<uint64_t> size(rows.names.size(), 0);
+    for (size_t g = 0; g < rows.lhs.size(); ++g) {
+      uint64_t known = 1;
+      int unknown = -1;
+      std::vector<std::string> desc;
+      for (uint32_t a : rows.lhs[g]) {
+        auto v = sizes_.lookup(rows.names[a]);
+        if (!v) {
+          if (unknown >= 0) {
+            return fail(fmt::format("axis {}", g),
+                        fmt::format("'{}' and '{}' are both unknown sizes", rows.names[unknown],
+                                    rows.names[a]));
+          }
+          unknown = static_cast<int>(a);
+          continue;
+        }
+        size[a] = *v;
+        desc.push_back(fmt::format("{}={}", rows.names[a], *v));
+        auto k = checked_mul(known, *v);
+        if (!k) return fail(fmt::format("axis {}", g), "sizes overflow");
+        known = *k;
+      }
+      const uint64_t dim = lead[g];
+      if (unknown >= 0) {
+        if (known == 0 || dim % known != 0) {
+          return fail(fmt::format("axis {}", g),
+                      fmt::format("{} rows do not divide by {} ({}; config {})", dim, known,
+                                  fmt::join(desc, " x "), config_what_));
+        }
+        size[static_cast<size_t>(unknown)] = dim / known;
+      } else if (known != dim) {
+        return fail(fmt::format("axis {}", g),
+                    fmt::format("{} rows, but {} gives {} (config {})", dim, fmt::join(desc, " x "),
+                                known, config_what_));
+      }
+    }
+    // Source stride of each named axis (row-major in LHS order), in rows.
+    std::vector<uint64_t> stride(rows.names.size(), 0);
+    {
+      uint64_t st = 1;
+      for (size_t g = rows.lhs.size(); g-- > 0;) {
+        for (size_t i = rows.lhs[g].size(); i-- > 0;) {
+          stride[rows.lhs[g][i]] = st;
+          st *= size[rows.lhs[g][i]];  // product = a stored dim's rows: no overflow
+        }
+      }
+    }
+    // The output axes in order, with their slices.
+    struct Ax {
+      uint64_t lo, n, stride;
+    };
+    std::vector<Ax> axes;
+    shape.clear();
+    for (const auto& g : rows.rhs) {
+      uint64_t gs = 1;
+      for (const auto& o : g) {
+        uint64_t lo = 0, hi = size[o.axis];
+        if (o.lo) {
+          auto l = sizes_.eval(*o.lo);
+          auto h = sizes_.eval(*o.hi);
+          if (!l) return fail(rows.names[o.axis], l.error().message);
+          if (!h) return fail(rows.names[o.axis], h.error().message);
+          if (*l > *h || *h > size[o.axis]) {
+            return fail(rows.names[o.axis],
+                        fmt::format("slice [{}:{}] is outside the axis's {} (config {})", *l, *h,
+                                    size[o.axis], config_what_));
+          }
+          lo = *l;
+          hi = *h;
+        }
+        axes.push_back(Ax{lo, hi - lo, stride[o.axis]});
+        gs *= hi - lo;
+      }
+      shape.push_back(gs);
+    }
+    shape.push_back(inner);
+    uint64_t nrows = 1;
+    for (const auto& a : axes) nrows *= a.n;
+    if (nrows > kMaxRowsPerPart) {
+      return fail("", fmt::format("{} rows (at most {})", nrows, kMaxRowsPerPart));
+    }
+    if (nrows == 0 || inner == 0) return true;
+    RunBuilder rb(t.runs, si, inner, out_elem);
+    std::vector<uint64_t> idx(axes.size(), 0);
+    for (uint64_t k = 0; k < nrows; ++k) {
+      uint64_t row = 0;
+      for (size_t i = 0; i < axes.size(); ++i) row += (axes[i].lo + idx[i]) * axes[i].stride;
+      rb.row(base + row * inner);
+      for (size_t i = axes.size(); i-- > 0;) {
+        if (++idx[i] < axes[i].n) break;
+        idx[i] = 0;
+      }
+    }
+    rb.finish();
+    if (t.runs.size() > kMaxRunsPerTensor) {
+      return fail("", fmt::format("{} runs (at most {})", t.runs.size(), kMaxRunsPerTensor));
+    }
+    return true;
+  }
+
+  bool make(const MapRule& r, const Binding& b, const std::vector<uint32_t>& src, MappedTensor& t) {
+    const Tensor& first = stored_[src[0]];
+    if (format::dtype_bits(first.dtype) % 8 != 0) {
+      problem(first.name, fmt::format("{}: {} elements are smaller than a byte; maps move whole "
+                                      "bytes",
+                                      rule_where(r), format::dtype_name(first.dtype)));
+      return false;
+    }
+    t.dtype = first.dtype;
+    t.src_dtype = first.src_dtype;
+    uint64_t out_elem = 0;
+    std::vector<std::string> origins;
+    for (size_t i = 0; i < r.parts.size(); ++i) {
+      const Tensor& s = stored_[src[i]];
+      if (s.dtype != t.dtype) {
+        problem(s.name,
+                fmt::format("{}: concatenates {} with {} ('{}')", rule_where(r),
+                            format::dtype_name(s.dtype), format::dtype_name(t.dtype), first.name));
+        return false;
+      }
+      std::vector<uint64_t> shape;
+      if (!part(r, r.parts[i], b, src[i], t, out_elem, shape)) return false;
+      if (i == 0) {
+        t.shape = shape;
+      } else {
+        if (shape.empty() || t.shape.empty() ||
+            !std::equal(shape.begin() + 1, shape.end(), t.shape.begin() + 1, t.shape.end())) {
+          problem(s.name, fmt::format("{}: part {} has shape {}, which does not join part 1's {} "
+                                      "along axis 0",
+                                      rule_where(r), i + 1, dims(shape), dims(t.shape)));
+          return false;
+        }
+        t.shape[0] += shape[0];
+      }
+      uint64_t n = 1;
+      for (auto d : shape) n *= d;
+      out_elem += n;
+      origins.push_back(s.name);
+    }
+    t.origin = fmt::format("{} (rule {}: {})", fmt::join(origins, " ++ "), r.number, r.text);
+    if (r.shape) {
+      sizes_.scope(&r.let, nullptr, &b);
+      if (r.shape->size() != t.shape.size()) {
+        problem(t.name, fmt::format("{}: shape {} has {} axes; 'shape' says {}", rule_where(r),
+                                    dims(t.shape), t.shape.size(), r.shape->size()));
+        return false;
+      }
+      for (size_t d = 0; d < t.shape.size(); ++d) {
+        auto v = sizes_.eval((*r.shape)[d]);
+        if (!v) {
+          problem(t.name,
+                  fmt::format("{}: shape axis {}: {}", rule_where(r), d, v.error().message));
+          return false;
+        }
+        if (*v != t.shape[d]) {
+          problem(first.name,
+                  fmt::format("{}: axis {} of '{}' is {}, but '{}' is {} in {}", rule_where(r), d,
+                              t.name, t.shape[d], (*r.shape)[d].text, *v, config_what_));
+          return false;
+        }
+      }
+    }
+    return no_byte_twice(r, t);
+  }
+
+  // No stored element is read twice by one HF tensor.
+  bool no_byte_twice(const MapRule& r, const MappedTensor& t) {
+    std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> iv;
+    for (const auto& run : t.runs) {
+      for (uint64_t c = 0; c < run.count; ++c) {
+        iv.emplace_back(run.src, run.src_elem + c * run.stride, run.len);
+      }
+    }
+    std::sort(iv.begin(), iv.end());
+    for (size_t i = 1; i < iv.size(); ++i) {
+      const auto& [s0, a0, n0] = iv[i - 1];
+      const auto& [s1, a1, n1] = iv[i];
+      if (s0 == s1 && a0 + n0 > a1) {
+        problem(stored_[s1].name, fmt::format("{}: '{}' reads elements {}..{} twice", rule_where(r),
+                                              t.name, a1, std::min(a0 + n0, a1 + n1) - 1));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  const format::ModelMap& map_;
+  const nlohmann::json& config_;
+  std::string_view config_what_;
+  const std::vector<Tensor>& stored_;
+  Sizes sizes_;
+  std::unordered_map<std::string, uint32_t> by_name_;
+  std::vector<bool> used_;
+  std::string where_;
+  uint64_t total_runs_ = 0;
+  std::vector<std::pair<std::string, uint64_t>> for_counts_;  // the current rule's `for`
+  CompiledMap out_;
+};
+
+}  // namespace
+
+std::string_view map_stored_name(const format::ModelMap& map, std::string_view name) {
+  for (const auto& p : map.prefixes) {
+    if (name.starts_with(p)) return name.substr(p.size());
+  }
+  return name;
+}
+
+bool map_detects(const format::ModelMap& map, const std::vector<Tensor>& stored,
+                 std::string_view fmt_name) {
+  const auto& d = map.detect;
+  if (d.empty()) return false;
+  if (!d.format.empty() && fmt_name.find(d.format) == std::string_view::npos) return false;
+  auto any_match = [&](const format::MapPattern& p) {
+    return std::any_of(stored.begin(), stored.end(), [&](const Tensor& t) {
+      return format::match_pattern(p, map_stored_name(map, t.name)).has_value();
+    });
+  };
+  if (!std::all_of(d.all.begin(), d.all.end(), any_match)) return false;
+  if (!d.any.empty() && !std::any_of(d.any.begin(), d.any.end(), any_match)) return false;
+  if (std::any_of(d.none.begin(), d.none.end(), any_match)) return false;
+  return true;
+}
+
+CompiledMap compile_map(const format::ModelMap& map, const nlohmann::json& config,
+                        std::string_view config_what, const std::vector<Tensor>& stored) {
+  return Compiler(map, config, config_what, stored).run();
+}
+
+}  // namespace ckptfs::layout
