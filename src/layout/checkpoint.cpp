@@ -620,78 +620,10 @@ class Builder {
   // tensors, packed in rule order into outputs of at most kMaxOutputBytes.
   void apply_map() {
     if (opts_.no_map || !in_.overrides.empty() || ck_->tensors.empty()) return;
-    std::shared_ptr<const format::ModelMap> m = opts_.map;
-    const bool named = m != nullptr;
-    if (!m) {
-      for (const auto& b : format::builtin_maps()) {
-        if (map_detects(*b, ck_->tensors, ck_->format)) {
-          m = b;
-          break;
-        }
-      }
-    }
-    if (!m) return;
-    std::string text, what;
-    if (!in_.config.empty()) {
-      text = in_.config;
-      what = "config.json";
-    } else if (!opts_.hf_config.empty()) {
-      text = opts_.hf_config;
-      what = opts_.hf_config_what.empty() ? std::string("hf_config") : opts_.hf_config_what;
-    } else if (named) {
-      problem("config.json", "",
-              fmt::format("map '{}' needs the model's config.json: the directory has none; give "
-                          "one with -o hf_config=PATH (--hf-config PATH)",
-                          m->name));
-      return;
-    } else {
-      ck_->map_note = fmt::format(
-          "looks like map '{}' ({}); served under its stored names, because it needs the "
-          "model's config.json: give one with -o hf_config=PATH (--hf-config PATH)",
-          m->name, m->about.empty() ? m->origin : m->about);
-      return;
-    }
-    auto config = format::parse_map_config(text, what);
-    if (!config) {
-      problem(what, "", config.error().message);
-      return;
-    }
-    auto compiled = compile_map(*m, *config, what, ck_->tensors);
-    if (!compiled.problems.empty()) {
-      for (auto& p : compiled.problems) ck_->problems.push_back(std::move(p));
-      return;
-    }
-    if (in_.config.empty()) ck_->config_json = text;
-    ck_->map = m->name;
-    ck_->stored = std::move(ck_->tensors);
-    ck_->tensors.clear();
+    if (!apply_model_map(in_, opts_, *ck_, tensor_k_)) return;
     tensor_index_.clear();
-    tensor_k_.clear();
-    OutputPacker packer;
-    for (auto& mt : compiled.tensors) {
-      Tensor t;
-      t.name = std::move(mt.name);
-      t.dtype = mt.dtype;
-      t.src_dtype = mt.src_dtype;
-      t.shape = std::move(mt.shape);
-      t.strides.assign(t.shape.size(), 1);
-      for (size_t d = t.shape.size(); d-- > 1;) t.strides[d - 1] = t.strides[d] * t.shape[d];
-      t.numel = 1;
-      for (auto d : t.shape) t.numel *= d;  // a selection of a stored tensor: no overflow
-      t.nbytes = t.numel * (format::dtype_bits(t.dtype) / 8);
-      t.mapped = true;
-      t.runs = std::move(mt.runs);
-      t.origin = std::move(mt.origin);
-      tensor_k_.push_back(packer.place(t.nbytes));
-      tensor_index_.emplace(t.name, static_cast<uint32_t>(ck_->tensors.size()));
-      ck_->tensors.push_back(std::move(t));
-    }
-    if (compiled.dropped > 0) {
-      ck_->left_out.push_back(
-          fmt::format("{} stored tensor(s) dropped by map '{}' (its 'drop' "
-                      "and 'when' rules: a tied head, RoPE buffers)",
-                      compiled.dropped, m->name));
-    }
+    for (uint32_t i = 0; i < ck_->tensors.size(); ++i)
+      tensor_index_.emplace(ck_->tensors[i].name, i);
   }
 
   // A tensor served as stored again (outputs written through ckptfs keep their headers).

@@ -620,6 +620,84 @@ bool map_detects(const format::ModelMap& map, const std::vector<Tensor>& stored,
   return true;
 }
 
+bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint& ck,
+                     std::vector<uint32_t>& k) {
+  auto problem = [&](std::string file, std::string tensor, std::string msg) {
+    ck.problems.push_back(Problem{std::move(file), std::move(tensor), std::move(msg)});
+  };
+  std::shared_ptr<const format::ModelMap> m = opts.map;
+  const bool named = m != nullptr;
+  if (!m) {
+    for (const auto& b : format::builtin_maps()) {
+      if (map_detects(*b, ck.tensors, ck.format)) {
+        m = b;
+        break;
+      }
+    }
+  }
+  if (!m) return false;
+  std::string text, what;
+  if (!in.config.empty()) {
+    text = in.config;
+    what = "config.json";
+  } else if (!opts.hf_config.empty()) {
+    text = opts.hf_config;
+    what = opts.hf_config_what.empty() ? std::string("hf_config") : opts.hf_config_what;
+  } else if (named) {
+    problem("config.json", "",
+            fmt::format("map '{}' needs the model's config.json: the directory has none; give "
+                        "one with -o hf_config=PATH (--hf-config PATH)",
+                        m->name));
+    return false;
+  } else {
+    ck.map_note = fmt::format(
+        "looks like map '{}' ({}); served under its stored names, because it needs the "
+        "model's config.json: give one with -o hf_config=PATH (--hf-config PATH)",
+        m->name, m->about.empty() ? m->origin : m->about);
+    return false;
+  }
+  auto config = format::parse_map_config(text, what);
+  if (!config) {
+    problem(what, "", config.error().message);
+    return false;
+  }
+  auto compiled = compile_map(*m, *config, what, ck.tensors);
+  if (!compiled.problems.empty()) {
+    for (auto& p : compiled.problems) ck.problems.push_back(std::move(p));
+    return false;
+  }
+  if (in.config.empty()) ck.config_json = text;
+  ck.map = m->name;
+  ck.stored = std::move(ck.tensors);
+  ck.tensors.clear();
+  k.clear();
+  OutputPacker packer;
+  for (auto& mt : compiled.tensors) {
+    Tensor t;
+    t.name = std::move(mt.name);
+    t.dtype = mt.dtype;
+    t.src_dtype = mt.src_dtype;
+    t.shape = std::move(mt.shape);
+    t.strides.assign(t.shape.size(), 1);
+    for (size_t d = t.shape.size(); d-- > 1;) t.strides[d - 1] = t.strides[d] * t.shape[d];
+    t.numel = 1;
+    for (auto d : t.shape) t.numel *= d;  // a selection of a stored tensor: no overflow
+    t.nbytes = t.numel * (format::dtype_bits(t.dtype) / 8);
+    t.mapped = true;
+    t.runs = std::move(mt.runs);
+    t.origin = std::move(mt.origin);
+    k.push_back(packer.place(t.nbytes));
+    ck.tensors.push_back(std::move(t));
+  }
+  if (compiled.dropped > 0) {
+    ck.left_out.push_back(
+        fmt::format("{} stored tensor(s) dropped by map '{}' (its 'drop' "
+                    "and 'when' rules: a tied head, RoPE buffers)",
+                    compiled.dropped, m->name));
+  }
+  return true;
+}
+
 CompiledMap compile_map(const format::ModelMap& map, const nlohmann::json& config,
                         std::string_view config_what, const std::vector<Tensor>& stored) {
   return Compiler(map, config, config_what, stored).run();
