@@ -87,6 +87,9 @@ def _library():
     lib.ckptfs_load_features.restype = c_int
     lib.ckptfs_load_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, c_int, P(ctypes.c_void_p),
                                      ctypes.c_char_p, c_size]
+    lib.ckptfs_load_open_map.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                         ctypes.c_char_p, c_int, P(ctypes.c_void_p),
+                                         ctypes.c_char_p, c_size]
     lib.ckptfs_load_close.argtypes = [ctypes.c_void_p]
     lib.ckptfs_load_error.argtypes = [ctypes.c_void_p]
     lib.ckptfs_load_error.restype = ctypes.c_char_p
@@ -166,11 +169,16 @@ class Comm:
 class Checkpoint:
     """An opened, validated checkpoint directory (refused with every problem listed)."""
 
-    def __init__(self, path, dtype: str = "auto", direct: bool = False):
+    def __init__(self, path, dtype: str = "auto", direct: bool = False, map: str | None = None,
+                 hf_config=None):
+        """map: a model map (docs/maps.md): None (built-ins detected), "none", a built-in's name
+        or a .json path; hf_config: config.json for a mapped checkpoint without its own."""
         lib, handle = _library(), ctypes.c_void_p()
         err = ctypes.create_string_buffer(65536)
-        rc = lib.ckptfs_load_open(os.fsencode(path), dtype.encode(), int(direct),
-                                  ctypes.byref(handle), err, len(err))
+        rc = lib.ckptfs_load_open_map(os.fsencode(path), dtype.encode(),
+                                      None if map is None else os.fsencode(map),
+                                      None if hf_config is None else os.fsencode(hf_config),
+                                      int(direct), ctypes.byref(handle), err, len(err))
         if rc:
             raise LoadError(rc, err.value.decode(errors="replace"))
         self._h = handle
@@ -277,10 +285,12 @@ def _device_str(device) -> str:
 
 
 def load_state_dict(ckpt_dir, device="cpu", names=None, dtype: str = "auto", direct: bool = False,
-                    comm: Comm | None = None, **load_options) -> dict:
-    """Every tensor (or those in `names`) of ckpt_dir as a dict of torch tensors on `device`."""
+                    comm: Comm | None = None, map: str | None = None, hf_config=None,
+                    **load_options) -> dict:
+    """Every tensor (or those in `names`) of ckpt_dir as a dict of torch tensors on `device`.
+    map and hf_config: as Checkpoint's (a native checkpoint under HF names)."""
     dev = _device_str(device)
-    with Checkpoint(ckpt_dir, dtype=dtype, direct=direct) as ck:
+    with Checkpoint(ckpt_dir, dtype=dtype, direct=direct, map=map, hf_config=hf_config) as ck:
         infos = ck.tensors if names is None else [ck.by_name[n] for n in names]
         out, reqs = {}, []
         for info in infos:
@@ -293,7 +303,7 @@ def load_state_dict(ckpt_dir, device="cpu", names=None, dtype: str = "auto", dir
 
 
 def load_into(model, ckpt_dir, strict: bool = True, dtype: str = "auto", direct: bool = False,
-              **load_options):
+              map: str | None = None, hf_config=None, **load_options):
     """Fills model's parameters and buffers in place from ckpt_dir (on the model's device).
 
     A tensor whose dtype differs from the checkpoint's is loaded into a temporary and copied
@@ -302,7 +312,7 @@ def load_into(model, ckpt_dir, strict: bool = True, dtype: str = "auto", direct:
     """
     import torch
     sd = model.state_dict(keep_vars=True)
-    with Checkpoint(ckpt_dir, dtype=dtype, direct=direct) as ck:
+    with Checkpoint(ckpt_dir, dtype=dtype, direct=direct, map=map, hf_config=hf_config) as ck:
         loaded_ptrs, reqs, converts, missing = set(), {}, [], []
         for name, t in sd.items():
             t = t.data if isinstance(t, torch.nn.Parameter) else t

@@ -27,7 +27,8 @@ namespace ckptfs::cli {
 namespace {
 
 constexpr std::string_view kUsage =
-    R"(usage: ckptfs consolidate SRC DST [--threads N] [--force] [--dtype D]
+    R"(usage: ckptfs consolidate SRC DST [--threads N] [--force] [--dtype D] [--map M]
+                                    [--hf-config PATH]
 
 Writes the consolidated HuggingFace checkpoint of the rank shards in SRC to DST:
 model-0000k-of-0000m.safetensors, model.safetensors.index.json, and the checkpoint's other
@@ -45,6 +46,10 @@ options:
   --dtype D    auto (default: the dtypes of NeMo's .hf_metadata/fqn_to_dtype_mapping.json
                where present, else as stored), stored, bf16, fp16 or fp32 (every floating
                tensor cast, rounding as torch's .to() does)
+  --map M      model map (docs/maps.md): a built-in's name, a .json map, or none; default:
+               the built-in whose detect clause fits
+  --hf-config PATH
+               config.json for a mapped checkpoint without its own (written to DST)
   -h, --help   this text
 )";
 

@@ -22,6 +22,7 @@ namespace {
 constexpr std::string_view kUsage =
     R"(usage: ckptfs load CKPT [--device cpu|cuda:N] [--threads T] [--chunk-mb C] [--ring N]
                    [--direct] [--stage] [--dtype D] [--bench] [--json]
+                   [--map M] [--hf-config PATH]
 
 Loads every tensor of the checkpoint in CKPT into memory of the device, without a mount,
 and reports bytes, seconds and GB/s. CKPT holds rank shards (read through the extent map,
@@ -42,6 +43,10 @@ options:
                 buffered reads where the file system refuses it
   --stage       cpu: through the staging ring too (the GPU pipeline with memcpy)
   --dtype D     auto (default, as the mount), stored, bf16, fp16 or fp32 (rank shards only)
+  --map M       model map (docs/maps.md): a built-in's name, a .json map, or none; default:
+                the built-in whose detect clause fits
+  --hf-config PATH
+                config.json for a mapped checkpoint without its own
   --bench       time the load alone: no checksum while loading, then a checksum of the
                 destination memory afterwards (untimed)
   --json        one JSON object on stdout (per-tensor checksums included)

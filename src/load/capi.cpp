@@ -61,12 +61,19 @@ int ckptfs_load_features(void) {
 
 int ckptfs_load_open(const char* dir, const char* dtype, int direct, ckptfs_load_ckpt** out,
                      char* err, size_t err_len) {
+  return ckptfs_load_open_map(dir, dtype, nullptr, nullptr, direct, out, err, err_len);
+}
+
+int ckptfs_load_open_map(const char* dir, const char* dtype, const char* map, const char* hf_config,
+                         int direct, ckptfs_load_ckpt** out, char* err, size_t err_len) {
   if (!dir || !out) return report(Error{EINVAL, "dir and out are required"}, err, err_len);
   *out = nullptr;
   return guard(
       [&] {
         ckptfs::load::SourceOptions so;
         if (dtype) so.dtype = dtype;
+        if (map) so.map = map;
+        if (hf_config) so.hf_config = hf_config;
         so.direct = direct != 0;
         auto src = ckptfs::load::Source::open(dir, so);
         if (!src) return report(src.error(), err, err_len);

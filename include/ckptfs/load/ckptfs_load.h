@@ -55,6 +55,11 @@ int ckptfs_load_features(void);
  * refused (EINVAL) with every problem in `err`. */
 int ckptfs_load_open(const char* dir, const char* dtype, int direct, ckptfs_load_ckpt** out,
                      char* err, size_t err_len);
+/* The same with a model map (docs/maps.md): map is NULL or "" (built-ins detected), "none", a
+ * built-in's name or a .json path; hf_config is NULL or a config.json path for a checkpoint
+ * without its own. The tensors are then the map's HF tensors. */
+int ckptfs_load_open_map(const char* dir, const char* dtype, const char* map, const char* hf_config,
+                         int direct, ckptfs_load_ckpt** out, char* err, size_t err_len);
 void ckptfs_load_close(ckptfs_load_ckpt* ck);
 const char* ckptfs_load_error(const ckptfs_load_ckpt* ck);
 
