@@ -12,7 +12,9 @@
 #   6. save_pretrained into the mount; 7. ckptfs load of the shards; 8. a native torch DCP
 #      save (FSDP2, 2 ranks) into the mount, served as HF; 9. verl's own FSDP checkpoint
 #      manager saves into the mount (2 ranks), served as HF with its huggingface/ config
-#   10. unmount (always, from a trap)
+#   10. torchtitan's own checkpointer (FSDP2, 2 ranks) saves a Llama into the mount, under its
+#      own names and RoPE row order; the built-in model map torchtitan-llama3 serves it under
+#      HF's (issue 22, docs/maps.md); 11. unmount (always, from a trap)
 # Exit status: non-zero if any step or check fails. Needs no network beyond apt and PyPI
 # (set-up only); nothing is fetched from the HuggingFace hub.
 # Environment: CKPTFS_DEMO_DIR (work dir, default /tmp/ckptfs-demo), CKPTFS_CACHE (venv, see setup.sh)
@@ -50,12 +52,12 @@ sys.exit(1 if bad else 0)
 PYEOF
 }
 
-step "1/10 set-up (tools/setup.sh)"
+step "1/11 set-up (tools/setup.sh)"
 VENV=$(tools/setup.sh | tail -n 1)
 PY=$VENV/bin/python
 echo "venv: $VENV ($("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
 
-step "2/10 build"
+step "2/11 build"
 mkdir -p "$WORK"
 if ! flock /tmp/ckptfs-build.lock bash -c '[[ -f build/build.ninja ]] || meson setup build; ninja -C build' \
      >"$WORK/build.log" 2>&1; then
@@ -66,7 +68,7 @@ fi
 tail -n 1 "$WORK/build.log"
 "$BIN" --help | head -n 1
 
-step "3/10 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
+step "3/11 sharded checkpoint (torch DCP, fsdp_tp on 4 ranks, NeMo layout)"
 stamp=$WORK/generated.json          # written last: an interrupted generation is redone
 want="${GEN_OPTS[*]}"
 if [[ -f $stamp ]] && [[ "$(sed -n 1p "$stamp")" == "$want" ]] &&
@@ -81,7 +83,7 @@ else
 fi
 find "$CK" -type f -printf '  %12s B  %P\n' | sort -k3
 
-step "4/10 mount"
+step "4/11 mount"
 DAEMON=
 # shellcheck disable=SC2317  # invoked from the trap
 cleanup() {
@@ -124,12 +126,12 @@ ms=$(($(now_ms) - t0))
 mount_s=$((ms / 1000)).$(printf '%03d' $((ms % 1000)))
 echo "$BIN mount $SRC $MNT   (daemon pid $DAEMON, log $WORK/ckptfs.log)"
 
-step "5/10 from_pretrained through the mount, checked against the original model"
+step "5/11 from_pretrained through the mount, checked against the original model"
 status=0
 "$PY" tools/demo.py --view "$MNT/run/step_1000/model" --shards "$CK/model" --reference "$REF" \
   --daemon-pid "$DAEMON" --mount-seconds "$mount_s" --work "$WORK" || status=$?
 
-step "6/10 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
+step "6/11 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
 if ((status == 0)); then
   "$PY" tools/demo_write.py --reference "$REF" --out "$MNT/run/step_2000/model" \
     --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" || status=$?
@@ -140,7 +142,7 @@ if ((status == 0)); then
   "$BIN" status "$MNT" || status=$?
 fi
 
-step "7/10 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
+step "7/11 ckptfs load: the rank shards into memory without a mount (the loader, issue 12)"
 if ((status == 0)); then
   # The loader reads the shards through the extent map; the mount serves the consolidated
   # files. The same tensors give the same checksum (XXH64 per tensor, in name order).
@@ -154,7 +156,7 @@ if ((status == 0)); then
   fi
 fi
 
-step "8/10 a native torch DCP checkpoint (dcp.save of FSDP2 on 2 ranks, with optimizer state) saved into the mount and served as HF"
+step "8/11 a native torch DCP checkpoint (dcp.save of FSDP2 on 2 ranks, with optimizer state) saved into the mount and served as HF"
 if ((status == 0)); then
   # The writer is torch's own default (FileSystemWriter): .metadata and one .distcp per rank,
   # stored as written; the mount adds model-*.safetensors and the index beside them.
@@ -168,7 +170,7 @@ if ((status == 0)); then
   check_from_pretrained "$MNT/run/dcp_step_3000" "$MNT/run/reference-dcp_step_3000.safetensors" || status=$?
 fi
 
-step "9/10 verl's FSDP checkpoint manager (FSDP2, 2 ranks) saves into the mount; from_pretrained of its actor directory"
+step "9/11 verl's FSDP checkpoint manager (FSDP2, 2 ranks) saves into the mount; from_pretrained of its actor directory"
 if ((status == 0)); then
   # verl writes model_world_size_2_rank_R.pt per rank, fsdp_config.json and huggingface/
   # (config, tokenizer), stored as written; the mount adds the consolidated files beside them,
@@ -185,5 +187,21 @@ if ((status == 0)); then
   check_from_pretrained "$ACTOR" "$MNT/run/reference-verl.safetensors" tokenizer || status=$?
 fi
 
-step "10/10 unmount"
+step "10/11 torchtitan's checkpointer saves into the mount; served under HF names through the model map torchtitan-llama3"
+if ((status == 0)); then
+  # torchtitan 0.3.0 stores tok_embeddings, layers.N.attention.qkv_linear.wq (rows permuted for
+  # RoPE), feed_forward.w1/w2/w3...: the writer converts an HF Llama with torchtitan's own
+  # from_hf and saves it with its CheckpointManager. The view maps it back, with no copy.
+  rm -rf "$SRC/run/titan"
+  "$PY" tests/python/writers/titan_map_save.py "$MNT/run/titan" --ranks 2 --models llama3 \
+    >"$WORK/titan_save.log" 2>&1 || { tail -n 20 "$WORK/titan_save.log"; status=1; }
+fi
+if ((status == 0)); then
+  STEP=$MNT/run/titan/llama3/checkpoint/step-1
+  ls -la "$STEP"
+  "$BIN" inspect "$SRC/run/titan/llama3/checkpoint/step-1" | grep -E "format|model map|q_proj" | head -n 4 || true
+  check_from_pretrained "$STEP" "$MNT/run/titan/llama3/original.safetensors" || status=$?
+fi
+
+step "11/11 unmount"
 exit "$status"
