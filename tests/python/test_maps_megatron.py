@@ -163,20 +163,22 @@ def mounted(gen, tmp_path_factory):
         pytest.skip("needs root, /dev/fuse and fusermount3")
     t = tmp_path_factory.mktemp("megatron-maps-mnt")
     hf_config = gen["ref"] / BY_HF_CONFIG / "config.json"
-    m = Mount(gen["src"], t / "mnt", opts=[f"hf_config={hf_config}"], log=str(t / "mnt.log")).start()
     # -o map= names one map for the whole mount: BY_HF_CONFIG also through a second one naming it.
     only = t / "src-named"
     only.mkdir()
     shutil.copytree(gen["src"] / BY_HF_CONFIG, only / BY_HF_CONFIG)
+    m = Mount(gen["src"], t / "mnt", opts=[f"hf_config={hf_config}"], log=str(t / "mnt.log"))
     named = Mount(only, t / "mnt-named", opts=["map=megatron-gpt", f"hf_config={hf_config}"],
-                  log=str(t / "mnt-named.log")).start()
-    yield {"detected": pathlib.Path(m.mnt), "named": pathlib.Path(named.mnt)}
-    import gc
-
-    gc.collect()
+                  log=str(t / "mnt-named.log"))
     try:
+        m.start()
+        named.start()
+        yield {"detected": pathlib.Path(m.mnt), "named": pathlib.Path(named.mnt)}
+        import gc
+
+        gc.collect()
         assert named.alive() and m.alive(), m.log_tail() + named.log_tail()
-    finally:
+    finally:  # a mount started is stopped, whatever failed
         named.stop()
         m.stop()
 
