@@ -223,3 +223,51 @@ def test_detected_without_config_keeps_stored_names(saved, tmp_path):
         assert m.proc.poll() is None
     text = inspect(saved / "qwen3" / STEP)
     assert "torchtitan-qwen3" in text and ("hf_config" in text or "hf-config" in text), text
+
+
+# --- the same map without a mount: consolidate, verify, ckptfs load, the Python binding ----------
+
+def test_consolidate_verify_and_load_through_the_map(saved, tmp_path):
+    """consolidate --map/--hf-config writes the bytes the mount serves (and config.json); verify
+    accepts the checkpoint; `ckptfs load` and ckptfs_load.load_state_dict(map=..., hf_config=...)
+    give the HF tensors with no mount, each equal to torchtitan's own to_hf."""
+    hf_config = saved / "qwen3" / "hf" / "config.json"
+    for name in ("llama3", "qwen3"):
+        step = saved / name / STEP
+        extra = [] if MODELS[name][3] else ["--hf-config", str(hf_config)]
+        out = tmp_path / f"{name}-out"
+        r = subprocess.run([BIN, "consolidate", str(step), str(out), *extra], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        want = load(saved / name / "to_hf.safetensors")
+        assert_same(served(out), want, f"{name}: consolidate")
+        assert json.loads((out / "config.json").read_text()) == config(saved, name)
+        r = subprocess.run([BIN, "verify", str(step), *extra], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = subprocess.run([BIN, "load", str(step), "--json", *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert json.loads(r.stdout)["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+
+    lib = os.environ.get("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
+    code = (
+        "import sys, torch\n"
+        "from safetensors.torch import load_file\n"
+        "import ckptfs_load\n"
+        "sd = ckptfs_load.load_state_dict(sys.argv[1], hf_config=sys.argv[2])\n"
+        "want = load_file(sys.argv[3])\n"
+        "assert sorted(sd) == sorted(want), sorted(set(sd) ^ set(want))\n"
+        "bad = [k for k in want if not torch.equal(sd[k].view(torch.uint8), want[k].view(torch.uint8))]\n"
+        "assert not bad, bad\n"
+        "named = ckptfs_load.load_state_dict(sys.argv[1], map='torchtitan-qwen3', hf_config=sys.argv[2])\n"
+        "assert sorted(named) == sorted(want)\n"
+        "try:\n"
+        "    ckptfs_load.load_state_dict(sys.argv[1], map='no-such-map')\n"
+        "    raise SystemExit('an unknown map was accepted')\n"
+        "except ckptfs_load.LoadError as e:\n"
+        "    assert 'no-such-map' in str(e), e\n"
+        "print('ok', len(sd))\n")
+    env = dict(os.environ, CKPTFS_LOAD_LIB=lib, PYTHONPATH=str(pathlib.Path(__file__).parents[2] / "python"))
+    r = subprocess.run([sys.executable, "-c", code, str(saved / "qwen3" / STEP), str(hf_config),
+                        str(saved / "qwen3" / "to_hf.safetensors")], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
