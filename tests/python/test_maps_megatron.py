@@ -142,13 +142,14 @@ def test_map_reproduces_the_original(gen, name):
 def test_map_refuses_a_config_that_disagrees(gen):
     """map_ref's refusals for configs that do not fit: the wrong number of query groups (the
     fused QKV rows do not add up), a vocabulary larger than the padded one, an untied config on
-    a tied checkpoint (no output layer stored)."""
+    a tied checkpoint (no output layer stored), fewer layers than stacked (one would be lost)."""
     m = map_ref.load(map_ref.MAPS / "megatron-gpt.json")
     sd = stored(gen["src"] / "tied-separate" / ITER)
     config = json.loads((gen["ref"] / "tied-separate" / "config.json").read_text())
     for change, says in [({"num_key_value_heads": 1}, "decoder.layers.self_attention.linear_qkv.weight"),
                          ({"vocab_size": 300}, "embedding.word_embeddings.weight"),
-                         ({"tie_word_embeddings": False}, "output_layer.weight")]:
+                         ({"tie_word_embeddings": False}, "output_layer.weight"),
+                         ({"num_hidden_layers": 2}, "decoder.layers.")]:
         with pytest.raises(map_ref.MapError, match=says.replace(".", r"\.")):
             map_ref.apply(m, sd, {**config, **change})
 
@@ -237,7 +238,8 @@ def test_a_config_that_disagrees_is_refused(gen, tmp_path):
     config = json.loads((base / "config.json").read_text())
     bad = {"kv-heads": ({"num_key_value_heads": 1}, ["decoder.layers.self_attention.linear_qkv.weight", "axis"]),
            "vocab": ({"vocab_size": 300}, ["embedding.word_embeddings.weight"]),
-           "ffn": ({"intermediate_size": 64}, ["decoder.layers.mlp.linear_fc1.weight", "axis"])}
+           "ffn": ({"intermediate_size": 64}, ["decoder.layers.mlp.linear_fc1.weight", "axis"]),
+           "layers": ({"num_hidden_layers": 2}, ["decoder.layers.", "axis 0"])}
     for case, (change, _) in bad.items():
         shutil.copytree(base, src / case)
         (src / case / "config.json").write_text(json.dumps({**config, **change}))
