@@ -180,9 +180,25 @@ class Compiler {
   CompiledMap run() {
     std::set<std::string> names;
     for (const auto& r : map_.rules) {
+      const size_t before = out_.tensors.size();
       rule(r, names);
       if (!out_.problems.empty()) return std::move(out_);
+      made_[r.hf.text] += out_.tensors.size() - before;
+      if (!r.optional || !when_holds(r)) made_[r.hf.text] += 1;  // not an alternative
     }
+    // Optional rules naming the same HF tensor are alternatives (a norm fused into a linear or
+    // separate): when none of them found a stored tensor, the tensor would be silently missing.
+    for (const auto& r : map_.rules) {
+      if (!r.optional || made_[r.hf.text] > 0) continue;
+      const auto alternatives =
+          std::count_if(map_.rules.begin(), map_.rules.end(),
+                        [&](const auto& o) { return o.hf.text == r.hf.text; });
+      if (alternatives < 2) continue;
+      problem(r.hf.text, fmt::format("{}: none of the {} rules making '{}' found a stored tensor",
+                                     where_, alternatives, r.hf.text));
+      made_[r.hf.text] = 1;  // said once
+    }
+    if (!out_.problems.empty()) return std::move(out_);
     for (uint32_t i = 0; i < stored_.size(); ++i) {
       if (used_[i]) continue;
       const auto n = map_stored_name(map_, stored_[i].name);
@@ -230,6 +246,14 @@ class Compiler {
       }
       if (out.empty()) none = true;
     }
+    auto over = [&](uint64_t n) {
+      total_bindings_ += n;
+      if (total_bindings_ <= kMaxBindingsTotal) return false;
+      problem(r.hf.text, fmt::format("{}: the map binds more than {} names in all", rule_where(r),
+                                     kMaxBindingsTotal));
+      return true;
+    };
+    if (over(out.size())) return {};
     for (const auto& [cap, expr] : r.for_) {
       sizes_.scope(&r.let, nullptr, nullptr);
       auto n = sizes_.eval(expr);
@@ -249,6 +273,7 @@ class Compiler {
           auto c = b;
           c.emplace_back(cap, i);
           next.push_back(std::move(c));
+          if (over(1)) return {};
           if (next.size() > kMaxMappedTensors) {
             problem(r.hf.text,
                     fmt::format("{}: more than {} bindings", rule_where(r), kMaxMappedTensors));
@@ -477,6 +502,10 @@ class Compiler {
     if (nrows > kMaxRowsPerPart) {
       return fail("", fmt::format("{} rows (at most {})", nrows, kMaxRowsPerPart));
     }
+    total_rows_ += nrows;
+    if (total_rows_ > kMaxRowsTotal) {
+      return fail("", fmt::format("the map enumerates more than {} rows in all", kMaxRowsTotal));
+    }
     if (nrows == 0 || inner == 0) return true;
     RunBuilder rb(t.runs, si, inner, out_elem);
     std::vector<uint64_t> idx(axes.size(), 0);
@@ -590,7 +619,10 @@ class Compiler {
   std::unordered_map<std::string, uint32_t> by_name_;
   std::vector<bool> used_;
   std::string where_;
+  std::map<std::string, uint64_t> made_;  // HF pattern -> tensors made (alternatives' check)
   uint64_t total_runs_ = 0;
+  uint64_t total_rows_ = 0;
+  uint64_t total_bindings_ = 0;
   std::vector<std::pair<std::string, uint64_t>> for_counts_;  // the current rule's `for`
   CompiledMap out_;
 };

@@ -506,9 +506,8 @@ def _when(rule, config):
         return True
     neg = w.startswith("!")
     v = config_value(config, w.lstrip("!"))
-    if v is None:
-        raise MapError(f"rule {rule['hf']!r}: 'when' reads {w.lstrip('!')!r}, not in config.json")
-    return (not v) if neg else bool(v)
+    v = bool(v) if v is not None else False  # docs/maps.md: a key missing from config.json is false
+    return (not v) if neg else v
 
 
 def _bindings(rule, parts, local, env, what):

@@ -19,8 +19,12 @@ namespace ckptfs::layout {
 
 inline constexpr uint64_t kMaxMappedTensors = 65536;
 inline constexpr uint64_t kMaxRunsPerTensor = uint64_t{1} << 24;
-inline constexpr uint64_t kMaxRunsTotal = uint64_t{1} << 26;
+inline constexpr uint64_t kMaxRunsTotal = uint64_t{1} << 22;  // 48 bytes each
 inline constexpr uint64_t kMaxForCount = uint64_t{1} << 20;
+// Work a map may ask of the compiler, whatever it makes: bindings tried (every rule's), and
+// rows enumerated (a real model's maps need a few million).
+inline constexpr uint64_t kMaxBindingsTotal = uint64_t{1} << 20;
+inline constexpr uint64_t kMaxRowsTotal = uint64_t{1} << 27;
 
 struct MappedTensor {
   std::string name;
