@@ -249,6 +249,8 @@ def test_consolidate_verify_and_load_through_the_map(saved, tmp_path):
         assert json.loads(r.stdout)["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
 
     lib = os.environ.get("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
+    if os.environ.get("CKPTFS_ASAN") == "1":  # an ASan library would need its runtime preloaded
+        lib = str(pathlib.Path(__file__).parents[2] / "build" / "src" / "libckptfs_load.so")
     code = (
         "import sys, torch\n"
         "from safetensors.torch import load_file\n"
