@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "ckptfs/util/checked.hpp"
+#include "ckptfs/util/text.hpp"
 #include "json_strict.hpp"
 #include "map_lang.hpp"
 
@@ -26,6 +27,11 @@ using detail::parse_rows;
 constexpr std::string_view kArithmetic[] = {"transpose", "permute", "sum",  "add",
                                             "mean",      "scale",   "mul",  "cast",
                                             "dtype",     "reshape", "view", "t"};
+
+// A name from the map as written, for a message: control bytes escaped, at most 80 bytes.
+std::string as_written(std::string_view s) {
+  return s.size() <= 80 ? printable(s) : printable(s.substr(0, 80)) + "...";
+}
 
 bool is_arithmetic(std::string_view key) {
   return std::find(std::begin(kArithmetic), std::end(kArithmetic), key) != std::end(kArithmetic);
@@ -102,7 +108,7 @@ Status refuse_unknown(const json& j, std::initializer_list<std::string_view> key
           EINVAL, "{}: '{}' needs arithmetic on the bytes; a zero-copy map cannot do it", where, k);
     }
     if (std::find(keys.begin(), keys.end(), k) == keys.end()) {
-      return make_error(EINVAL, "{}: unknown key '{}'", where, detail::describe(json(k)));
+      return make_error(EINVAL, "{}: unknown key '{}'", where, as_written(k));
     }
   }
   return {};
@@ -148,8 +154,7 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   if (!j.is_object())
     return make_error(EINVAL, "{} is {}, not an object", where, detail::describe(j));
   if (auto it = j.find("hf"); it != j.end() && it->is_string()) {
-    where = fmt::format("rule {} ('{}')", number, detail::describe(*it));
-    where.erase(std::remove(where.begin(), where.end(), '"'), where.end());
+    where = fmt::format("rule {} ('{}')", number, as_written(it->get<std::string>()));
   }
   CKPTFS_CHECK(refuse_unknown(
       j, {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "when", "optional"},

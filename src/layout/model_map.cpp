@@ -50,11 +50,13 @@ class Sizes {
  public:
   Sizes(const format::ModelMap& m, const nlohmann::json& config) : map_(m), config_(config) {}
 
+  // Lets and axes may read captures and each other: what was worked out holds for one scope.
   void scope(const std::vector<std::pair<std::string, MapExpr>>* rule_let,
              const std::vector<std::pair<std::string, MapExpr>>* part_let, const Binding* b) {
     rule_let_ = rule_let;
     part_let_ = part_let;
     binding_ = b;
+    cache_.clear();
   }
 
   Result<uint64_t> eval(const MapExpr& e) {
@@ -64,41 +66,55 @@ class Sizes {
     return r;
   }
 
+  // A size by name, nullopt when unknown. A definition that fails (a cycle, an inexact
+  // division) gives nullopt too and leaves its error in error(): callers that treat unknown
+  // as "infer it" must check that first.
   std::optional<uint64_t> lookup(std::string_view n) {
     // Inside its own definition a name is config.json's: "head_dim": "head_dim | ...".
-    if (std::find(stack_.begin(), stack_.end(), n) != stack_.end()) return config_value(config_, n);
+    if (!stack_.empty() && stack_.back() == n) return config_value(config_, n);
+    if (std::find(stack_.begin(), stack_.end(), n) != stack_.end()) {
+      if (!err_) err_ = make_error(EINVAL, "size '{}' is defined in terms of itself", n);
+      return std::nullopt;
+    }
     if (binding_) {
       for (const auto& [k, v] : *binding_) {
         if (k == n) return v;
       }
     }
-    for (const auto* let : {part_let_, rule_let_}) {
-      if (!let) continue;
-      for (const auto& [k, e] : *let) {
-        if (k == n) return nested(k, e);
+    const MapExpr* def = nullptr;
+    for (const auto* defs : {part_let_, rule_let_, &map_.axes}) {
+      if (!defs || def) continue;
+      for (const auto& [k, e] : *defs) {
+        if (k == n) {
+          def = &e;
+          break;
+        }
       }
     }
-    for (const auto& [k, e] : map_.axes) {
-      if (k != n) continue;
-      if (auto it = axis_cache_.find(k); it != axis_cache_.end()) return it->second;
-      auto v = nested(k, e);
-      if (v) axis_cache_.emplace(k, *v);
-      return v;
-    }
-    return config_value(config_, n);
+    if (!def) return config_value(config_, n);
+    // Failures are kept too: a chain of unresolvable sizes is worked out once, not 2^n times.
+    if (auto it = cache_.find(std::string(n)); it != cache_.end()) return it->second;
+    auto v = nested(std::string(n), *def);
+    cache_.emplace(std::string(n), v);
+    return v;
   }
+
+  [[nodiscard]] const std::optional<Error>& error() const { return err_; }
+  void clear_error() { err_.reset(); }
 
  private:
   std::optional<uint64_t> nested(const std::string& name, const MapExpr& e) {
-    if (std::find(stack_.begin(), stack_.end(), name) != stack_.end() || stack_.size() > 32) {
-      if (!err_) err_ = make_error(EINVAL, "size '{}' is defined in terms of itself", name);
+    if (stack_.size() > 32) {
+      if (!err_) err_ = make_error(EINVAL, "size '{}' nests deeper than 32 definitions", name);
       return std::nullopt;
     }
     stack_.push_back(name);
     auto r = format::eval_expr(e, [this](std::string_view n) { return lookup(n); });
     stack_.pop_back();
     if (!r) {
-      if (!err_ && r.error().code != ENOENT) err_ = std::move(r).error();
+      if (!err_ && r.error().code != ENOENT) {
+        err_ = std::move(r).error().context(fmt::format("size '{}'", name));
+      }
       return std::nullopt;
     }
     return *r;
@@ -109,8 +125,8 @@ class Sizes {
   const std::vector<std::pair<std::string, MapExpr>>* rule_let_ = nullptr;
   const std::vector<std::pair<std::string, MapExpr>>* part_let_ = nullptr;
   const Binding* binding_ = nullptr;
-  std::unordered_map<std::string, uint64_t> axis_cache_;
-  std::vector<std::string> stack_;
+  std::unordered_map<std::string, std::optional<uint64_t>> cache_;  // this scope's sizes
+  std::vector<std::string> stack_;                                  // definitions being worked out
   std::optional<Error> err_;
 };
 
@@ -173,6 +189,7 @@ class Compiler {
       by_name_.emplace(std::string(map_stored_name(map_, stored_[i].name)), i);
     }
     used_.assign(stored_.size(), false);
+    when_dropped_.assign(stored_.size(), false);
     where_ = map_.origin.empty() ? fmt::format("map '{}'", map_.name)
                                  : fmt::format("map '{}' ({})", map_.name, map_.origin);
   }
@@ -202,9 +219,10 @@ class Compiler {
     for (uint32_t i = 0; i < stored_.size(); ++i) {
       if (used_[i]) continue;
       const auto n = map_stored_name(map_, stored_[i].name);
-      const bool dropped = std::any_of(map_.drop.begin(), map_.drop.end(), [&](const auto& p) {
-        return format::match_pattern(p, n).has_value();
-      });
+      const bool dropped =
+          when_dropped_[i] || std::any_of(map_.drop.begin(), map_.drop.end(), [&](const auto& p) {
+            return format::match_pattern(p, n).has_value();
+          });
       if (dropped) {
         ++out_.dropped;
         continue;
@@ -306,7 +324,7 @@ class Compiler {
     if (!when_holds(r)) {  // its stored tensors count as dropped
       for (const auto& b : binds) {
         for (const auto& p : r.parts) {
-          if (auto s = find(p, b); s != UINT32_MAX) used_[s] = true;
+          if (auto s = find(p, b); s != UINT32_MAX) when_dropped_[s] = true;
         }
       }
       return;
@@ -427,7 +445,9 @@ class Compiler {
       int unknown = -1;
       std::vector<std::string> desc;
       for (uint32_t a : rows.lhs[g]) {
+        sizes_.clear_error();
         auto v = sizes_.lookup(rows.names[a]);
+        if (sizes_.error()) return fail(fmt::format("axis {}", g), sizes_.error()->message);
         if (!v) {
           if (unknown >= 0) {
             return fail(fmt::format("axis {}", g),
@@ -618,6 +638,7 @@ class Compiler {
   Sizes sizes_;
   std::unordered_map<std::string, uint32_t> by_name_;
   std::vector<bool> used_;
+  std::vector<bool> when_dropped_;  // read by a rule whose `when` does not hold
   std::string where_;
   std::map<std::string, uint64_t> made_;  // HF pattern -> tensors made (alternatives' check)
   uint64_t total_runs_ = 0;
