@@ -14,7 +14,7 @@
 #      picks that tier's files, filters and sanitizer options there)
 # The mount and mpi suites also run alone: `meson test -C build --suite mount -v` (root, /dev/fuse
 # and the venv, else they report SKIP).
-# Environment: CKPTFS_FUZZ_SECONDS (default 60 per target), CKPTFS_MOUNT_FUZZ_SECONDS (default
+# Environment: CKPTFS_FUZZ_SECONDS (default 48 per target; 5 targets), CKPTFS_MOUNT_FUZZ_SECONDS (default
 # 60, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 60, the write-path fuzz
 # through a mount), CKPTFS_ASAN_MOUNT_FUZZ_SECONDS and CKPTFS_ASAN_WRITE_FUZZ_SECONDS (default
 # 30, the same in step 7), CKPTFS_PYTEST_ARGS (more pytest arguments for step 6).
@@ -51,7 +51,7 @@ mapfile -t sources < <(git ls-files '*.cpp' '*.hpp')
 clang-format --dry-run -Werror "${sources[@]}"
 echo "clang-format: ${#sources[@]} files clean"
 
-step "fuzzing (${CKPTFS_FUZZ_SECONDS:-60}s per target)"
+step "fuzzing (${CKPTFS_FUZZ_SECONDS:-48}s per target)"
 [[ -f build-fuzz/build.ninja ]] ||
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
@@ -61,7 +61,7 @@ fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
   mkdir -p "$work"
-  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-60}" -max_len=65536 \
+  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-48}" -max_len=65536 -timeout=10 \
     -print_final_stats=1 "$work" "$@" 2>&1 | tail -n 4
 }
 fuzz fuzz_header tests/fuzz/seeds tests/data/bad/headers
