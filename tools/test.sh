@@ -2,7 +2,7 @@
 # Runs every test of ckptfs on a fresh Debian 12 machine (as root), installing what it needs:
 #   1. set-up (apt packages, Python venv)            tools/setup.sh
 #   2. build and unit tests                           build/, meson's unit suite
-#      the release and plain builds a packager makes  build-release/, build-plain/
+#      the release build a packager makes            build-release/ (-O0: the ASan build)
 #   3. unit tests under AddressSanitizer + UBSan      build-asan/, unit suite
 #   4. formatting (clang-format --dry-run -Werror)
 #   5. bounded libFuzzer runs of the parsers (clang)  build-fuzz/
@@ -14,8 +14,8 @@
 #      picks that tier's files, filters and sanitizer options there)
 # The mount and mpi suites also run alone: `meson test -C build --suite mount -v` (root, /dev/fuse
 # and the venv, else they report SKIP).
-# Environment: CKPTFS_FUZZ_SECONDS (default 48 per target; 5 targets), CKPTFS_MOUNT_FUZZ_SECONDS (default
-# 60, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 60, the write-path fuzz
+# Environment: CKPTFS_FUZZ_SECONDS (default 40 per target; 5 targets), CKPTFS_MOUNT_FUZZ_SECONDS (default
+# 45 here, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 45 here, the write-path fuzz
 # through a mount), CKPTFS_ASAN_MOUNT_FUZZ_SECONDS and CKPTFS_ASAN_WRITE_FUZZ_SECONDS (default
 # 30, the same in step 7), CKPTFS_PYTEST_ARGS (more pytest arguments for step 6).
 set -euo pipefail
@@ -31,8 +31,11 @@ step "build and unit tests"
 flock /tmp/ckptfs-build.lock ninja -C build
 meson test -C build --suite unit --print-errorlogs --no-rebuild
 
-step "the release and plain builds (as packagers build; warnings are errors there too)"
-for bt in release plain; do
+# Warnings are errors in every build type: -O2 -g above, -O0 in the ASan build below (a debug
+# build: what the plain build type's unoptimized compile would warn about), and here the release
+# build's -O3, whose inlining brings its own warnings.
+step "the release build (as packagers build; warnings are errors there too)"
+for bt in release; do
   [[ -f build-$bt/build.ninja ]] ||
     meson setup build-$bt -Dbuildtype=$bt -Dtests=disabled >/dev/null
   flock /tmp/ckptfs-build.lock ninja -C build-$bt src/ckptfs src/libckptfs_load.so >/dev/null
@@ -51,7 +54,7 @@ mapfile -t sources < <(git ls-files '*.cpp' '*.hpp')
 clang-format --dry-run -Werror "${sources[@]}"
 echo "clang-format: ${#sources[@]} files clean"
 
-step "fuzzing (${CKPTFS_FUZZ_SECONDS:-48}s per target)"
+step "fuzzing (${CKPTFS_FUZZ_SECONDS:-40}s per target)"
 [[ -f build-fuzz/build.ninja ]] ||
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
@@ -61,7 +64,7 @@ fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
   mkdir -p "$work"
-  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-48}" -max_len=65536 -timeout=10 \
+  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-40}" -max_len=65536 -timeout=10 \
     -print_final_stats=1 "$work" "$@" 2>&1 | tail -n 4
 }
 fuzz fuzz_header tests/fuzz/seeds tests/data/bad/headers
@@ -86,6 +89,8 @@ suite() {  # build dir, suite, meson test options...
 }
 
 step "real-mount, hostile-source, CLI and ecosystem tests; the parallel flush under mpirun"
+export CKPTFS_MOUNT_FUZZ_SECONDS=${CKPTFS_MOUNT_FUZZ_SECONDS:-45}
+export CKPTFS_WRITE_FUZZ_SECONDS=${CKPTFS_WRITE_FUZZ_SECONDS:-45}
 suite build mount --test-args "${CKPTFS_PYTEST_ARGS:-}"
 suite build mpi --test-args "${CKPTFS_PYTEST_ARGS:-}"
 

@@ -164,8 +164,10 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
     sig.newest_mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(st));
     sig.newest_change_ns = std::max({sig.newest_change_ns, mtime_ns(st), ctime_ns(st)});
   }
-  // A native checkpoint's config.json sizes its model map (read_dir_config): a change rebuilds.
-  if (is_distcp_dir(entries) || is_accelerate_dir(entries)) {
+  // A DCP checkpoint's config.json sizes its model map (read_dir_config): a change rebuilds.
+  // (Not accelerate's CKPT/config.json: that layout's inputs all sit in its folder, and it has
+  // no close evidence of its own; one file of CKPT would count as evidence for them all.)
+  if (is_distcp_dir(entries)) {
     for (const auto& e : entries) {
       if (e.name != "config.json") continue;
       sig.files.emplace_back(e.name, stamp_of(e.st));
