@@ -181,8 +181,8 @@ void print_text(const layout::Checkpoint& c) {
         : c.from_mapping ? std::string("listed by .hf_metadata/fqn_to_file_index_mapping.json")
                          : std::string("not listed anywhere (a tensor held by a missing rank "
                                        "alone would not be seen)"),
-        c.shapes_stored, c.stored.empty() ? c.tensors.size() : c.stored.size(),
-        c.shapes_stored == (c.stored.empty() ? c.tensors.size() : c.stored.size())
+        c.shapes_stored, c.chunked().size(),
+        c.shapes_stored == c.chunked().size()
             ? ""
             : " (the others are inferred from their chunks: a missing last rank would "
               "look like a smaller tensor)");
@@ -258,7 +258,7 @@ void verify_replicas(const layout::Checkpoint& c, std::vector<std::string>& prob
   };
   constexpr size_t kBlock = 1 << 20;
   std::vector<char> a(kBlock), b(kBlock);
-  for (const auto& t : c.stored.empty() ? c.tensors : c.stored) {
+  for (const auto& t : c.chunked()) {
     for (const auto& ch : t.chunks) {
       if (ch.replicas.empty()) continue;
       uint64_t nbytes = *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));
@@ -348,7 +348,7 @@ int cmd_verify(std::span<char*> argv) {
   uint64_t done = 0, total = 0;
   for (const auto& c : all->ckpts) {
     if (!bar.enabled() || !c->valid()) continue;
-    for (const auto& t : c->stored.empty() ? c->tensors : c->stored) {
+    for (const auto& t : c->chunked()) {
       for (const auto& ch : t.chunks) {
         if (ch.replicas.empty()) continue;
         total += 2 * ch.replicas.size() * *format::byte_size(t.src_dtype, *checked_numel(ch.sizes));

@@ -327,11 +327,6 @@ std::vector<std::string> MapPattern::captures() const {
   return out;
 }
 
-bool MapPattern::has_captures() const {
-  return std::any_of(pieces.begin(), pieces.end(),
-                     [](const Piece& p) { return p.kind == Piece::Cap; });
-}
-
 Result<uint64_t> eval_expr(const MapExpr& e, const MapLookup& lookup) {
   for (const auto& prog : e.alts) {
     std::vector<uint64_t> st;

@@ -285,7 +285,7 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     }
     if (name == format::kIndexFileName) {
       if (ck.written) return lookup_real(rel, dir.ino, name);
-      return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, 0, name);
+      return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kIndexFile, name);
     }
   }
   if (name == kShardsDirName && opts.show_shards) {

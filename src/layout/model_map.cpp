@@ -137,7 +137,7 @@ class RunBuilder {
       : out_(out), src_(src), row_(row_elems), out_elem_(out_elem) {}
 
   void row(uint64_t src_elem) {
-    if (have_ && cur_.src_elem + cur_.len == src_elem && cur_.count == 1) {
+    if (have_ && cur_.src_elem + cur_.len == src_elem) {
       cur_.len += row_;
       return;
     }

@@ -60,7 +60,6 @@ struct MapPattern {
   std::vector<Piece> pieces;
   std::string text;
   [[nodiscard]] std::vector<std::string> captures() const;
-  [[nodiscard]] bool has_captures() const;
 };
 
 // Matches `name` against `p`; captured values (in order of captures) on success. Linear in

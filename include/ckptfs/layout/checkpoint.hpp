@@ -187,6 +187,10 @@ struct Checkpoint {
     return !outputs.empty() && std::all_of(outputs.begin(), outputs.end(),
                                            [](const OutputFile& f) { return f.written; });
   }
+  // The tensors whose chunks are in the shard files: the stored ones when a map applied.
+  [[nodiscard]] const std::vector<Tensor>& chunked() const {
+    return map.empty() ? tensors : stored;
+  }
   [[nodiscard]] uint64_t total_bytes() const;
   [[nodiscard]] const OutputFile* find_output(std::string_view name) const;
 };
