@@ -25,11 +25,28 @@ Measures, side by side in one run (the machine is noisy: compare ratios, not abs
   --parallel N  only N readers at once, each of its own view (hard links of view-row's
              shards), fresh mount per configuration: first read and re-read, aggregate GB/s,
              for each --config (mount options, e.g. --config prefetch=off --config splice=on)
+  --warm-rows  only the three warm re-read rows of issue 23, for the row-sharded view, a
+             native ext4 file of the same bytes (in the page cache; never tmpfs) and a plain
+             copy of the same bytes served unchanged by the same daemon, alternating:
+               read    read(2) of the whole file into one 4 MiB buffer
+               load    safetensors.torch.load_file + materialise every tensor (--materialise:
+                       touch one byte per 4 KiB, or copy into preallocated tensors)
+               mmap    a shared read-only mmap, one byte touched per 4 KiB
+             Per row and round: a fresh mount and a fresh native file; the view and the plain
+             file are read once through the mount (the cold first read, timed), the native file
+             is written, evicted and read once from disk (--native-fill read; or only written,
+             --native-fill write), so each page cache has been filled once; then the first
+             re-read of each, then --passes re-reads of each, interleaved (steady = their
+             median). Per pass: GB/s, minor faults and user+sys CPU of this process
+             (getrusage). Defaults for this mode: --size-mb 768, --bin build-release/src/ckptfs.
 
 Usage: sudo tools/bench_read.py [--dir /dev/shm/ckptfs-bench] [--size-mb 1024] [--repeat 3]
                                [--bin build/src/ckptfs] [--splice] [--mount-opt OPT ...]
                                [--warm-compare OTHER_BIN] [--warm-like]
                                [--parallel N [--config OPTS ...]]
+                               [--warm-rows [--rows read,load,mmap] [--passes 5]
+                                [--native-dir /var/tmp] [--native-fill read|write]
+                                [--materialise touch|copy]]
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import argparse
 import json
 import mmap
 import os
+import resource
 import shutil
 import statistics
 import struct
@@ -339,12 +357,278 @@ def parallel(binary: str, src: str, mnt: str, base: list[str], configs: list[str
         print(f"round {rnd + 1}, {n} readers, GB/s first / re-read: " + "  ".join(line), flush=True)
 
 
+# ---- issue 23: the warm re-read rows (--warm-rows) ----
+
+def _usage() -> tuple[int, int, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_majflt, r.ru_utime + r.ru_stime
+
+
+def _pass_read(path: str, state: dict) -> None:
+    """read(2) of the whole file into one 4 MiB buffer."""
+    buf = state.setdefault("buf", bytearray(4 << 20))
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.readv(fd, [mv]) > 0:
+            pass
+    finally:
+        os.close(fd)
+
+
+def _pass_mmap(path: str, state: dict) -> None:
+    """A shared read-only mapping of the whole file, one byte touched per 4 KiB, unmapped."""
+    import numpy as np
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        a = np.frombuffer(mm, dtype=np.uint8)
+        state["sink"] = int(a[::4096].sum())
+        del a
+        mm.close()
+    finally:
+        os.close(fd)
+
+
+def _pass_load(path: str, state: dict) -> None:
+    """safetensors.torch.load_file, then every tensor materialised: 'touch' reads one byte per
+    4 KiB of it (load_file's tensors are views of its mmap, so this faults every page in),
+    'copy' copies it into a tensor allocated and touched before (what load_state_dict does);
+    the tensors are then released (munmap), all inside the timed pass."""
+    import torch
+    from safetensors.torch import load_file
+    sd = load_file(path)
+    if state["materialise"] == "copy":
+        dst = state.setdefault("dst", {})
+        for k, t in sd.items():
+            if k not in dst:
+                dst[k] = torch.ones_like(t)
+            dst[k].copy_(t)
+    else:
+        s = 0
+        for v in sd.values():
+            s += int(v.reshape(-1).view(torch.uint8)[::4096].sum())
+        state["sink"] = s
+    del sd
+
+
+_ROW_FN = {"read": _pass_read, "load": _pass_load, "mmap": _pass_mmap}
+_ROW_NAME = {"read": "read(2), 4 MiB buffer", "load": "safetensors load_file + materialise",
+             "mmap": "mmap, touch one byte per 4 KiB"}
+
+
+def _measure(fn, path: str, state: dict) -> tuple[float, int, float, int]:
+    """One pass: (GB/s of the file's size, minor faults, user+sys CPU ms, major faults) of this
+    process."""
+    size = os.path.getsize(path)
+    f0, m0, c0 = _usage()
+    t0 = time.perf_counter()
+    fn(path, state)
+    dt = time.perf_counter() - t0
+    f1, m1, c1 = _usage()
+    return size / dt / 1e9, f1 - f0, (c1 - c0) * 1e3, m1 - m0
+
+
+def _wait_idle(pid: int, limit: float = 10.0) -> float:
+    """Waits until the daemon has used no CPU for 0.4 s (a prefetch still pushing, say);
+    returns the seconds waited."""
+    t0 = time.perf_counter()
+    last, quiet = _proc_cpu_ms(pid), 0
+    while quiet < 2 and time.perf_counter() - t0 < limit:
+        time.sleep(0.2)
+        now = _proc_cpu_ms(pid)
+        quiet = quiet + 1 if now == last else 0
+        last = now
+    return time.perf_counter() - t0
+
+
+def _proc_cpu_ms(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
+def _write_copy(src: str, dst: str, bs: int = 4 << 20) -> None:
+    """Writes dst from src in `bs` writes and fsyncs it (the writer's size sets the folio sizes
+    ext4 gives the new pages: 4 MiB writes give 2 MiB folios, cp's 128 KiB ones 128 KiB)."""
+    buf = bytearray(bs)
+    mv = memoryview(buf)
+    with open(src, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
+        while True:
+            n = fi.readinto(mv)
+            if not n:
+                break
+            fo.write(mv[:n])
+        os.fsync(fo.fileno())
+
+
+def _resident_pages(path: str) -> int:
+    out = subprocess.run(["fincore", "-n", "-b", "-o", "RES", path], capture_output=True,
+                         text=True)
+    return int(out.stdout.split()[0]) // 4096 if out.returncode == 0 and out.stdout.strip() else -1
+
+
+def _fs_type(path: str) -> str:
+    return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _med_range(xs: list[float], fmt: str = "{:.2f}") -> str:
+    if not xs:
+        return "—"
+    m = statistics.median(xs)
+    if len(xs) == 1 or min(xs) == max(xs):
+        return fmt.format(m)
+    return f"{fmt.format(m)} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
+
+
+def warm_rows(binary: str, src: str, root: str, opts: list[str], rounds: int, passes: int,
+              rows: list[str], native_dir: str, native_fill: str, materialise: str) -> None:
+    """The issue 23 table: warm re-reads of the view, a native page-cache file and a plain file
+    through the same daemon, per row, side by side (see the module docstring)."""
+    fstype = _fs_type(native_dir)
+    if fstype in ("tmpfs", "ramfs"):
+        raise SystemExit(f"--native-dir {native_dir} is {fstype}: the native file must be on a "
+                         "disk file system (its page cache is what is compared)")
+    mnt = os.path.join(root, "mnt")
+    view_rel = os.path.join("row", "model-00001-of-00001.safetensors")
+    plain_rel = os.path.join("plain", "view-copy.bin")
+    plain_src = os.path.join(src, plain_rel)
+    native = os.path.join(native_dir, f"ckptfs-warm-native-{os.getpid()}.bin")
+    if not os.path.exists(plain_src):
+        # The view's bytes as an ordinary file in SRC, which the daemon serves unchanged.
+        d = Daemon(binary, src, mnt, opts)
+        try:
+            _write_copy(os.path.join(mnt, view_rel), plain_src + ".tmp")
+        finally:
+            d.close()
+        os.rename(plain_src + ".tmp", plain_src)
+    size = os.path.getsize(plain_src)
+    print(f"warm rows: {size} bytes ({size / 2**20:.0f} MiB); view {view_rel} (row-sharded, 8 ranks);"
+          f" native {native} ({fstype}, filled by {native_fill}); plain {plain_rel} through the "
+          f"daemon; mount -o {','.join(opts)}; {passes} steady passes; materialise={materialise}",
+          flush=True)
+    state = {"materialise": materialise}
+    if "load" in rows:
+        # Imports torch and safetensors, runs each once, and allocates the copy destinations
+        # from the header, so that no timed pass pays for them.
+        import torch
+        from safetensors.torch import save_file
+        scratch = os.path.join(root, "warm-up.safetensors")
+        save_file({"x": torch.ones(4096, dtype=torch.bfloat16)}, scratch)
+        _pass_load(scratch, dict(state))
+        os.unlink(scratch)
+        if materialise == "copy":
+            dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+            with open(plain_src, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                hdr = json.loads(f.read(n))
+            hdr.pop("__metadata__", None)
+            state["dst"] = {k: torch.ones(e["shape"], dtype=dtypes[e["dtype"]]) for k, e in hdr.items()}
+    scratch = os.path.join(root, "warm-up.bin")
+    with open(scratch, "wb") as f:
+        f.write(bytes(1 << 20))
+    _pass_read(scratch, state)
+    _pass_mmap(scratch, state)
+    os.unlink(scratch)
+    targets = ["view", "native", "plain"]
+    # results[row][target] = {"first": [(gbs, flt, cpu) per round], "steady": [[...] per round]}
+    results = {r: {t: {"first": [], "steady": []} for t in targets} for r in rows}
+    cold: dict[str, list[float]] = {"view": [], "plain": [], "native": []}
+    for rnd in range(rounds):
+        for row in rows:
+            fn = _ROW_FN[row]
+            if os.path.exists(native):
+                os.unlink(native)
+            _write_copy(plain_src, native)
+            if native_fill == "read":
+                fd = os.open(native, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+                left = _resident_pages(native)
+                dt, n = read_seq(native, 4 << 20)
+                cold["native"].append(n / dt / 1e9)
+                if left > 0:
+                    print(f"  note: {left} pages of the native file stayed resident after "
+                          "POSIX_FADV_DONTNEED", flush=True)
+            d = Daemon(binary, src, mnt, opts)
+            try:
+                paths = {"view": os.path.join(mnt, view_rel), "native": native,
+                         "plain": os.path.join(mnt, plain_rel)}
+                os.stat(paths["view"]), os.stat(paths["plain"])
+                for t in ("view", "plain"):  # fills the mount's page cache once: the cold read
+                    dt, n = read_seq(paths[t], 4 << 20)
+                    cold[t].append(n / dt / 1e9)
+                waited = _wait_idle(d.proc.pid)
+                cpu0 = _proc_cpu_ms(d.proc.pid)
+                res = {t: [] for t in targets}
+                for p in range(passes + 1):  # pass 0 is the first re-read
+                    k = (rnd * len(rows) + p) % len(targets)
+                    for t in targets[k:] + targets[:k]:
+                        res[t].append(_measure(fn, paths[t], state))
+                daemon_ms = _proc_cpu_ms(d.proc.pid) - cpu0
+                for t in ("view", "plain"):
+                    if subprocess.run(["cmp", "-s", paths[t], native]).returncode != 0:
+                        raise SystemExit(f"{paths[t]} differs from {native}")
+            finally:
+                d.close()
+            for t in targets:
+                results[row][t]["first"].append(res[t][0])
+                results[row][t]["steady"].append(res[t][1:])
+            line = []
+            for t in targets:
+                g0, f0, c0, _ = res[t][0]
+                gs = statistics.median(x[0] for x in res[t][1:])
+                fs = statistics.median(x[1] for x in res[t][1:])
+                cs = statistics.median(x[2] for x in res[t][1:])
+                line.append(f"{t} {g0:.2f}/{gs:.2f} GB/s {f0}/{fs:.0f} flt {c0:.0f}/{cs:.0f} ms")
+            v, n = res["view"], res["native"]
+            majors = {t: sum(x[3] for x in res[t]) for t in targets if any(x[3] for x in res[t])}
+            print(f"round {rnd + 1} {row:5s} first/steady: " + "; ".join(line) +
+                  f"; view/native first {v[0][0] / n[0][0]:.2f}x steady "
+                  f"{statistics.median(x[0] for x in v[1:]) / statistics.median(x[0] for x in n[1:]):.2f}x"
+                  f"; daemon CPU over the re-reads {daemon_ms:.0f} ms"
+                  + (f" (waited {waited:.1f} s for it to go idle first)" if waited > 1 else "")
+                  + (f"; MAJOR faults {majors}" if majors else ""), flush=True)
+    if os.path.exists(native):
+        os.unlink(native)
+
+    print("\ncold first read (4 MiB read(2)), GB/s: view through a fresh mount "
+          f"{_med_range(cold['view'])}; plain file through it {_med_range(cold['plain'])}"
+          + (f"; native from disk {_med_range(cold['native'])}" if cold["native"] else ""))
+    print(f"\n| warm row | file | first re-read GB/s | steady GB/s | faults per pass | CPU ms per pass"
+          f" (first / steady) | ×native first | ×native steady | CPU ×native (steady) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        rn = results[row]["native"]
+        for t in targets:
+            r = results[row][t]
+            first_g = [x[0] for x in r["first"]]
+            steady_g = [statistics.median(x[0] for x in s) for s in r["steady"]]
+            flt = [x[1] for s in r["steady"] for x in s]
+            cpu_first = [x[2] for x in r["first"]]
+            cpu = [x[2] for s in r["steady"] for x in s]
+            ratio_f = [a[0] / b[0] for a, b in zip(r["first"], rn["first"])]
+            ratio_s = [statistics.median(x[0] for x in a) / statistics.median(x[0] for x in b)
+                       for a, b in zip(r["steady"], rn["steady"])]
+            ratio_c = [statistics.median(x[2] for x in a) / max(statistics.median(x[2] for x in b), 1e-9)
+                       for a, b in zip(r["steady"], rn["steady"])]
+            nat = t == "native"
+            print(f"| {_ROW_NAME[row]} | {t} | {_med_range(first_g)} | {_med_range(steady_g)} | "
+                  f"{statistics.median(flt):,.0f} | {statistics.median(cpu_first):.0f} / "
+                  f"{_med_range(cpu, '{:.0f}')} | {'1' if nat else _med_range(ratio_f)} | "
+                  f"{'1' if nat else _med_range(ratio_s)} | {'1' if nat else _med_range(ratio_c)} |")
+    print(f"\nmachine: {os.uname().release}, {os.cpu_count()} cpus; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {rounds} rounds")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/dev/shm/ckptfs-bench")
-    ap.add_argument("--size-mb", type=int, default=1024)
+    ap.add_argument("--size-mb", type=int, default=None, help="1024; 768 with --warm-rows")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
+    ap.add_argument("--bin", default=None,
+                    help="build/src/ckptfs; build-release/src/ckptfs with --warm-rows, if built")
     ap.add_argument("--splice", action="store_true", help="mount with -o splice=on")
     ap.add_argument("--mount-opt", action="append", default=[], help="extra -o option (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
@@ -356,7 +640,39 @@ def main() -> int:
                     help="only N parallel readers of N views")
     ap.add_argument("--config", action="append", default=None,
                     help="with --parallel: a comma-separated set of mount options (repeatable)")
+    ap.add_argument("--warm-rows", action="store_true",
+                    help="only the warm re-read rows of issue 23 (view, native ext4, plain)")
+    ap.add_argument("--rows", default="read,load,mmap",
+                    help="with --warm-rows: which rows, comma-separated (read, load, mmap)")
+    ap.add_argument("--passes", type=int, default=5,
+                    help="with --warm-rows: steady re-reads after the first re-read")
+    ap.add_argument("--native-dir", default="/var/tmp",
+                    help="with --warm-rows: where the native file goes (not tmpfs)")
+    ap.add_argument("--native-fill", choices=("read", "write"), default="read",
+                    help="with --warm-rows: the native file's pages come from a read from disk "
+                         "(written, evicted, read once) or only from being written")
+    ap.add_argument("--materialise", choices=("touch", "copy"), default="touch",
+                    help="with --warm-rows: the load row touches or copies every tensor")
     args = ap.parse_args()
+    release = os.path.join(ROOT, "build-release", "src", "ckptfs")
+    if args.bin is None:
+        args.bin = (release if args.warm_rows and os.path.exists(release)
+                    else os.path.join(ROOT, "build", "src", "ckptfs"))
+    if args.size_mb is None:
+        args.size_mb = 768 if args.warm_rows else 1024
+
+    if args.warm_rows:
+        rows = [r for r in args.rows.split(",") if r]
+        bad = [r for r in rows if r not in _ROW_FN]
+        if bad:
+            ap.error(f"--rows: unknown {bad}")
+        src = ensure_data(args.dir, args.size_mb)
+        base = ["settle=0", *args.mount_opt] + (["splice=on"] if args.splice else [])
+        warm_rows(args.bin, src, args.dir, base, args.repeat, args.passes, rows, args.native_dir,
+                  args.native_fill, args.materialise)
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        return 0
 
     if args.warm_like or args.parallel:
         src = ensure_data(args.dir, args.size_mb)
