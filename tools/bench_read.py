@@ -468,6 +468,15 @@ def _resident_pages(path: str) -> int:
     return int(out.stdout.split()[0]) // 4096 if out.returncode == 0 and out.stdout.strip() else -1
 
 
+def _disk_read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (/proc/self/io read_bytes)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
 def _fs_type(path: str) -> str:
     return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -483,7 +492,8 @@ def _med_range(xs: list[float], fmt: str = "{:.2f}") -> str:
 
 
 def warm_rows(binary: str, src: str, root: str, opts: list[str], rounds: int, passes: int,
-              rows: list[str], native_dir: str, native_fill: str, materialise: str) -> None:
+              rows: list[str], native_dir: str, native_fill: str, materialise: str,
+              tries: int = 3) -> None:
     """The issue 23 table: warm re-reads of the view, a native page-cache file and a plain file
     through the same daemon, per row, side by side (see the module docstring)."""
     fstype = _fs_type(native_dir)
@@ -535,43 +545,71 @@ def warm_rows(binary: str, src: str, root: str, opts: list[str], rounds: int, pa
     # results[row][target] = {"first": [(gbs, flt, cpu) per round], "steady": [[...] per round]}
     results = {r: {t: {"first": [], "steady": []} for t in targets} for r in rows}
     cold: dict[str, list[float]] = {"view": [], "plain": [], "native": []}
+    def one(rnd: int, row: str):
+        """One round of one row; returns (per-target passes, cold GB/s, daemon CPU ms, seconds
+        waited for the daemon to go idle, why the round was disturbed or None)."""
+        fn = _ROW_FN[row]
+        if os.path.exists(native):
+            os.unlink(native)
+        _write_copy(plain_src, native)
+        cold_now = {}
+        if native_fill == "read":
+            fd = os.open(native, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            left = _resident_pages(native)
+            dt, n = read_seq(native, 4 << 20)
+            cold_now["native"] = n / dt / 1e9
+            if left > 0:
+                print(f"  note: {left} pages of the native file stayed resident after "
+                      "POSIX_FADV_DONTNEED", flush=True)
+        d = Daemon(binary, src, mnt, opts)
+        try:
+            paths = {"view": os.path.join(mnt, view_rel), "native": native,
+                     "plain": os.path.join(mnt, plain_rel)}
+            os.stat(paths["view"]), os.stat(paths["plain"])
+            for t in ("view", "plain"):  # fills the mount's page cache once: the cold read
+                dt, n = read_seq(paths[t], 4 << 20)
+                cold_now[t] = n / dt / 1e9
+            waited = _wait_idle(d.proc.pid)
+            pages = -(-size // 4096)
+            missing = {t: pages - _resident_pages(paths[t]) for t in targets}
+            cpu0, io0 = _proc_cpu_ms(d.proc.pid), _disk_read_bytes()
+            res = {t: [] for t in targets}
+            for p in range(passes + 1):  # pass 0 is the first re-read
+                k = (rnd * len(rows) + p) % len(targets)
+                for t in targets[k:] + targets[:k]:
+                    res[t].append(_measure(fn, paths[t], state))
+            daemon_ms = _proc_cpu_ms(d.proc.pid) - cpu0
+            disk = _disk_read_bytes() - io0
+            for t in ("view", "plain"):
+                if subprocess.run(["cmp", "-s", paths[t], native]).returncode != 0:
+                    raise SystemExit(f"{paths[t]} differs from {native}")
+        finally:
+            d.close()
+        why = []
+        if any(missing.values()):
+            why.append("pages not resident before the re-reads: " +
+                       ", ".join(f"{t} {m}" for t, m in missing.items() if m))
+        if disk > 0:
+            why.append(f"{disk >> 20} MiB read from disk during the re-reads")
+        if daemon_ms > 50:
+            why.append(f"the daemon used {daemon_ms:.0f} ms of CPU during the re-reads")
+        return res, cold_now, daemon_ms, waited, "; ".join(why) or None
+
+    disturbed = kept = 0
     for rnd in range(rounds):
         for row in rows:
-            fn = _ROW_FN[row]
-            if os.path.exists(native):
-                os.unlink(native)
-            _write_copy(plain_src, native)
-            if native_fill == "read":
-                fd = os.open(native, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-                left = _resident_pages(native)
-                dt, n = read_seq(native, 4 << 20)
-                cold["native"].append(n / dt / 1e9)
-                if left > 0:
-                    print(f"  note: {left} pages of the native file stayed resident after "
-                          "POSIX_FADV_DONTNEED", flush=True)
-            d = Daemon(binary, src, mnt, opts)
-            try:
-                paths = {"view": os.path.join(mnt, view_rel), "native": native,
-                         "plain": os.path.join(mnt, plain_rel)}
-                os.stat(paths["view"]), os.stat(paths["plain"])
-                for t in ("view", "plain"):  # fills the mount's page cache once: the cold read
-                    dt, n = read_seq(paths[t], 4 << 20)
-                    cold[t].append(n / dt / 1e9)
-                waited = _wait_idle(d.proc.pid)
-                cpu0 = _proc_cpu_ms(d.proc.pid)
-                res = {t: [] for t in targets}
-                for p in range(passes + 1):  # pass 0 is the first re-read
-                    k = (rnd * len(rows) + p) % len(targets)
-                    for t in targets[k:] + targets[:k]:
-                        res[t].append(_measure(fn, paths[t], state))
-                daemon_ms = _proc_cpu_ms(d.proc.pid) - cpu0
-                for t in ("view", "plain"):
-                    if subprocess.run(["cmp", "-s", paths[t], native]).returncode != 0:
-                        raise SystemExit(f"{paths[t]} differs from {native}")
-            finally:
-                d.close()
+            for attempt in range(tries):
+                res, cold_now, daemon_ms, waited, why = one(rnd, row)
+                if why is None:
+                    break
+                disturbed += 1
+                kept += attempt + 1 == tries
+                print(f"round {rnd + 1} {row}: disturbed ({why}; another process dropping the "
+                      f"page cache?)" + ("; again" if attempt + 1 < tries else "; kept"), flush=True)
+            for t, g in cold_now.items():
+                cold[t].append(g)
             for t in targets:
                 results[row][t]["first"].append(res[t][0])
                 results[row][t]["steady"].append(res[t][1:])
@@ -589,7 +627,7 @@ def warm_rows(binary: str, src: str, root: str, opts: list[str], rounds: int, pa
                   f"{statistics.median(x[0] for x in v[1:]) / statistics.median(x[0] for x in n[1:]):.2f}x"
                   f"; daemon CPU over the re-reads {daemon_ms:.0f} ms"
                   + (f" (waited {waited:.1f} s for it to go idle first)" if waited > 1 else "")
-                  + (f"; MAJOR faults {majors}" if majors else ""), flush=True)
+                  + (f"; major faults {majors}" if majors else ""), flush=True)
     if os.path.exists(native):
         os.unlink(native)
 
@@ -619,7 +657,9 @@ def warm_rows(binary: str, src: str, root: str, opts: list[str], rounds: int, pa
                   f"{_med_range(cpu, '{:.0f}')} | {'1' if nat else _med_range(ratio_f)} | "
                   f"{'1' if nat else _med_range(ratio_s)} | {'1' if nat else _med_range(ratio_c)} |")
     print(f"\nmachine: {os.uname().release}, {os.cpu_count()} cpus; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {rounds} rounds")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {rounds} rounds"
+          + (f"; {disturbed} disturbed attempt(s), each run again up to {tries} tries" if disturbed else "")
+          + (f"; {kept} disturbed round(s) KEPT in the table" if kept else ""))
 
 
 def main() -> int:
