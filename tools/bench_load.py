@@ -13,10 +13,13 @@ times, each variant in a fresh child process:
                from_pretrained of that dir, in the child
   (c) native   from_pretrained of the pre-consolidated copy (the save_pretrained output) on the
                same storage
+  (d) loader   no mount: ckptfs_load.from_pretrained(SRC/ckpt) in the child (the model built on
+               the meta device, filled in place by libckptfs_load from the rank shards; the
+               library next to --bin)
 
-"Loaded" means from_pretrained returned AND every parameter was read once (a sum over it):
-transformers 5 keeps safetensors tensors memory-mapped, so from_pretrained alone may not
-have touched the bytes. Every child imports torch/transformers and loads a tiny model first,
+"Loaded" means from_pretrained (for (d) ckptfs_load's) returned AND every parameter was read
+once (a sum over it): transformers 5 keeps safetensors tensors memory-mapped, so
+from_pretrained alone may not have touched the bytes. Every child imports torch/transformers and loads a tiny model first,
 then reports READY; only after that are the caches dropped (cold) and the clock started, so
 interpreter start-up is charged to no variant. The child also checks that the model it loaded
 has the same checksum as the reference.
@@ -36,9 +39,10 @@ loading child's VmHWM (which counts resident file-backed mmap pages too, i.e. th
 Usage (as root; needs a built build/src/ckptfs and the venv of tools/setup.sh):
   bench_load.py [--size GB] [--storage disk,tmpfs] [--modes cold,warm] [--repeat N]
                 [--dir /var/tmp/ckptfs-bench-load] [--tmpfs /dev/shm/ckptfs-bench-load]
-                [--layout fsdp_tp --world 4 --tp 2 --files 2] [--variants abc] [--keep]
+                [--layout fsdp_tp --world 4 --tp 2 --files 2] [--variants abcd] [--keep]
 Prints a markdown table: absolute seconds (median of --repeat runs) and the ratios (a)/(b),
-(a)/(c). The machine is noisy: compare ratios within one run, not absolute figures across runs.
+(a)/(c), (d)/(c). The machine is noisy: compare ratios within one run, not absolute figures
+across runs.
 """
 from __future__ import annotations
 
@@ -87,9 +91,14 @@ def child_main() -> int:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     tiny = sys.argv[sys.argv.index("--child") + 1]
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import ckptfs_load
 
-    def load(path):
-        m = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    def load(path, loader=False):
+        if loader:
+            m = ckptfs_load.from_pretrained(path)
+        else:
+            m = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
         s = 0.0
         with torch.no_grad():
             for p in m.parameters():
@@ -101,6 +110,7 @@ def child_main() -> int:
                           num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
         LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tiny)
     m, _ = load(tiny)  # one-time costs (lazy imports, first from_pretrained) paid here
+    m, _ = load(tiny, loader=True)  # and the library's
     del m
     print("READY", flush=True)
     cmd = json.loads(sys.stdin.readline())
@@ -119,7 +129,7 @@ def child_main() -> int:
         m, out["checksum"] = load(cmd["out"])
         out["load_s"] = time.perf_counter() - t1
     else:
-        m, out["checksum"] = load(cmd["path"])
+        m, out["checksum"] = load(cmd["path"], loader=cmd["op"] == "loader")
         out["load_s"] = time.perf_counter() - t0
     out["total_s"] = time.perf_counter() - t0
     with open("/proc/self/status") as f:
@@ -257,7 +267,10 @@ def run_variant(v: str, st: dict, a, cold: bool, hot: bool = False) -> dict:
             shutil.rmtree(out, ignore_errors=True)
         return r
     t0 = time.perf_counter()
-    r = child.run({"op": "load", "path": st["reference"]})
+    if v == "d":
+        r = child.run({"op": "loader", "path": st["shards"]})
+    else:
+        r = child.run({"op": "load", "path": st["reference"]})
     r["total_s"] = r.pop("t_done") - t0
     return r
 
@@ -318,7 +331,7 @@ def main() -> int:
     ap.add_argument("--size", type=float, default=2.0, help="checkpoint size in GB (default %(default)s)")
     ap.add_argument("--storage", default="disk,tmpfs", help="disk and/or tmpfs (default %(default)s)")
     ap.add_argument("--modes", default="cold,warm", help="cold, warm and/or hot (default %(default)s)")
-    ap.add_argument("--variants", default="abc", help="which of (a) (b) (c) to run (default %(default)s)")
+    ap.add_argument("--variants", default="abc", help="which of (a) (b) (c) (d) to run (default %(default)s)")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per cell; the median is shown")
     ap.add_argument("--dir", default="/var/tmp/ckptfs-bench-load", help="disk work dir (kept for reuse)")
     ap.add_argument("--tmpfs", default="/dev/shm/ckptfs-bench-load", help="tmpfs work dir (removed after)")
@@ -334,6 +347,9 @@ def main() -> int:
     a.mount_args = ["-o", ",".join(a.mount_opt)] if a.mount_opt else []
     if os.geteuid() != 0:
         sys.exit("bench_load.py: run as root (drop_caches, FUSE mounts)")
+    lib = os.path.join(os.path.dirname(os.path.abspath(a.bin)), "libckptfs_load.so")
+    if os.path.exists(lib):  # (d) loads with the library built with --bin (the children inherit)
+        os.environ.setdefault("CKPTFS_LOAD_LIB", lib)
     cmdline = " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv])
 
     info = ensure_checkpoint(a)
@@ -390,23 +406,26 @@ def main() -> int:
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; {vers}; "
           f"disk dir {a.dir}, tmpfs dir {a.tmpfs}; median of {a.repeat} run(s).\n")
     print("| storage | cache | (a) mount + from_pretrained(mount) s | (b) torch consolidate + from_pretrained s "
-          "| (c) from_pretrained(native copy) s | (a)/(b) | (a)/(c) | ckptfs daemon VmHWM MB "
-          "| loader VmHWM MB (a / b / c) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| (c) from_pretrained(native copy) s | (d) ckptfs_load.from_pretrained(SRC) s | (a)/(b) | (a)/(c) "
+          "| (d)/(c) | ckptfs daemon VmHWM MB | loader VmHWM MB (a / b / c / d) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for storage, mode, m in rows:
-        ra, rb, rc = m.get("a"), m.get("b"), m.get("c")
+        ra, rb, rc, rd = m.get("a"), m.get("b"), m.get("c"), m.get("d")
         cell_a = f"{fmt(ra['total_s'])} ({fmt(ra['mount_s'])} + {fmt(ra['load_s'])})" if ra else "–"
         cell_b = f"{fmt(rb['total_s'])} ({fmt(rb['cons_s'])} + {fmt(rb['load_s'])})" if rb else "–"
         cell_c = fmt(rc["total_s"]) if rc else "–"
+        cell_d = fmt(rd["total_s"]) if rd else "–"
         ab = f"{ra['total_s'] / rb['total_s']:.2f}" if ra and rb else "–"
         ac = f"{ra['total_s'] / rc['total_s']:.2f}" if ra and rc else "–"
-        hwm = " / ".join(fmt(r["hwm_mb"], 0) if r else "–" for r in (ra, rb, rc))
-        print(f"| {storage} | {mode} | {cell_a} | {cell_b} | {cell_c} | {ab} | {ac} "
+        dc = f"{rd['total_s'] / rc['total_s']:.2f}" if rd and rc else "–"
+        hwm = " / ".join(fmt(r["hwm_mb"], 0) if r else "–" for r in (ra, rb, rc, rd))
+        print(f"| {storage} | {mode} | {cell_a} | {cell_b} | {cell_c} | {cell_d} | {ab} | {ac} | {dc} "
               f"| {fmt(ra.get('daemon_hwm_mb') if ra else None, 0)} | {hwm} |")
     print("\n(a) = mount start until the view is listed + from_pretrained + one pass over every parameter; "
           "(b) = torch consolidate_safetensors_files into a new dir on the same storage (no fsync) + the same "
-          "load; (c) = the same load of the save_pretrained copy. Loader VmHWM includes resident "
-          "file-backed mmap pages (the model itself).")
+          "load; (c) = the same load of the save_pretrained copy; (d) = ckptfs_load.from_pretrained of the "
+          "rank shards (no mount; meta-device model filled in place by libckptfs_load) + the same pass. "
+          "Loader VmHWM includes resident file-backed mmap pages (the model itself).")
     print(f"All variants loaded the same model: {len(checksums) == 1}")
     return 0 if len(checksums) == 1 else 1
 

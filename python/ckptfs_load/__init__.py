@@ -7,6 +7,7 @@ the system's library path.
     from ckptfs_load import load_state_dict, load_into
     sd = load_state_dict("/ckpt/step_100/model", device="cuda:0")   # dict[str, torch.Tensor]
     load_into(model, "/ckpt/step_100/model")                          # fills parameters in place
+    model = from_pretrained("/ckpt/step_100/model")   # a transformers model, as its from_pretrained
 
 Tensors are allocated by torch (on the CPU or the CUDA device asked for) and the library writes
 into their memory (data_ptr()): no copy beyond the loader's own staging buffers. Dtypes torch
@@ -22,8 +23,8 @@ import os
 import pathlib
 from dataclasses import dataclass
 
-__all__ = ["Checkpoint", "Comm", "LoadError", "TensorInfo", "features", "load_into",
-           "load_state_dict", "nccl_unique_id"]
+__all__ = ["Checkpoint", "Comm", "LoadError", "TensorInfo", "features", "from_pretrained",
+           "load_into", "load_state_dict", "nccl_unique_id"]
 
 
 class LoadError(RuntimeError):
@@ -309,40 +310,146 @@ def load_into(model, ckpt_dir, strict: bool = True, dtype: str = "auto", direct:
     A tensor whose dtype differs from the checkpoint's is loaded into a temporary and copied
     (converted). With strict, names of the model missing from the checkpoint (other than tied
     copies of loaded storage) or the reverse raise; returns (missing, unexpected) otherwise.
+    A tensor whose shape differs from the checkpoint's always raises LoadError naming it.
     """
+    with Checkpoint(ckpt_dir, dtype=dtype, direct=direct, map=map, hf_config=hf_config) as ck:
+        return _load_into(model, ck, strict, load_options)[:2]
+
+
+def _load_into(model, ck: Checkpoint, strict: bool, load_options: dict):
+    """load_into on an open checkpoint: (missing, unexpected, names of the loaded tensors,
+    tied copies of loaded storage included)."""
     import torch
     sd = model.state_dict(keep_vars=True)
-    with Checkpoint(ckpt_dir, dtype=dtype, direct=direct, map=map, hf_config=hf_config) as ck:
-        loaded_ptrs, reqs, converts, missing = set(), {}, [], []
-        for name, t in sd.items():
-            t = t.data if isinstance(t, torch.nn.Parameter) else t
-            info = ck.by_name.get(name)
-            if info is None:
-                missing.append(name)
-                continue
-            if tuple(t.shape) != info.shape:
-                raise LoadError(22, f"tensor '{name}': the model has shape {tuple(t.shape)}, "
-                                    f"{ck.path} has {info.shape}")
-            if t.data_ptr() in loaded_ptrs and t.numel():
-                continue  # tied: the same storage is already being loaded
-            loaded_ptrs.add(t.data_ptr())
-            dev = _device_str(t.device)
-            if _torch_dtype(info.dtype) == t.dtype and t.is_contiguous():
-                reqs.setdefault(dev, []).append((name, t.data_ptr() if info.nbytes else None,
-                                                 info.nbytes))
-            else:
-                tmp = _empty_for(info, dev)
-                reqs.setdefault(dev, []).append((name, tmp.data_ptr() if info.nbytes else None,
-                                                 info.nbytes))
-                converts.append((t, tmp))
-        missing = [n for n in missing if sd[n].data_ptr() not in loaded_ptrs or not sd[n].numel()]
-        unexpected = [n for n in ck.by_name if n not in sd]
-        if strict and (missing or unexpected):
-            raise LoadError(22, f"{ck.path}: missing from the checkpoint: {missing}; "
-                                f"not in the model: {unexpected}")
-        with torch.no_grad():
-            for dev, rs in reqs.items():
-                ck.load(rs, device=dev, **load_options)
-            for t, tmp in converts:
-                t.copy_(tmp.view(t.shape) if tmp.dtype != torch.uint8 else tmp)
-    return missing, unexpected
+    loaded_ptrs, reqs, converts, missing = set(), {}, [], []
+    for name, t in sd.items():
+        t = t.data if isinstance(t, torch.nn.Parameter) else t
+        info = ck.by_name.get(name)
+        if info is None:
+            missing.append(name)
+            continue
+        if tuple(t.shape) != info.shape:
+            raise LoadError(22, f"tensor '{name}': the model has shape {tuple(t.shape)}, "
+                                f"{ck.path} has {info.shape}")
+        if t.data_ptr() in loaded_ptrs and t.numel():
+            continue  # tied: the same storage is already being loaded
+        loaded_ptrs.add(t.data_ptr())
+        dev = _device_str(t.device)
+        if _torch_dtype(info.dtype) == t.dtype and t.is_contiguous():
+            reqs.setdefault(dev, []).append((name, t.data_ptr() if info.nbytes else None,
+                                             info.nbytes))
+        else:
+            tmp = _empty_for(info, dev)
+            reqs.setdefault(dev, []).append((name, tmp.data_ptr() if info.nbytes else None,
+                                             info.nbytes))
+            converts.append((t, tmp))
+    missing = [n for n in missing if sd[n].data_ptr() not in loaded_ptrs or not sd[n].numel()]
+    unexpected = [n for n in ck.by_name if n not in sd]
+    if strict and (missing or unexpected):
+        raise LoadError(22, f"{ck.path}: missing from the checkpoint: {missing}; "
+                            f"not in the model: {unexpected}")
+    with torch.no_grad():
+        for dev, rs in reqs.items():
+            ck.load(rs, device=dev, **load_options)
+        for t, tmp in converts:
+            t.copy_(tmp.view(t.shape) if tmp.dtype != torch.uint8 else tmp)
+    missing_set = set(missing)
+    return missing, unexpected, [n for n in sd if n not in missing_set]
+
+
+def _auto_dtype(config, ck: Checkpoint):
+    """transformers' dtype="auto": config.dtype, else the checkpoint's first floating dtype
+    (fp8/fp4 skipped), else its first tensor's, else float32."""
+    import torch
+    dt = getattr(config, "dtype", None)
+    if dt is not None:
+        return getattr(torch, dt) if isinstance(dt, str) else dt
+    for info in ck.tensors:
+        t = _torch_dtype(info.dtype)
+        if t is not None and t.is_floating_point and "float8" not in str(t):
+            return t
+    t = _torch_dtype(ck.tensors[0].dtype) if ck.tensors else None
+    return t if t is not None else torch.float32
+
+
+def from_pretrained(ckpt_dir, model_cls=None, config=None, device="cpu", dtype="auto",
+                    strict: bool = True, map: str | None = None, hf_config=None,
+                    direct: bool = False, **load_options):
+    """A transformers model loaded from ckpt_dir (rank shards or consolidated safetensors)
+    without a mount: the model that `AutoModelForCausalLM.from_pretrained(consolidated dir,
+    dtype=dtype)` gives, built on the meta device and filled by the C++ loader in place.
+
+        model = ckptfs_load.from_pretrained("/ckpt/step_100/model")             # CPU
+        model = ckptfs_load.from_pretrained(src, device="cuda:0", dtype=torch.bfloat16)
+
+    ckpt_dir: a checkpoint directory Checkpoint accepts. model_cls: a transformers model class
+    (default AutoModelForCausalLM). config: a transformers config object, or the path of a
+    config.json or of a directory holding one; default: ckpt_dir/config.json, else hf_config.
+    device: "cpu" or "cuda:N". dtype: "auto" (config.dtype, else the checkpoint's first
+    floating dtype, as transformers), a torch.dtype or its name; tensors stored in another
+    dtype are converted as from_pretrained converts them. strict: a name of the model missing
+    from the checkpoint, or the reverse, raises LoadError (with strict=False, missing
+    tensors are initialised the way from_pretrained initialises them, and unexpected ones are
+    ignored). map, hf_config, direct: as Checkpoint's. load_options: Checkpoint.load's
+    (threads, chunk_mb, ring, ...).
+
+    After loading, the same finishing steps as from_pretrained: tied weights share one
+    storage (tie_weights), non-persistent buffers (RoPE inv_freq, ...) are computed by the
+    model's own _init_weights, _keep_in_fp32_modules_strict modules are float32,
+    generation_config.json is read when present, and the model is in eval() mode. Weight
+    renamings and conversions that from_pretrained applies to legacy checkpoints (fused MoE
+    experts, old key names) are not: such names fail strict loading, naming the tensors.
+    Needs transformers (imported here only).
+    """
+    import copy
+    import re
+
+    import torch
+    import transformers
+
+    ckpt_dir = os.fspath(ckpt_dir)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        where = config
+        if where is None:
+            where = ckpt_dir if os.path.exists(os.path.join(ckpt_dir, "config.json")) else hf_config
+        if where is None:
+            raise LoadError(2, f"{ckpt_dir}: no config.json (give config= or hf_config=)")
+        where = os.fspath(where)
+        config = transformers.AutoConfig.from_pretrained(
+            os.path.dirname(where) if os.path.isfile(where) else where)
+    else:
+        config = copy.deepcopy(config)  # as from_pretrained: the caller's config is not changed
+    dev = _device_str(device)
+    with Checkpoint(ckpt_dir, direct=direct, map=map, hf_config=hf_config) as ck:
+        if isinstance(dtype, str):
+            dtype = _auto_dtype(config, ck) if dtype == "auto" else getattr(torch, dtype)
+        config.name_or_path = ckpt_dir
+        cls = model_cls or transformers.AutoModelForCausalLM
+        build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+        with torch.device("meta"):
+            model = build(config, dtype=dtype)
+        # _keep_in_fp32_modules_strict: float32 whatever dtype, as from_pretrained's dtype plan.
+        plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+        for name, p in model.named_parameters() if plan else ():
+            for pattern, pdt in plan.items():
+                if re.search(pattern.replace("*", ".*"), name):
+                    p.data = p.data.to(pdt)
+                    break
+        model.to_empty(device=dev)
+        for t in list(model.parameters()) + list(model.buffers()):
+            _advise_huge(t)  # fresh memory: 2 MiB pages make the loader's first touch cheap
+        model.tie_weights()  # to_empty gave each tied name its own storage: one again
+        _, _, loaded = _load_into(model, ck, strict, load_options)
+    # What was loaded is marked initialised; the model's own init then computes the rest
+    # (non-persistent buffers such as RoPE's inv_freq, and anything missing with strict=False),
+    # the way from_pretrained finishes a model.
+    sd = model.state_dict(keep_vars=True)
+    for name in loaded:
+        sd[name]._is_hf_initialized = True
+    if hasattr(model, "initialize_weights"):
+        model.initialize_weights()
+    model.eval()
+    gen = os.path.join(ckpt_dir, "generation_config.json")
+    if getattr(model, "can_generate", lambda: False)() and os.path.exists(gen):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(ckpt_dir)
+    return model
