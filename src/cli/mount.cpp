@@ -57,8 +57,13 @@ ckptfs -o options:
   prefetch=on|off        push consolidated files into the page cache ahead of readers
                          (default: on below 8 cores with 2 GiB available, else off)
   prefetch_threads=N     threads pushing (default: half the cores, 2 to 8)
+  passthrough=on|off     the kernel reads plain files (not synthesized ones) straight from
+                         SRC, no request to the daemon (FUSE passthrough, Linux 6.9+, root);
+                         a write open of a file open for reading that way fails (ETXTBSY)
+                         (default: on for a read-only mount, off otherwise)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
   read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
+  max_read=N             the largest read request in bytes (default and most: 1 MiB)
   write_mem_mb=N         memory all files being written may hold in the daemon (headers
                          being sniffed or split; default 256); past it a file is staged to disk
                          and split at close
@@ -161,10 +166,17 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::s
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "prefetch_threads"));
     if (n < 1 || n > 64) return make_error(EINVAL, "prefetch_threads: must be 1..64, got {}", n);
     o.prefetch_threads = n;
+  } else if (key == "passthrough") {
+    CKPTFS_TRY(o.passthrough, parse_onoff(val, "passthrough"));
   } else if (key == "splice") {
     CKPTFS_TRY(o.splice, parse_onoff(val, "splice"));
   } else if (key == "read_ahead_kb") {
     CKPTFS_TRY(o.read_ahead_kb, parse_unsigned(val, "read_ahead_kb"));
+  } else if (key == "max_read") {
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "max_read"));
+    if (n < 4096) return make_error(EINVAL, "max_read: must be at least 4096, got {}", n);
+    o.max_read = n;
+    o.fuse_opts.push_back(opt);  // the kernel's mount option too
   } else if (key == "write_mem_mb") {
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "write_mem_mb"));
     if (n < 1 || n > 1u << 20) return make_error(EINVAL, "write_mem_mb: must be 1..1048576");

@@ -96,7 +96,8 @@ Status Filesystem::read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan) {
 std::shared_ptr<const FileReader> Filesystem::reader(uint64_t fh) const {
   return impl_->reader(fh);
 }
-void Filesystem::release(uint64_t fh) { impl_->release(fh); }
+bool Filesystem::release(uint64_t fh) { return impl_->release(fh); }
+void Filesystem::backing_refused(uint64_t fh) { impl_->backing_refused(fh); }
 
 Result<struct statvfs> Filesystem::statfs() {
   struct statvfs sv {};

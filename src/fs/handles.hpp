@@ -24,6 +24,7 @@ struct FileHandle {
   std::shared_ptr<write::WriteFile> wf;  // open for writing (or a file being written)
   Ino ino = 0;
   bool writable = false;
+  enum class Io : uint8_t { None, Cached, Backed } io = Io::None;  // counted in IoModes as
 };
 
 // Handles are owned here: the kernel releases them asynchronously, and one a signal or an

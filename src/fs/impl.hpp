@@ -29,6 +29,7 @@
 #include "ckptfs/write/file.hpp"
 #include "dir_views.hpp"
 #include "handles.hpp"
+#include "io_modes.hpp"
 #include "node_table.hpp"
 #include "status.hpp"
 #include "write_registry.hpp"
@@ -77,8 +78,9 @@ struct Filesystem::Impl {
   Notifier* notifier = nullptr;  // set before the mount serves requests
 
   // --- state; each part has its own lock (the lock order: node_table.hpp) --------------------
-  NodeTable nodes;       // inodes, cached names, directory states
-  Handles handles;       // open file and directory handles
+  NodeTable nodes;                       // inodes, cached names, directory states
+  Handles handles;                       // open file and directory handles
+  IoModes io_modes{opts.backing_grace};  // plain files' opens: backed (FUSE passthrough) or cached
   WriteRegistry writes;  // files being written, and evidence of this daemon's changes
   StatusFile status;     // figures for .ckptfs/status.json
   source::HeaderCache headers;
@@ -160,7 +162,8 @@ struct Filesystem::Impl {
   Result<OpenOut> open(Ino ino, int flags, const Caller& who);
   Status read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan);
   std::shared_ptr<const FileReader> reader(uint64_t fh) const;
-  void release(uint64_t fh);
+  bool release(uint64_t fh);
+  void backing_refused(uint64_t fh);
   Result<std::shared_ptr<const ShardFds>> open_view_shards(const std::shared_ptr<const View>& v,
                                                            const std::string& rel);
 

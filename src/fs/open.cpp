@@ -65,7 +65,15 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
     if (opts.read_only) return make_error(EROFS, "read-only view");
     note_writer_of(ino, who);
-    return open_for_write(*n, flags);
+    if (n->kind != Kind::File) return open_for_write(*n, flags);
+    CKPTFS_CHECK(io_modes.open_cached(ino, n->rel));
+    auto out = open_for_write(*n, flags);
+    if (!out) {
+      io_modes.release(ino, false);
+    } else if (auto h = handles.file(out->fh)) {
+      (*h)->io = FileHandle::Io::Cached;
+    }
+    return out;
   }
   if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::Pending) {
     const auto& in = n->view->inputs;
@@ -110,6 +118,8 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
         h->reader = std::make_shared<WriteFileReader>(wf);
         h->wf = std::move(wf);
         h->ino = ino;
+        h->io = FileHandle::Io::Cached;
+        io_modes.open_read(ino, false);
         break;
       }
       struct stat st {};
@@ -121,10 +131,18 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
       }
       CKPTFS_TRY(UniqueFd fd, std::move(opened));
       if (!(real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
-      auto stamp = source::stamp_of(st);
-      out.keep_cache = nodes.swap_cached_stamp(n->ino, stamp);
-      h->reader = std::make_shared<PassthroughReader>(
+      auto reader = std::make_shared<PassthroughReader>(
           std::move(fd), static_cast<uint64_t>(st.st_size), source_path(n->rel));
+      if (io_modes.open_read(ino, opts.backing)) {
+        // The kernel reads the file itself: the mount's page cache is not used (and the
+        // kernel refuses keep_cache beside passthrough).
+        h->io = FileHandle::Io::Backed;
+        out.backing_fd = reader->fd();
+      } else {
+        h->io = FileHandle::Io::Cached;
+        out.keep_cache = nodes.swap_cached_stamp(n->ino, source::stamp_of(st));
+      }
+      h->reader = std::move(reader);
       break;
     }
     case Kind::Dir:
@@ -156,10 +174,19 @@ std::shared_ptr<const FileReader> Filesystem::Impl::reader(uint64_t fh) const {
   return h ? (*h)->reader : nullptr;  // none for an unknown handle
 }
 
-void Filesystem::Impl::release(uint64_t fh) {
+void Filesystem::Impl::backing_refused(uint64_t fh) {
   auto found = handles.file(fh);
-  if (!found) return;  // not open: nothing to release
+  if (!found || (*found)->io != FileHandle::Io::Backed) return;
+  (*found)->io = FileHandle::Io::Cached;
+  io_modes.demote((*found)->ino);
+}
+
+bool Filesystem::Impl::release(uint64_t fh) {
+  auto found = handles.file(fh);
+  if (!found) return false;  // not open: nothing to release
   FileHandle* h = *found;
+  const bool backed = h->io == FileHandle::Io::Backed;
+  if (h->io != FileHandle::Io::None) io_modes.release(h->ino, backed);
   std::shared_ptr<write::WriteFile> wf;
   if (h->writable && h->wf) {
     wf = h->wf;
@@ -172,6 +199,7 @@ void Filesystem::Impl::release(uint64_t fh) {
     wf.reset();
     writes.find(dev, ino);  // drops the registry entry of a file no handle holds
   }
+  return backed;
 }
 
 }  // namespace ckptfs::fs

@@ -121,7 +121,9 @@ std::string Filesystem::Impl::status_json() const {
   ck["list"] = std::move(list);
   out["checkpoints"] = std::move(ck);
 
-  out["reads"] = {{"requests", status.reads.load()}, {"bytes", status.bytes_read.load()}};
+  out["reads"] = {{"requests", status.reads.load()},
+                  {"bytes", status.bytes_read.load()},
+                  {"backed_opens", io_modes.backed_opens()}};
   out["writes"] = {{"open_files", writes.open_files()}};
 
   json extra = json::object();

@@ -26,6 +26,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/fs/prefetch.hpp"
+#include "ckptfs/fuse/backing.hpp"
 #include "ckptfs/util/sd_notify.hpp"
 #include "ckptfs/util/text.hpp"
 
@@ -127,8 +128,9 @@ struct Context {
   const MountOptions* opts = nullptr;
   fuse_session* se = nullptr;
   fs::Prefetcher* prefetch = nullptr;
-  std::string devnum;         // the mount's bdi "major:minor"
-  std::once_flag read_ahead;  // set once the kernel has processed our INIT reply
+  Backing* backing = nullptr;  // FUSE passthrough of plain files, where enabled
+  std::string devnum;          // the mount's bdi "major:minor"
+  std::once_flag read_ahead;   // set once the kernel has processed our INIT reply
 };
 
 // The kernel caps the bdi's read-ahead at INIT time, so it is raised on the first request
@@ -220,8 +222,15 @@ void op_init(void* userdata, fuse_conn_info* conn) {
   }
   if (conn->capable & FUSE_CAP_PARALLEL_DIROPS) conn->want |= FUSE_CAP_PARALLEL_DIROPS;
   if (conn->capable & FUSE_CAP_CACHE_SYMLINKS) conn->want |= FUSE_CAP_CACHE_SYMLINKS;
-  spdlog::debug("fuse init: max_write={} max_readahead={} splice={}", conn->max_write,
-                conn->max_readahead, c.opts->splice);
+  if (c.backing) c.backing->ask_in_init();
+  // libfuse refuses INIT unless init() repeats the max_read mount option.
+  if (c.opts->max_read) conn->max_read = c.opts->max_read;
+  const auto bg = fs::fuse_background(c.opts->read_ahead_kb, kMaxRead >> 10);
+  conn->max_background = bg.max_background;
+  conn->congestion_threshold = bg.congestion_threshold;
+  spdlog::debug("fuse init: max_write={} max_readahead={} max_read={} background={}/{} splice={}",
+                conn->max_write, conn->max_readahead, conn->max_read, bg.max_background,
+                bg.congestion_threshold, c.opts->splice);
 }
 
 void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
@@ -308,12 +317,22 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   fi->fh = r->fh;
   fi->keep_cache = r->keep_cache;
   fi->direct_io = r->direct_io;
+  int backing_id = 0;
+  if (r->backing_fd >= 0) {
+    backing_id = c.backing ? c.backing->acquire(ino, r->backing_fd) : 0;
+    if (backing_id > 0) {
+      Backing::mark_next_open(backing_id);
+    } else {
+      c.fs->backing_refused(r->fh);
+    }
+  }
   // Take what the prefetcher needs before replying: once the reply is out, the kernel may
   // send RELEASE on another thread and the handle is gone.
   std::shared_ptr<const fs::FileReader> reader;
   if (c.prefetch && r->is_virtual) reader = c.fs->reader(r->fh);
   if (fuse_reply_open(req, fi) != 0) {
-    c.fs->release(r->fh);  // the opener went away
+    Backing::clear_mark();
+    if (c.fs->release(r->fh) && backing_id > 0) c.backing->release(ino);  // the opener went away
     return;
   }
   if (!reader) return;
@@ -367,8 +386,9 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
   fuse_reply_buf(req, buf.data(), *n);
 }
 
-void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  ctx(req).fs->release(fi->fh);
+void op_release(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  auto& c = ctx(req);
+  if (c.fs->release(fi->fh) && c.backing) c.backing->release(ino);
   fuse_reply_err(req, 0);
 }
 
@@ -709,6 +729,11 @@ int run_mount(const MountOptions& given) {
   // The kernel already applied the caller's umask to the modes it sends: the daemon's own
   // must not mask them again.
   ::umask(0);
+  if (o.passthrough.value_or(o.fs.read_only) && ::geteuid() != 0) {
+    if (o.passthrough) spdlog::warn("passthrough=on needs root (CAP_SYS_ADMIN): off");
+    o.passthrough = false;
+  }
+  o.fs.backing = o.passthrough.value_or(o.fs.read_only);
   auto fsr = fs::Filesystem::create(o.source, o.fs);
   if (!fsr) {
     fmt::print(stderr, "ckptfs mount: {}\n", fsr.error().message);
@@ -753,6 +778,14 @@ int run_mount(const MountOptions& given) {
     return 1;
   }
   c.devnum = mount_devnum(o.mountpoint);
+  Backing backing;
+  if (o.fs.backing) {
+    if (backing.install(se.get())) {
+      c.backing = &backing;
+    } else {
+      spdlog::warn("FUSE passthrough is off: libfuse refused the session's I/O hooks");
+    }
+  }
   if (!o.foreground) {
     // Forks: the parent exits 0 now that the mount is ready; the child serves.
     if (fuse_daemonize(0) != 0) return 1;
@@ -761,9 +794,10 @@ int run_mount(const MountOptions& given) {
   spdlog::info("mounted {} at {}", o.source, o.mountpoint);
   sd_notify(fmt::format("READY=1\nSTATUS=serving {} at {}", o.source, o.mountpoint));
   spdlog::info(
-      "read path: {} cores, {} MiB available: threads={} prefetch={} (threads {}) splice={}",
+      "read path: {} cores, {} MiB available: threads={} prefetch={} (threads {}) splice={} "
+      "passthrough={}",
       machine.cores, machine.mem_available >> 20, *o.threads, *o.prefetch ? "on" : "off",
-      *o.prefetch_threads, o.splice ? "on" : "off");
+      *o.prefetch_threads, o.splice ? "on" : "off", c.backing ? "on" : "off");
 
   int rc;
   {

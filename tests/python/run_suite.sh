@@ -60,7 +60,8 @@ if [[ ${CKPTFS_ASAN:-0} == 1 ]]; then
     export CKPTFS_MOUNT_FUZZ_SECONDS=${CKPTFS_ASAN_MOUNT_FUZZ_SECONDS:-30}
     export CKPTFS_WRITE_FUZZ_SECONDS=${CKPTFS_ASAN_WRITE_FUZZ_SECONDS:-30}
     files=(test_mount.py test_hostile.py test_mount_fuzz.py test_cli.py test_write.py
-           test_trust.py test_write_fuzz.py test_native.py test_maps_torchtitan.py)
+           test_trust.py test_write_fuzz.py test_native.py test_maps_torchtitan.py
+           test_passthrough.py)
     args+=("${files[@]/#/tests/python/}" -m "not mpi" -k "not written_through and not every_tool")
   else
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -458,6 +459,85 @@ TEST(Fs, ReplacedPassthroughFileIsStale) {
   fs::Ino fresh = t.walk({"run", "notes.txt"});
   EXPECT_NE(fresh, notes);
   EXPECT_EQ(read_all(*t.f, fresh), "other");
+}
+
+// FUSE passthrough (Options::backing): the kernel refuses one inode open backed and cached at
+// once, so the daemon decides per inode.
+TEST(Fs, PlainFilesOpenBackedAndAWriterMeetsETXTBSY) {
+  fs::Options o;
+  o.backing = true;
+  o.backing_grace = std::chrono::milliseconds(0);
+  Fs t(o);
+  fs::Ino notes = t.walk({"run", "notes.txt"});
+  auto a = t.f->open(notes, O_RDONLY);
+  ASSERT_TRUE(a.ok()) << a.error().message;
+  ASSERT_GE(a->backing_fd, 0);
+  EXPECT_FALSE(a->keep_cache);  // the kernel refuses keep_cache beside passthrough
+  char buf[8] = {};
+  ASSERT_EQ(::pread(a->backing_fd, buf, sizeof buf, 0), 5);  // the file in SRC itself
+  EXPECT_EQ(std::string(buf, 5), "hello");
+  auto b = t.f->open(notes, O_RDONLY);
+  ASSERT_TRUE(b.ok());
+  EXPECT_GE(b->backing_fd, 0);
+  auto w = t.f->open(notes, O_WRONLY);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.error().code, ETXTBSY);
+  EXPECT_NE(w.error().message.find("run/notes.txt"), std::string::npos) << w.error().message;
+  EXPECT_TRUE(t.f->release(a->fh));
+  EXPECT_TRUE(t.f->release(b->fh));
+  // Every backed reader released: the write opens, and readers now share its page cache.
+  auto w2 = t.f->open(notes, O_WRONLY);
+  ASSERT_TRUE(w2.ok()) << w2.error().message;
+  auto c = t.f->open(notes, O_RDONLY);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->backing_fd, -1);
+  EXPECT_FALSE(t.f->release(c->fh));
+  EXPECT_FALSE(t.f->release(w2->fh));
+  auto d = t.f->open(notes, O_RDONLY);
+  ASSERT_TRUE(d.ok());
+  EXPECT_GE(d->backing_fd, 0);
+  // The kernel could not back it: cached after all, and a writer is no longer refused.
+  t.f->backing_refused(d->fh);
+  auto w3 = t.f->open(notes, O_WRONLY);
+  ASSERT_TRUE(w3.ok()) << w3.error().message;
+  EXPECT_FALSE(t.f->release(d->fh));
+  EXPECT_FALSE(t.f->release(w3->fh));
+}
+
+TEST(Fs, AWriterWaitsForTheReleaseOfABackedReaderThatClosed) {
+  fs::Options o;
+  o.backing = true;
+  o.backing_grace = std::chrono::seconds(30);
+  Fs t(o);
+  fs::Ino notes = t.walk({"run", "notes.txt"});
+  auto a = t.f->open(notes, O_RDONLY);
+  ASSERT_TRUE(a.ok());
+  ASSERT_GE(a->backing_fd, 0);
+  // The kernel sends RELEASE after close(2) returned: a write open arriving first waits.
+  std::thread release([&] { t.f->release(a->fh); });
+  auto w = t.f->open(notes, O_WRONLY);
+  release.join();
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  t.f->release(w->fh);
+}
+
+TEST(Fs, SyntheticFilesAndDefaultMountsAreNeverBacked) {
+  {
+    Fs t;  // backing off (a read-write mount's default)
+    auto a = t.f->open(t.walk({"run", "notes.txt"}), O_RDONLY);
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(a->backing_fd, -1);
+    t.f->release(a->fh);
+  }
+  fs::Options o;
+  o.backing = true;
+  Fs t(o);
+  auto v =
+      t.f->open(t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"}), O_RDONLY);
+  ASSERT_TRUE(v.ok()) << v.error().message;
+  EXPECT_EQ(v->backing_fd, -1);  // synthesized: no file holds these bytes at these offsets
+  EXPECT_TRUE(v->keep_cache);
+  EXPECT_FALSE(t.f->release(v->fh));
 }
 
 TEST(Fs, SymlinksArePassedThroughNotFollowed) {

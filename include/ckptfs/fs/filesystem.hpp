@@ -51,7 +51,13 @@ inline constexpr std::string_view kStatusFileName = "status.json";
 using StatusExtra = std::function<std::vector<std::pair<std::string, uint64_t>>()>;
 
 struct Options {
-  bool show_shards = false;                    // expose hidden files under .shards/
+  bool show_shards = false;  // expose hidden files under .shards/
+  // Plain files opened read-only may be served by the kernel from their file in SRC (FUSE
+  // passthrough, OpenOut::backing_fd); set by the adapter once the kernel has accepted it.
+  bool backing = false;
+  // How long a write open of such a file waits for the releases of readers that closed it
+  // (the kernel tells the daemon a moment after close) before it fails with ETXTBSY.
+  std::chrono::milliseconds backing_grace{200};
   std::chrono::milliseconds revalidate{1000};  // TTL of a directory's cached view
   std::chrono::milliseconds settle{1000};      // quiet time before a checkpoint shows
   layout::BuildOptions build;
@@ -162,6 +168,9 @@ struct OpenOut {
   bool keep_cache = false;  // page cache still matches this file's bytes
   bool is_virtual = false;  // a synthesized consolidated file or index
   bool direct_io = false;   // content made at open (the status file): stat's size means nothing
+  // >= 0: the kernel may serve this open from that file (valid while the handle lives) by
+  // FUSE passthrough; if it cannot, backing_refused(fh) says so.
+  int backing_fd = -1;
 };
 
 // Attribute changes of a setattr; unset fields stay. A time with tv_nsec == UTIME_NOW is now.
@@ -204,7 +213,11 @@ class Filesystem {
   Result<OpenOut> open(Ino ino, int flags, const Caller& who = {});
   Status read(uint64_t fh, uint64_t off, size_t len, ReadPlan& plan);
   [[nodiscard]] std::shared_ptr<const FileReader> reader(uint64_t fh) const;
-  void release(uint64_t fh);
+  // True if the handle was a backed open (its inode's backing file may be let go).
+  bool release(uint64_t fh);
+  // The kernel could not back the open `fh` (OpenOut::backing_fd): it goes through the page
+  // cache, like any other.
+  void backing_refused(uint64_t fh);
 
   Result<struct statvfs> statfs();
 

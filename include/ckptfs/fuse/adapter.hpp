@@ -21,7 +21,12 @@ struct MountOptions {
   std::optional<unsigned> prefetch_threads;  // push threads (each inode: all of them)
   bool splice = false;                       // reply with fd-backed buffers spliced by the kernel
   unsigned read_ahead_kb = 8192;             // the mount's bdi read_ahead_kb (0: leave the default)
-  bool auto_unmount = true;                  // unmount if the daemon dies (fusermount3 watchdog)
+  // Plain files opened for reading are served by the kernel from their file in SRC (FUSE
+  // passthrough, Linux 6.9+, as root). Unset: on for a read-only mount, where no write can
+  // meet a backed reader (a write open of a file being read that way is refused, ETXTBSY).
+  std::optional<bool> passthrough;
+  unsigned max_read = 0;     // -o max_read: the largest FUSE_READ (0: libfuse's, 1 MiB here)
+  bool auto_unmount = true;  // unmount if the daemon dies (fusermount3 watchdog)
   double attr_timeout = 1.0;
   double entry_timeout = 1.0;
   std::vector<std::string> fuse_opts;  // passed to libfuse as -o

@@ -1,0 +1,48 @@
+// fs/io_modes: which opens of a file the kernel serves from its backing file in SRC (FUSE
+// passthrough) and which through the mount's page cache; the kernel refuses to mix the two.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string_view>
+#include <unordered_map>
+
+#include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/util/result.hpp"
+
+namespace ckptfs::fs {
+
+// Linux (fs/fuse/iomode.c, 6.9+) fails open(2) with EIO when one inode has a passthrough open
+// and a cached one at once. The daemon therefore decides per inode: a read-only open is
+// backed only while no cached open of the inode is live, and a cached open (a write) is
+// refused with ETXTBSY, naming the file, while backed opens are live. The kernel lets a
+// backed open go at close(2) but tells the daemon (RELEASE) a moment later, so a write open
+// waits up to `grace` for the releases of readers that already closed.
+class IoModes {
+ public:
+  explicit IoModes(std::chrono::milliseconds grace = std::chrono::milliseconds(200))
+      : grace_(grace) {}
+  // A read-only open that could be backed: true if it is (counted as backed), false if it must
+  // go through the page cache (counted as cached).
+  bool open_read(Ino ino, bool could_back);
+  // An open through the page cache (writing): ETXTBSY while backed opens of `ino` are live.
+  Status open_cached(Ino ino, std::string_view rel);
+  // A backed open the kernel could not back after all (the ioctl failed): counted as cached.
+  void demote(Ino ino);
+  void release(Ino ino, bool backed);
+  [[nodiscard]] uint64_t backed_opens() const;
+
+ private:
+  struct Counts {
+    uint32_t backed = 0, cached = 0;
+  };
+  const std::chrono::milliseconds grace_;
+  mutable std::mutex mu_;       // guards open_ and total_backed_; a leaf
+  std::condition_variable cv_;  // a backed open was released
+  std::unordered_map<Ino, Counts> open_;
+  uint64_t total_backed_ = 0;  // backed opens ever made (status)
+};
+
+}  // namespace ckptfs::fs
