@@ -208,6 +208,16 @@ ReadTuning tune_read_path(const Machine& m) {
   return t;
 }
 
+Background fuse_background(unsigned read_ahead_kb, unsigned max_request_kb) {
+  // Requests one read-ahead window takes (the kernel's own 128 KiB when read_ahead_kb is 0).
+  const uint64_t ra = read_ahead_kb == 0 ? 128 : read_ahead_kb;
+  const uint64_t per_window = max_request_kb == 0 ? 1 : (ra + max_request_kb - 1) / max_request_kb;
+  Background b;
+  b.congestion_threshold = static_cast<unsigned>(std::clamp<uint64_t>(2 * per_window + 1, 9, 3072));
+  b.max_background = std::max(12u, b.congestion_threshold * 4 / 3);  // libfuse's 3/4 ratio
+  return b;
+}
+
 Machine probe_machine() {
   Machine m;
   cpu_set_t set;

@@ -521,6 +521,9 @@ MOUNT_VARIANTS = {
     "default": [],
     "splice_noprefetch": ["splice=on", "prefetch=off"],
     "noprefetch_noreadahead": ["prefetch=off", "read_ahead_kb=0"],
+    # libfuse 3.14 refused INIT unless init() repeated max_read; a 64 MiB window needs the
+    # background queue ckptfs sizes for it.
+    "maxread_bigreadahead": ["max_read=131072", "read_ahead_kb=65536", "prefetch=off"],
 }
 
 

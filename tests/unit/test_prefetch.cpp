@@ -392,6 +392,29 @@ TEST(ReadTuning, FromTheMachine) {
   EXPECT_EQ(big.prefetch_threads, 8u);
 }
 
+TEST(ReadTuning, BackgroundQueueHoldsTwoReadAheadWindows) {
+  // The default 8 MiB window in 1 MiB requests: 8 each, 17 before congestion.
+  auto d = fuse_background(8192, 1024);
+  EXPECT_EQ(d.congestion_threshold, 17u);
+  EXPECT_EQ(d.max_background, 22u);
+  // 64 MiB windows: libfuse's 12/9 made the kernel drop 4.3x the file's pages.
+  auto big = fuse_background(65536, 1024);
+  EXPECT_GT(big.congestion_threshold, 2u * 64);
+  EXPECT_GT(big.max_background, big.congestion_threshold);
+  // Small windows keep libfuse's defaults; 0 is the kernel's 128 KiB.
+  for (unsigned kb : {0u, 128u, 1024u, 4096u}) {
+    auto b = fuse_background(kb, 1024);
+    EXPECT_EQ(b.congestion_threshold, 9u) << kb;
+    EXPECT_EQ(b.max_background, 12u) << kb;
+  }
+  // Smaller requests need more of them; absurd windows are capped.
+  EXPECT_EQ(fuse_background(8192, 128).congestion_threshold, 129u);
+  auto cap = fuse_background(~0u, 4);
+  EXPECT_EQ(cap.congestion_threshold, 3072u);
+  EXPECT_EQ(cap.max_background, 4096u);
+  EXPECT_EQ(fuse_background(8192, 0).congestion_threshold, 9u);  // no request size: one
+}
+
 TEST(ReadTuning, ProbesThisMachine) {
   auto m = probe_machine();
   EXPECT_GE(m.cores, 1u);

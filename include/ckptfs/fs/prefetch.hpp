@@ -121,6 +121,17 @@ struct ReadTuning {
   unsigned per_inode = 2;
 };
 ReadTuning tune_read_path(const Machine& m);
+// FUSE's background queue for a mount whose read-ahead window is read_ahead_kb, read in
+// requests of max_request_kb. The kernel skips the rest of a read-ahead batch once
+// congestion_threshold requests are in flight, and mm then drops the pages it inserted for
+// it: with libfuse's 12/9 a 64 MiB window inserted 4.3x the file's pages and halved a cold
+// read (docs/benchmarks.md, "Warm re-reads"). So the queue holds two windows (a reader's
+// current and next) before congestion: never below libfuse's 12/9, at most 4096/3072.
+struct Background {
+  unsigned max_background = 12;
+  unsigned congestion_threshold = 9;
+};
+Background fuse_background(unsigned read_ahead_kb, unsigned max_request_kb);
 // The machine this process runs on: sched_getaffinity's CPU count (hardware_concurrency
 // where that fails), and MemAvailable.
 Machine probe_machine();
