@@ -122,9 +122,4 @@ void Backing::release(uint64_t ino) {
   ids_.erase(it);
 }
 
-bool Backing::usable() const {
-  std::lock_guard lock(mu_);
-  return !broken_ && dev_fd_ >= 0;
-}
-
 }  // namespace ckptfs::fuse

@@ -37,7 +37,6 @@ class Backing {
   static void clear_mark();
   // A backed open of `ino` was released: the last one lets its backing file go.
   void release(uint64_t ino);
-  [[nodiscard]] bool usable() const;
 
  private:
   struct Entry {
