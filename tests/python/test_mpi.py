@@ -80,11 +80,19 @@ RANK_RE = re.compile(r"mpi rank (\d+) of (\d+) on \S+ \(pid (\d+)\)")
 COMMON_ARGS = ["--mca", "rtc_hwloc_vmhole", "none"]
 LO_ARGS = ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
 
+# The simulated nodes share this machine's /tmp and its host name, so their orted daemons would
+# share one session directory (/tmp/ompi.HOST.UID/jf.N/): each orted clears the job family's
+# stale directories as it starts, which raced with another creating its own (CI once failed so:
+# "mkdir ... /tmp/ompi.vm.0/jf.N/0/1: File exists"). A real node has a /tmp of its own; the agent
+# gives each namespace one (orte_tmpdir_base, short: the session holds unix sockets).
 AGENT = """#!/bin/sh
-# plm_rsh_agent for the tests: "agent HOST CMD..." runs CMD in the network namespace of HOST.
+# plm_rsh_agent for the tests: "agent HOST CMD..." runs CMD in the network namespace of HOST,
+# with a session directory of its own.
 host="$1"; shift
 ns=$(awk -v h="$host" '$1 == h { print $2 }' "$(dirname "$0")/hosts.map")
 [ -n "$ns" ] || { echo "agent: unknown host $host" >&2; exit 1; }
+mkdir -p "/tmp/$ns" || exit 1
+export OMPI_MCA_orte_tmpdir_base="/tmp/$ns"
 exec ip netns exec "$ns" /bin/sh -c "$*"
 """
 
@@ -138,6 +146,7 @@ def netns(tmp_path_factory):
            "--mca", "btl_tcp_if_include", f"{net}.0/24"]
     for ns in made_ns:
         _ip("netns", "del", ns, check=False)
+        shutil.rmtree(f"/tmp/{ns}", ignore_errors=True)
     for link in made_links:
         _ip("link", "del", link, check=False)
 
