@@ -25,6 +25,7 @@ Warm: an untimed run of the same variant first. Each cell is the median of --rep
 runs. GB/s = tensor bytes / seconds (preadv: file bytes). Prints a markdown table.
 
   python tools/bench_loader.py --dir /var/tmp/bench-load --size 1.5 [--threads 2]
+  python tools/bench_loader.py --size 2 --huge-pages-ab 5   # huge pages advised or not
 """
 
 from __future__ import annotations
@@ -85,11 +86,38 @@ def total_tensor_bytes(cons: pathlib.Path) -> int:
     return n
 
 
-def cli_load(bin_, path, *args):
+def cli_load(bin_, path, *args, env=None):
     r = subprocess.run([bin_, "load", str(path), "--bench", "--json", *map(str, args)],
-                       capture_output=True, text=True, check=True)
+                       capture_output=True, text=True, check=True, env=env)
     j = json.loads(r.stdout)
     return j["seconds"], j
+
+
+def huge_pages_ab(bin_, src, threads, pairs, nbytes):
+    """`ckptfs load SHARDS` (warm) in fresh processes, alternating $CKPTFS_LOAD_HUGEPAGES=1 (huge
+    pages advised for the destinations) and =0, after one untimed run; `auto` is the
+    library's rule here (docs/loader.md). Prints each run and the medians."""
+    cli_load(bin_, src, "--threads", threads)
+    runs = {"1": [], "0": [], "auto": []}
+    for i in range(pairs):
+        for force in (("1", "0", "auto") if i % 2 == 0 else ("auto", "0", "1")):
+            env = dict(os.environ)
+            env.pop("CKPTFS_LOAD_HUGEPAGES", None)
+            if force != "auto":
+                env["CKPTFS_LOAD_HUGEPAGES"] = force
+            secs = cli_load(bin_, src, "--threads", threads, env=env)[0]
+            runs[force].append(secs)
+            print(f"# pair {i}: CKPTFS_LOAD_HUGEPAGES={force}: {secs:.3f} s", file=sys.stderr)
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    print(f"\nckptfs load of {nbytes / 1e9:.2f} GB of rank shards (warm, {threads} threads), each "
+          f"run a fresh process, {pairs} alternating rounds. Command: python "
+          f"tools/bench_loader.py {' '.join(sys.argv[1:])}\n")
+    print("| huge pages | median s | GB/s | runs (s) |")
+    print("|---|---|---|---|")
+    for k, label in (("1", "advised (=1)"), ("0", "not advised (=0)"), ("auto", "the rule here")):
+        print(f"| {label} | {med[k]:.2f} | {nbytes / med[k] / 1e9:.2f} | "
+              + ", ".join(f"{t:.2f}" for t in runs[k]) + " |")
+    print(f"\nadvised / not advised: {med['1'] / med['0']:.2f}")
 
 
 def timed(fn):
@@ -149,6 +177,9 @@ def main():
                     "reported (default %(default)s)")
     ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", str(ROOT / "build/src/ckptfs")))
     ap.add_argument("--no-mount", action="store_true")
+    ap.add_argument("--huge-pages-ab", type=int, metavar="ROUNDS", default=0,
+                    help="only compare `ckptfs load` with huge pages advised and not, in fresh "
+                    "processes, alternating, ROUNDS rounds")
     a = ap.parse_args()
     os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(a.bin).parent / "libckptfs_load.so"))
     import torch
@@ -161,6 +192,9 @@ def main():
     nbytes = total_tensor_bytes(cons)
     file_bytes = sum(f.stat().st_size for f in files)
     T = a.threads
+    if a.huge_pages_ab:
+        huge_pages_ab(a.bin, src, T, a.huge_pages_ab, nbytes)
+        return
 
     def st_load(dirpath, device="cpu"):
         def run():

@@ -86,6 +86,7 @@ def _library():
                       f"(looked for {candidates})")
     P, c_int, c_size = ctypes.POINTER, ctypes.c_int, ctypes.c_size_t
     lib.ckptfs_load_features.restype = c_int
+    lib.ckptfs_load_huge_pages.restype = c_int
     lib.ckptfs_load_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, c_int, P(ctypes.c_void_p),
                                      ctypes.c_char_p, c_size]
     lib.ckptfs_load_open_map.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
@@ -260,23 +261,13 @@ _huge_ok = None
 
 
 def _huge_pages_pay() -> bool:
-    """Whether fresh huge pages are cheap here. Not under a virtio balloon with free page
-    reporting (feature bit 5): the guest hands freed 2 MiB blocks back to the host, so a fresh
-    huge page costs the host's faults too. On the 2-core Firecracker VM, loading 2 GB into a
-    fresh process took 2.2-3.6 s with MADV_HUGEPAGE against 0.7-1.6 s without (3 runs each).
-    $CKPTFS_LOAD_HUGEPAGES=1 or 0 overrides."""
+    """Whether fresh huge pages are cheap here: the library's rule (ckptfs_load_huge_pages: not
+    under a virtio balloon with free page reporting; $CKPTFS_LOAD_HUGEPAGES=1 or 0 overrides).
+    On the 2-core Firecracker VM, loading 2 GB into a fresh process took 2.2-3.6 s with
+    MADV_HUGEPAGE against 0.7-1.6 s without (3 runs each)."""
     global _huge_ok
     if _huge_ok is None:
-        env = os.environ.get("CKPTFS_LOAD_HUGEPAGES")
-        if env in ("0", "1"):
-            _huge_ok = env == "1"
-        else:
-            base = pathlib.Path("/sys/bus/virtio/drivers/virtio_balloon")
-            try:
-                feats = [f.read_text() for f in base.glob("virtio*/features")]
-            except OSError:
-                feats = []
-            _huge_ok = not any(len(f) > 5 and f[5] == "1" for f in feats)
+        _huge_ok = bool(_library().ckptfs_load_huge_pages())
     return _huge_ok
 
 

@@ -111,7 +111,8 @@ int cmd_load(std::span<char*> argv) {
   so.map = args.get("map").value_or("");
   so.hf_config = args.get("hf-config").value_or("");
 
-  auto backend = load::make_backend(device);
+  const bool huge_pages = load::huge_pages_pay_here();
+  auto backend = load::make_backend(device, huge_pages);
   if (!backend) {
     print_error(backend.error().message);
     return backend.error().code == EINVAL ? 2 : 1;
@@ -169,6 +170,7 @@ int cmd_load(std::span<char*> argv) {
     j["direct"] = so.direct;
     j["direct_fallback"] = st.direct_fallback;
     j["staged"] = (*backend)->on_device() || args.has("stage");
+    j["huge_pages"] = huge_pages && !(*backend)->on_device();
     j["bench"] = bench;
     j["checksum"] = hex(total);
     nlohmann::ordered_json per = nlohmann::ordered_json::object();

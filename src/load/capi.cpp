@@ -59,6 +59,8 @@ int ckptfs_load_features(void) {
   return (ckptfs::load::built_with_cuda() ? 1 : 0) | (ckptfs::load::built_with_nccl() ? 2 : 0);
 }
 
+int ckptfs_load_huge_pages(void) { return ckptfs::load::huge_pages_pay_here() ? 1 : 0; }
+
 int ckptfs_load_open(const char* dir, const char* dtype, int direct, ckptfs_load_ckpt** out,
                      char* err, size_t err_len) {
   return ckptfs_load_open_map(dir, dtype, nullptr, nullptr, direct, out, err, err_len);
@@ -124,7 +126,7 @@ int ckptfs_load_run(ckptfs_load_ckpt* ck, ckptfs_load_request* reqs, size_t n,
           lo.checksum = options->checksum != 0;
           if (options->always_stage) lo.staging = ckptfs::load::LoadOptions::Staging::Always;
         }
-        auto backend = ckptfs::load::make_backend(device);
+        auto backend = ckptfs::load::make_backend(device, ckptfs::load::huge_pages_pay_here());
         if (!backend) return fail(ck, backend.error());
         std::vector<ckptfs::load::Request> rs(n);
         for (size_t i = 0; i < n; ++i) {

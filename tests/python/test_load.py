@@ -200,6 +200,11 @@ def test_cli_bench_json(corpus):
     assert a["bytes"] == b["bytes"] == total and a["bytes_read"] >= total
     assert a["tensors"] == len(ck.truth()) and a["device"] == "cpu" and a["threads"] == 3
     assert a["seconds"] > 0 and a["gbps"] > 0 and a["bench"] is True
+    for force in (True, False):  # the host memory's huge-page advice, forced either way
+        env = {**os.environ, "CKPTFS_LOAD_HUGEPAGES": str(int(force))}
+        r = subprocess.run([BIN, "load", str(d), "--json"], capture_output=True, text=True,
+                           env=env, check=True)
+        assert json.loads(r.stdout)["huge_pages"] is force
     assert a["checksum"] == b["checksum"] and a["checksums"] == b["checksums"]
     text = cli(d).stdout
     assert "GB/s" in text and a["checksum"] in text
@@ -228,6 +233,35 @@ def test_cli_refusals(corpus, tmp_path):
     assert r.returncode == 1 and "not a complete, valid checkpoint" in lines[0], r.stderr
     assert any(victim.name in ln and "tensor 'w'" in ln for ln in lines[1:]), r.stderr
     assert r.stdout == ""
+
+
+HUGE_PROBE = """
+import ckptfs_load, torch
+t = torch.empty(64 << 20, dtype=torch.uint8)  # above malloc's mmap threshold: its own mapping
+ckptfs_load._advise_huge(t)
+at, inside = t.data_ptr() + (8 << 20), False
+for line in open("/proc/self/smaps"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        inside = lo <= at < hi
+    elif inside and line.startswith("VmFlags:"):
+        print(ckptfs_load._huge_pages_pay(), " hg" in line)
+        break
+"""
+
+
+def test_huge_page_rule_is_the_librarys():
+    """The binding advises fresh CPU tensors MADV_HUGEPAGE by the library's rule
+    (ckptfs_load_huge_pages): $CKPTFS_LOAD_HUGEPAGES forces it either way, seen as the "hg"
+    flag of the tensor's mapping in /proc/self/smaps."""
+    for force, want in (("1", "True True"), ("0", "False False")):
+        env = {**os.environ, "CKPTFS_LOAD_HUGEPAGES": force,
+               "PYTHONPATH": str(ROOT / "python")}
+        r = subprocess.run([sys.executable, "-c", HUGE_PROBE], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want, (force, r.stdout, r.stderr)
 
 
 def test_nccl_without_a_gpu_fails_cleanly():

@@ -1,9 +1,12 @@
 // The loader (src/load), CPU destination mode: exact bytes against the truth and against the
 // extent map on several layouts and against a consolidated copy, small rings, 1 and many
-// threads, refusals that name the file and tensor, and read-once sharing among thread ranks.
+// threads, refusals that name the file and tensor, read-once sharing among thread ranks, and
+// the host memory's huge-page rule.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <thread>
@@ -561,10 +564,10 @@ TEST(Load, ConsolidatedSetWithAnUnusedFileNumber) {
 }
 
 TEST(LoadCuda, OnTheDeviceOrACleanRefusal) {
-  auto bad = load::make_backend("tpu");
+  auto bad = load::make_backend("tpu", true);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.error().code, EINVAL);
-  auto b = load::make_backend("cuda:0");
+  auto b = load::make_backend("cuda:0", true);
   if (!b) {
     // No GPU (or no CUDA in this build): a clear error, never a crash.
     EXPECT_TRUE(b.error().code == ENODEV || b.error().code == ENOTSUP) << b.error().message;
@@ -590,5 +593,61 @@ TEST(LoadCuda, OnTheDeviceOrACleanRefusal) {
     auto sum = load::checksum_dest(**b, reqs[i].dst, reqs[i].bytes);
     ASSERT_TRUE(sum.ok());
     EXPECT_EQ(*sum, r->stats.checksums[i]) << reqs[i].name;
+  }
+}
+
+// The huge-page rule (docs/loader.md): advised unless a virtio balloon reports free pages;
+// the override wins either way. Driven with a fake sysfs driver directory.
+TEST(LoadHugePages, AdvisedUnlessABalloonReportsFreePages) {
+  test::TempDir tmp;
+  const std::string drv = tmp.path() + "/virtio_balloon";
+  EXPECT_TRUE(load::huge_pages_pay(nullptr, drv));  // no balloon driver
+  stdfs::create_directories(drv + "/virtio3");
+  stdfs::create_directories(drv + "/module");       // not a device: never read
+  EXPECT_TRUE(load::huge_pages_pay(nullptr, drv));  // a device without a features file
+  std::ofstream(drv + "/virtio3/features") << "0110000000000000000000000000000010000000\n";
+  EXPECT_TRUE(load::huge_pages_pay(nullptr, drv));  // stats, deflate on OOM; no reporting
+  std::ofstream(drv + "/module/features") << "0000010\n";
+  EXPECT_TRUE(load::huge_pages_pay(nullptr, drv));
+  stdfs::create_directories(drv + "/virtio7");
+  std::ofstream(drv + "/virtio7/features") << "0110010000000000000000000000000010000000\n";
+  EXPECT_FALSE(load::huge_pages_pay(nullptr, drv));  // bit 5: free page reporting
+  EXPECT_FALSE(load::huge_pages_pay("", drv));
+  EXPECT_FALSE(load::huge_pages_pay("yes", drv));  // not an override
+  EXPECT_TRUE(load::huge_pages_pay("1", drv));
+  EXPECT_FALSE(load::huge_pages_pay("0", tmp.path() + "/none"));
+}
+
+// Whether the VMA holding `p` carries VM_HUGEPAGE ("hg" in /proc/self/smaps VmFlags).
+static bool advised_huge(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.starts_with("VmFlags:")) {
+      return line.find(" hg") != std::string::npos;
+    }
+  }
+  ADD_FAILURE() << "no mapping holds " << p;
+  return false;
+}
+
+// The CPU backend's destinations follow the rule: advised with huge_pages, not without.
+// 64 MiB is above glibc's largest mmap threshold, so each buffer is a mapping of its own.
+TEST(LoadHugePages, CpuBackendAdvisesOnlyWhenAsked) {
+  for (const bool huge : {true, false}) {
+    auto b = load::make_backend("cpu", huge);
+    ASSERT_TRUE(b.ok()) << b.error().message;
+    auto dest = (*b)->alloc_dest(64ull << 20);
+    ASSERT_TRUE(dest.ok()) << dest.error().message;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(dest->data()) % (2ull << 20), 0u);
+    EXPECT_EQ(advised_huge(dest->data() + (8ull << 20)), huge) << "huge_pages=" << huge;
+    auto staging = (*b)->alloc_staging(64ull << 20);
+    ASSERT_TRUE(staging.ok()) << staging.error().message;
+    EXPECT_EQ(advised_huge(staging->data() + (8ull << 20)), huge) << "huge_pages=" << huge;
   }
 }

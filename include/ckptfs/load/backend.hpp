@@ -76,8 +76,19 @@ class Backend {
   virtual Status to_host(void* host, const void* dst, size_t len) = 0;
 };
 
-// Host memory destination: memcpy from the staging buffer.
-std::unique_ptr<Backend> make_cpu_backend();
+// Host memory destination: memcpy from the staging buffer. Host buffers of 4 MiB and more are
+// 2 MiB-aligned; with `huge_pages` they are also advised MADV_HUGEPAGE (see huge_pages_pay).
+std::unique_ptr<Backend> make_cpu_backend(bool huge_pages = true);
+
+// Whether fresh host memory should be advised MADV_HUGEPAGE: yes, unless a virtio balloon
+// device under `balloon_driver_dir` (/sys/bus/virtio/drivers/virtio_balloon) reports free
+// pages (feature bit 5). There the guest hands freed 2 MiB blocks back to the host, so a
+// fresh huge page costs the host's faults too: a 2 GB load into a fresh process took
+// several times longer with the advice (docs/loader.md). `force` ("1" or "0", the value of
+// $CKPTFS_LOAD_HUGEPAGES; null or anything else: unset) wins.
+bool huge_pages_pay(const char* force, const std::string& balloon_driver_dir);
+// The same for this machine and environment, decided once.
+bool huge_pages_pay_here();
 
 // CUDA device `device`. ENOTSUP when the library was built without CUDA; ENODEV when there
 // is no such device (the message says what the CUDA runtime answered).
@@ -87,7 +98,8 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device);
 bool built_with_cuda();
 bool built_with_nccl();
 
-// "cpu" or "cuda:N" (or "cuda" = "cuda:0") -> a backend.
-Result<std::unique_ptr<Backend>> make_backend(std::string_view device);
+// "cpu" or "cuda:N" (or "cuda" = "cuda:0") -> a backend; `huge_pages` as for make_cpu_backend
+// (a CUDA backend's staging is pinned memory, which it does not affect).
+Result<std::unique_ptr<Backend>> make_backend(std::string_view device, bool huge_pages);
 
 }  // namespace ckptfs::load

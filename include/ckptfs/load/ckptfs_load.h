@@ -50,6 +50,12 @@ typedef struct {
 /* Bit 0: built with CUDA; bit 1: built with NCCL. */
 int ckptfs_load_features(void);
 
+/* 1 when fresh host memory is advised for transparent huge pages here (MADV_HUGEPAGE): not
+ * under a virtio balloon that reports free pages; $CKPTFS_LOAD_HUGEPAGES=1 or 0 forces it.
+ * Destinations the library allocates follow it; the Python binding asks it for the torch
+ * tensors it allocates. */
+int ckptfs_load_huge_pages(void);
+
 /* Opens `dir`. dtype: NULL or "auto" (as the mount), "stored", "bf16", "fp16", "fp32" (rank
  * shards only). direct: also read long runs with O_DIRECT. A checkpoint with problems is
  * refused (EINVAL) with every problem in `err`. */
