@@ -24,7 +24,7 @@ Cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before the run (skipped where re
 Warm: an untimed run of the same variant first. Each cell is the median of --repeat timed
 runs. GB/s = tensor bytes / seconds (preadv: file bytes). Prints a markdown table.
 
-  python tools/bench_loader.py --dir /var/tmp/bench-load --size 1.5 [--threads 2]
+  python tools/bench_loader.py --dir /var/tmp/ckptfs-bench-loader --size 1.5 [--threads 2]
   python tools/bench_loader.py --size 2 --huge-pages-ab 5   # huge pages advised or not
 """
 
@@ -167,7 +167,8 @@ def preadv_limit(files, threads, fresh=False):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/var/tmp/ckptfs-bench-load")
+    ap.add_argument("--dir", default="/var/tmp/ckptfs-bench-loader",
+                    help="work dir, kept for reuse (removed and regenerated when incomplete)")
     ap.add_argument("--size", type=float, default=1.5, help="GB of tensors (default 1.5)")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layout", choices=("row", "col"), default="row")
