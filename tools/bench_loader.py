@@ -93,10 +93,13 @@ def cli_load(bin_, path, *args, env=None):
     return j["seconds"], j
 
 
-def huge_pages_ab(bin_, src, threads, pairs, nbytes):
+def huge_pages_ab(bin_, src, threads, pairs, nbytes, gap):
     """`ckptfs load SHARDS` (warm) in fresh processes, alternating $CKPTFS_LOAD_HUGEPAGES=1 (huge
     pages advised for the destinations) and =0, after one untimed run; `auto` is the
-    library's rule here (docs/loader.md). Prints each run and the medians."""
+    library's rule here (docs/loader.md). `gap` seconds of sleep before each run: under a
+    balloon that reports free pages, memory the previous run freed is handed back to the
+    host after about 2 s, so back-to-back runs (gap 0) reuse memory a later load would not
+    find. Prints each run and the medians."""
     cli_load(bin_, src, "--threads", threads)
     runs = {"1": [], "0": [], "auto": []}
     for i in range(pairs):
@@ -105,12 +108,13 @@ def huge_pages_ab(bin_, src, threads, pairs, nbytes):
             env.pop("CKPTFS_LOAD_HUGEPAGES", None)
             if force != "auto":
                 env["CKPTFS_LOAD_HUGEPAGES"] = force
+            time.sleep(gap)
             secs = cli_load(bin_, src, "--threads", threads, env=env)[0]
             runs[force].append(secs)
             print(f"# pair {i}: CKPTFS_LOAD_HUGEPAGES={force}: {secs:.3f} s", file=sys.stderr)
     med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
     print(f"\nckptfs load of {nbytes / 1e9:.2f} GB of rank shards (warm, {threads} threads), each "
-          f"run a fresh process, {pairs} alternating rounds. Command: python "
+          f"run a fresh process after {gap:g} s idle, {pairs} alternating rounds. Command: python "
           f"tools/bench_loader.py {' '.join(sys.argv[1:])}\n")
     print("| huge pages | median s | GB/s | runs (s) |")
     print("|---|---|---|---|")
@@ -181,6 +185,8 @@ def main():
     ap.add_argument("--huge-pages-ab", type=int, metavar="ROUNDS", default=0,
                     help="only compare `ckptfs load` with huge pages advised and not, in fresh "
                     "processes, alternating, ROUNDS rounds")
+    ap.add_argument("--gap", type=float, default=10.0, help="with --huge-pages-ab: seconds "
+                    "idle before each run (default %(default)s)")
     a = ap.parse_args()
     os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(a.bin).parent / "libckptfs_load.so"))
     import torch
@@ -194,7 +200,7 @@ def main():
     file_bytes = sum(f.stat().st_size for f in files)
     T = a.threads
     if a.huge_pages_ab:
-        huge_pages_ab(a.bin, src, T, a.huge_pages_ab, nbytes)
+        huge_pages_ab(a.bin, src, T, a.huge_pages_ab, nbytes, a.gap)
         return
 
     def st_load(dirpath, device="cpu"):
