@@ -257,18 +257,14 @@ def _empty_for(info: TensorInfo, device):
 
 _HUGE = 2 << 20
 _libc = None
-_huge_ok = None
 
 
 def _huge_pages_pay() -> bool:
     """Whether fresh huge pages are cheap here: the library's rule (ckptfs_load_huge_pages: not
     under a virtio balloon with free page reporting; $CKPTFS_LOAD_HUGEPAGES=1 or 0 overrides).
     On the 2-core Firecracker VM, loading 2 GB into a fresh process took 2.2-3.6 s with
-    MADV_HUGEPAGE against 0.7-1.6 s without (3 runs each)."""
-    global _huge_ok
-    if _huge_ok is None:
-        _huge_ok = bool(_library().ckptfs_load_huge_pages())
-    return _huge_ok
+    MADV_HUGEPAGE against 0.7-1.6 s without (3 runs each). The library decides once."""
+    return bool(_library().ckptfs_load_huge_pages())
 
 
 def _advise_huge(t) -> None:
