@@ -3,6 +3,8 @@
 
 #include <fmt/core.h>
 
+#include "ckptfs/util/text.hpp"
+
 namespace ckptfs::format {
 namespace {
 
@@ -62,6 +64,19 @@ bool is_safetensors_name(std::string_view name) {
 
 bool looks_like_shard_name(std::string_view name) {
   return name.starts_with("shard-") && is_safetensors_name(name);
+}
+
+Status check_tensor_name(std::string_view name, std::string_view what) {
+  if (name.empty()) return make_error(EINVAL, "{}: a tensor with an empty name", what);
+  if (!is_valid_utf8(name)) {
+    return make_error(EINVAL, "{}: tensor '{}': its name is not valid UTF-8", what,
+                      printable(name.substr(0, 200)));
+  }
+  if (name == kReservedTensorName) {
+    return make_error(EINVAL, "{}: a tensor named '{}', the safetensors header's own field", what,
+                      kReservedTensorName);
+  }
+  return {};
 }
 
 std::string model_file_name(uint32_t k, uint32_t m) {

@@ -54,6 +54,16 @@ class SafeMessageFlag final : public spdlog::custom_flag_formatter {
 
 }  // namespace
 
+bool is_valid_utf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp = 0;
+    const size_t len = decode_utf8(s, i, cp);
+    if (len == 0) return false;
+    i += len;
+  }
+  return true;
+}
+
 std::string printable(std::string_view s) {
   std::string out;
   out.reserve(s.size());

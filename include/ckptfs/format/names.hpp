@@ -10,6 +10,8 @@
 #include <string>
 #include <string_view>
 
+#include "ckptfs/util/result.hpp"
+
 namespace ckptfs::format {
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
@@ -64,6 +66,13 @@ struct VerlRankName {
 };
 std::optional<VerlRankName> parse_verl_rank_name(std::string_view name);
 std::string verl_rank_name(std::string_view kind, uint32_t world, uint32_t rank);
+
+// The one check of a tensor name where it enters from an untrusted file (a DCP key, a verl
+// state-dict key, a model map's HF name): not empty, well-formed UTF-8 (it is written into a
+// JSON header), and not `__metadata__` (the safetensors header's own field). `what` names the
+// file in the message.
+inline constexpr std::string_view kReservedTensorName = "__metadata__";
+Status check_tensor_name(std::string_view name, std::string_view what);
 
 std::string model_file_name(uint32_t k, uint32_t m);
 std::string shard_file_name(uint32_t shard, uint32_t k, uint32_t m);

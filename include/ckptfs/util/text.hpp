@@ -20,6 +20,10 @@ namespace ckptfs {
 // Everything else, backslashes included, is kept, so escaping twice changes nothing more.
 std::string printable(std::string_view s);
 
+// Whether `s` is well-formed UTF-8 (RFC 3629: no overlongs, no surrogates, nothing past
+// U+10FFFF): the one UTF-8 check, for names that must round-trip through JSON.
+bool is_valid_utf8(std::string_view s);
+
 // A spdlog formatter that applies `printable` to every message: installed on every logger the
 // program creates, so no code path can write a raw name into a log.
 std::unique_ptr<spdlog::formatter> safe_log_formatter();
