@@ -34,7 +34,27 @@ Run 'ckptfs <command> --help' for a command's options.
 
 }  // namespace
 
+namespace {
+int run(int argc, char** argv);
+}  // namespace
+
+// No exception leaves main: an error the commands did not expect is reported, never an abort.
 int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fputs("ckptfs: out of memory\n", stderr);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "ckptfs: internal error: {}\n", ckptfs::printable(e.what()));
+  } catch (...) {
+    std::fputs("ckptfs: internal error\n", stderr);
+  }
+  return 70;  // EX_SOFTWARE
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   // Logs go to stderr (stdout carries command output such as inspect --json).
   auto logger = spdlog::stderr_color_mt("ckptfs");
   logger->set_formatter(ckptfs::safe_log_formatter());  // names from headers never go out raw
@@ -88,3 +108,5 @@ int main(int argc, char** argv) {
   fmt::print(stderr, "ckptfs: unknown command '{}'\n\n{}", cmd, kUsage);
   return 2;
 }
+
+}  // namespace

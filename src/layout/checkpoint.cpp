@@ -802,8 +802,22 @@ Status set_dtype_policy(BuildOptions& opts, std::string_view v) {
   return {};
 }
 
+// Never throws: a build that fails inside (memory, a name the JSON writer refuses) gives a
+// checkpoint refused with that problem, so no caller is left holding a half-made state.
 std::shared_ptr<const Checkpoint> build_checkpoint(BuildInput in, const BuildOptions& opts) {
-  return Builder(std::move(in), opts).run();
+  std::string dir = in.dir;
+  std::string why;
+  try {
+    return Builder(std::move(in), opts).run();
+  } catch (const std::bad_alloc&) {
+    why = "out of memory while building the consolidated view";
+  } catch (const std::exception& e) {
+    why = fmt::format("the consolidated view could not be built: {}", e.what());
+  }
+  auto ck = std::make_shared<Checkpoint>();
+  ck->dir = std::move(dir);
+  ck->problems.push_back(Problem{"", "", std::move(why)});
+  return ck;
 }
 
 }  // namespace ckptfs::layout

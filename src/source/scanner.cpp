@@ -245,9 +245,31 @@ std::shared_ptr<const layout::Checkpoint> load_checkpoint(int dirfd,
   return layout::build_checkpoint(read_input(dirfd, entries, display, cache, opts), opts);
 }
 
+static layout::BuildInput read_input_unguarded(int dirfd, const std::vector<DirEntry>& entries,
+                                               const std::string& display, HeaderCache& cache,
+                                               const layout::BuildOptions& opts);
+
+// Never throws: what a reader throws (memory, most often) is the build's problem.
 layout::BuildInput read_input(int dirfd, const std::vector<DirEntry>& entries,
                               const std::string& display, HeaderCache& cache,
                               const layout::BuildOptions& opts) {
+  std::string why;
+  try {
+    return read_input_unguarded(dirfd, entries, display, cache, opts);
+  } catch (const std::bad_alloc&) {
+    why = "out of memory while reading the checkpoint's files";
+  } catch (const std::exception& e) {
+    why = fmt::format("reading the checkpoint's files failed: {}", e.what());
+  }
+  layout::BuildInput in;
+  in.dir = display;
+  in.problems.push_back({"", "", std::move(why)});
+  return in;
+}
+
+static layout::BuildInput read_input_unguarded(int dirfd, const std::vector<DirEntry>& entries,
+                                               const std::string& display, HeaderCache& cache,
+                                               const layout::BuildOptions& opts) {
   layout::BuildInput in;
   in.dir = display;
   if (is_distcp_dir(entries)) {
