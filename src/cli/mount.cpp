@@ -73,6 +73,9 @@ ckptfs -o options:
                          it wrote (default 600; 0: never)
   settle=SECONDS         quiet time before a changed checkpoint is shown (default 1)
   revalidate=SECONDS     how long a directory's view is trusted before re-checking (default 1)
+  build_threads=N        threads building checkpoint views (reading shard headers and native
+                         files); lookups and listings wait for a build parked, never holding
+                         a FUSE worker, so one slow directory stalls no other (default 4, 1..64)
   attr_timeout=SECONDS, entry_timeout=SECONDS   kernel cache timeouts (default 1)
   threads=N, log_level=L, log_file=PATH          as the flags above
   no_auto_unmount        do not unmount automatically if the daemon dies
@@ -196,6 +199,10 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::s
     CKPTFS_TRY(o.entry_timeout, parse_seconds(val, "entry_timeout"));
   } else if (key == "threads") {
     CKPTFS_TRY(o.threads, parse_unsigned(val, "threads"));
+  } else if (key == "build_threads") {
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "build_threads"));
+    if (n < 1 || n > 64) return make_error(EINVAL, "build_threads: must be 1..64, got {}", n);
+    o.fs.build_threads = n;
   } else if (key == "log_level") {
     o.log_level = val;
   } else if (key == "log_file") {
@@ -302,6 +309,7 @@ int cmd_mount(std::span<char*> argv, bool helper_form) {
   auto* args = &std::get<Args>(parsed);
   fuse::MountOptions o;
   o.fs.build.dtype_policy = layout::BuildOptions::DtypePolicy::Mapping;  // dtype=auto
+  o.fs.build_threads = 4;
   MpiCli mpi;
   MapCli maps;
   o.source = args->positional[0];

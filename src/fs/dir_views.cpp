@@ -40,12 +40,13 @@ std::shared_ptr<const View> Filesystem::Impl::make_view(
       v->inputs.push_back(Perm::searching(e.st));
     }
   }
-  // Node-local shards have no file here: their owner and mode are their record's.
+  // Every file whose bytes the view serves is an input, whatever named it (a .metadata names
+  // its data files): its owner and mode as the build stat'ed it (a view serves bytes only
+  // when valid). Node-local shards have no file here: theirs are their record's.
   for (const auto& sh : v->ckpt->shards) {
-    if (sh.remote()) {
-      v->inputs.push_back(Perm{sh.access.uid, sh.access.gid,
-                               static_cast<mode_t>(S_IFREG | (sh.access.mode & 07777))});
-    }
+    if (!v->ckpt->valid() && !sh.remote()) continue;
+    v->inputs.push_back(Perm{sh.access.uid, sh.access.gid,
+                             static_cast<mode_t>(S_IFREG | (sh.access.mode & 07777))});
   }
   v->shown = shown_perm(v->inputs, dst.st_uid, dst.st_gid);
   return v;
@@ -58,13 +59,16 @@ std::shared_ptr<const View> Filesystem::Impl::make_view(
 // Two phases. The check (list the directory, stat the inputs, time settle) is cheap and
 // runs under the directory's lock. Reading the shards' headers can be slow (a hostile header
 // is up to 100 MB), so only a Need::Current caller does it, with the lock released and
-// `building` set: callers of other names and of attributes (Need::Any) never read a header
-// and never wait; they get the previous view, or a placeholder that shows nothing
-// consolidated yet. (The kernel serializes lookups of one name, so a header read during the
-// lookup of the checkpoint directory itself would stall every path through it.)
+// `building` set (fs/builds.cpp: claim_locked, run_build): callers of other names and of
+// attributes (Need::Any) never read a header and never wait; they get the previous view, or a
+// placeholder that shows nothing consolidated yet. (The kernel serializes lookups of one name,
+// so a header read during the lookup of the checkpoint directory itself would stall every
+// path through it.) The FUSE adapter asks when_ready first, so that its workers neither build
+// nor wait: a builder thread does, and the request is parked on the directory meanwhile.
 std::shared_ptr<const View> Filesystem::Impl::view_of(const std::string& rel,
                                                       const struct stat& dst, Ino dir_ino,
                                                       Need need, int64_t* mtime_out) {
+  start();
   auto st = nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
   std::unique_lock lock(st->mu);
   if (need == Need::Current) st->built.wait(lock, [&] { return !st->building; });
@@ -72,30 +76,17 @@ std::shared_ptr<const View> Filesystem::Impl::view_of(const std::string& rel,
   if (mtime_out) *mtime_out = st->view ? st->mtime_ns : mtime_ns(dst);
   if (need == Need::Any || !st->needs_build) return st->view;
 
-  st->building = true;
-  const auto entries = st->entries;
-  const auto sig = st->sig;
-  const auto ddst = st->dst;
-  const bool settled = st->settled;
-  std::shared_ptr<const View> old = st->view;
+  BuildJob job = claim_locked(*st, rel, dir_ino);
   lock.unlock();
+  Resumes resumes;
   std::shared_ptr<const View> v;
-  if (auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY); dirfd) {
-    auto ck = source::load_checkpoint(dirfd->get(), entries, source_path(rel), headers, opts.build);
-    status.builds.fetch_add(1, std::memory_order_relaxed);
-    if (!ck->valid()) status.refusals.fetch_add(1, std::memory_order_relaxed);
-    log_build(rel, *ck);
-    v = make_view(std::move(ck), rel, ddst, sig, entries, settled);
+  try {
+    v = run_build(st, job, resumes);
+  } catch (...) {
+    resume(resumes);  // the requests parked meanwhile are answered however the build ended
+    throw;
   }
-  lock.lock();
-  st->building = false;
-  st->built.notify_all();
-  if (!v) return st->view;  // the directory went away: try again on the next access
-  // The check is skipped while building, so the inputs are still those just read.
-  st->view = v;
-  st->view_sig = sig;
-  st->needs_build = false;
-  announce(old, v, rel, dir_ino);
+  resume(resumes);
   return v;
 }
 

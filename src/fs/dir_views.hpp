@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -85,7 +86,10 @@ struct DirState {
   std::mutex mu;
   std::condition_variable built;  // signalled (with mu) when `building` ends
   bool checked = false;
-  bool building = false;     // a thread is reading the shards' headers, without holding mu
+  bool building = false;  // a thread is reading the shards' headers, without holding mu
+  // Requests parked until `building` ends (Filesystem::when_ready): handed back, to run with
+  // mu released, by the thread that ends the build.
+  std::vector<std::function<void()>> parked;
   bool needs_build = false;  // the inputs listed last differ from those `view` was built from
   Clock::TimePoint next_check;
   // The inputs as listed last: what a build reads, and what settle is timed against.

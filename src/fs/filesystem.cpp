@@ -45,10 +45,16 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
   nodes.set_root(std::move(r));
 }
 
+// The threads start at the first directory check, not at creation: a mount daemonizes (forks)
+// after making its Filesystem, and a thread started before the fork does not exist in the
+// daemon (its close evidence and builds would never come).
 void Filesystem::Impl::start() {
-  const CloseWatch::Factory make =
-      opts.close_watch ? opts.close_watch : CloseWatch::Factory(inotify_close_watch);
-  watcher = make([this](uint64_t dev, uint64_t ino) { on_close(dev, ino); });
+  std::call_once(started, [this] {
+    const CloseWatch::Factory make =
+        opts.close_watch ? opts.close_watch : CloseWatch::Factory(inotify_close_watch);
+    watcher = make([this](uint64_t dev, uint64_t ino) { on_close(dev, ino); });
+    if (opts.build_threads > 0) builders = std::make_unique<BuildPool>(opts.build_threads);
+  });
 }
 
 Filesystem::Filesystem(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -61,11 +67,17 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
     return make_error(errno, "{}: cannot stat: {}", source, std::strerror(errno));
   }
   auto impl = std::make_unique<Impl>(std::move(opts), source, std::move(root), st);
-  impl->start();
   return std::unique_ptr<Filesystem>(new Filesystem(std::move(impl)));
 }
 
 void Filesystem::set_notifier(Notifier* n) { impl_->notifier = n; }
+
+// --- builds.cpp ---------------------------------------------------------------------------
+
+bool Filesystem::when_ready(Ino dir, std::string_view name, const std::function<void()>& resume) {
+  return impl_->when_ready(dir, name, resume);
+}
+void Filesystem::stop_builds() { impl_->stop_builds(); }
 
 // --- namespace.cpp ------------------------------------------------------------------------
 

@@ -12,11 +12,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "builds.hpp"
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/fs/filesystem.hpp"
 #include "ckptfs/fs/seams.hpp"
@@ -59,10 +61,12 @@ inline std::string last_of(std::string_view rel) { return std::string(split_rel(
 inline std::string parent_of(std::string_view rel) { return std::string(split_rel(rel).dir); }
 
 struct Filesystem::Impl {
-  // `root`: the source directory, open. Call start() once the Impl has its final address.
+  // `root`: the source directory, open.
   Impl(Options o, std::string source_dir, UniqueFd root_fd, const struct stat& root_st);
-  // Makes the close watch, whose thread calls back into this Impl.
+  // Makes the close watch, whose thread calls back into this Impl, and the builder threads,
+  // once: at the first directory check (view_of, when_ready), so after a daemon's fork.
   void start();
+  std::once_flag started;
 
   // --- set at creation, constant after -------------------------------------------------------
   Options opts;
@@ -88,8 +92,9 @@ struct Filesystem::Impl {
   std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
   LogLimiter logs;                       // repeated lines about one directory
   std::unique_ptr<WriterViews> writers;  // who sees which directory as written
-  // Last: destroyed first, so its thread never calls into a half-destroyed Impl.
+  // Last: destroyed first, so their threads never call into a half-destroyed Impl.
   std::unique_ptr<CloseWatch> watcher;
+  std::unique_ptr<BuildPool> builders;  // null: builds run on their caller (build_threads 0)
 
   std::string source_path(const std::string& rel) const {
     return rel.empty() ? source : source + "/" + rel;
@@ -109,6 +114,10 @@ struct Filesystem::Impl {
   Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv, const Caller& who);
   Result<EntryOut> lookup_in_shards(const Node& dir, std::string_view name);
   Result<EntryOut> lookup_real(const std::string& rel, Ino parent, std::string_view name);
+  // A file lifted into its checkpoint directory from .hf_metadata/ or huggingface/ is reached,
+  // in SRC, through that folder: `who` needs its search permission (EACCES otherwise), which
+  // the kernel cannot check on a name it sees in the checkpoint directory (namespace.cpp).
+  Status may_reach_lifted(const std::string& rel, const Caller& who);
   Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, const std::string& dir_rel,
                                   Ino dir_ino, Kind kind, uint32_t output, const std::string& name);
   Result<std::vector<DirEntryOut>> list(const Node& dir, const Caller& who = {});
@@ -149,6 +158,29 @@ struct Filesystem::Impl {
   void recheck(uint64_t dev, uint64_t ino);
   void force_revalidate(const View& v) { recheck(v.dir_dev, v.dir_ino); }
   void invalidate_all();
+
+  // --- builds.cpp: builds off the FUSE workers' path ------------------------------------------
+  // What one build reads, taken under the directory's lock when it is claimed.
+  struct BuildJob {
+    std::vector<source::DirEntry> entries;
+    source::Signature sig;
+    struct stat dst {};
+    bool settled = false;
+    std::shared_ptr<const View> old;
+    std::string rel;
+    Ino dir_ino = 0;
+  };
+  using Resumes = std::vector<std::function<void()>>;
+  // Under st.mu, with st.needs_build and no build running: sets `building`.
+  BuildJob claim_locked(DirState& st, const std::string& rel, Ino dir_ino);
+  // Builds the claimed view with no lock held, installs it and ends the build, however it
+  // ends (an exception too): `resumes` then holds the requests parked on the directory.
+  std::shared_ptr<const View> run_build(const std::shared_ptr<DirState>& st, const BuildJob& job,
+                                        Resumes& resumes);
+  // Runs parked requests on the builder threads (here, without them).
+  void resume(Resumes& resumes);
+  bool when_ready(Ino dir_ino, std::string_view name, const std::function<void()>& resume_fn);
+  void stop_builds();
 
   // --- liveness.cpp: when a checkpoint has settled, and waiting for it -------------------------
   void time_settle(DirState& st, const std::string& rel, const struct stat& dst,
@@ -223,7 +255,12 @@ struct Filesystem::Impl {
   struct NameState {
     bool stored = false;  // the name has a stored form (its record and shards, or DCP shards)
     bool others = false;  // the directory holds rank shards or records of other files
+    // The directory is a native checkpoint (torch DCP, accelerate's folder, verl): its view
+    // owns every model name, and a file written under one would be hidden. Its format.
+    std::string native;
   };
+  // The format of the native checkpoint directory `dirfd` is (empty: none).
+  static std::string native_format(int dirfd);
   NameState name_state(int dirfd, const std::vector<source::DirEntry>& entries,
                        std::string_view name);
   Status place_whole(int dirfd, const std::string& display, const std::string& name,

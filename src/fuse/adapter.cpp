@@ -233,12 +233,25 @@ void op_init(void* userdata, fuse_conn_info* conn) {
                 bg.congestion_threshold, c.opts->splice);
 }
 
-void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+void do_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   auto& c = ctx(req);
   auto r = c.fs->lookup(parent, name, requester(req));
   if (!r) return reply_error(req, r.error(), "lookup");
   auto e = entry_of(*r, *c.opts);
   fuse_reply_entry(req, &e);
+}
+
+// A lookup or listing that needs a directory's view built (or being built) is parked on the
+// directory (fs::Filesystem::when_ready) and answered by a builder thread once the build ends:
+// no FUSE worker reads a header or waits for another's build, so one directory's build never
+// stalls the others.
+void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  std::string n(name);  // libfuse's buffer is gone once this returns
+  auto resume = [req, parent, n] {
+    guarded(req, "lookup", [&] { do_lookup(req, parent, n.c_str()); });
+  };
+  if (!ctx(req).fs->when_ready(parent, n, resume)) return;
+  do_lookup(req, parent, name);
 }
 
 void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t n) {
@@ -264,11 +277,19 @@ void op_readlink(fuse_req_t req, fuse_ino_t ino) {
   fuse_reply_readlink(req, r->c_str());
 }
 
-void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+void do_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   auto r = ctx(req).fs->opendir(ino, requester(req));
   if (!r) return reply_error(req, r.error(), "opendir");
   fi->fh = *r;
   fuse_reply_open(req, fi);
+}
+
+void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  auto resume = [req, ino, copy = *fi]() mutable {  // libfuse's fi is gone once this returns
+    guarded(req, "opendir", [&] { do_opendir(req, ino, &copy); });
+  };
+  if (!ctx(req).fs->when_ready(ino, "", resume)) return;
+  do_opendir(req, ino, fi);
 }
 
 void op_readdir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
@@ -822,6 +843,7 @@ int run_mount(const MountOptions& given) {
     fuse_loop_cfg_set_idle_threads(cfg, o.threads.value_or(8));
     rc = fuse_session_loop_mt(se.get(), cfg);
     fuse_loop_cfg_destroy(cfg);
+    fsys.stop_builds();  // no builder answers a request once the session stops serving
     c.prefetch = nullptr;
     fsys.set_status_extra({});
     pf.reset();

@@ -83,6 +83,13 @@ struct Options {
   std::shared_ptr<const Clock> clock;
   // Makes the close watch (fs/seams.hpp); null: inotify_close_watch.
   CloseWatch::Factory close_watch;
+  // Threads that build checkpoint views for when_ready's callers (fs/builds.hpp), so that no
+  // FUSE worker reads a header or waits for another's build. 0: when_ready always says ready,
+  // and every build runs on the thread that needs it (tests drive that path directly).
+  unsigned build_threads = 0;
+  // Called at the start of every view build with the directory's path relative to SRC: a seam
+  // for tests (it may block until released, or throw). Null in production.
+  std::function<void(const std::string&)> on_build;
 };
 
 // Told when names or inodes the kernel may cache have changed. Implementations must not call
@@ -146,9 +153,11 @@ struct ReadPlan {
 // Copies the bytes of a plan into `dst` (at least plan.size bytes); returns how many.
 Result<size_t> execute(const ReadPlan& plan, char* dst);
 
-// Checks that every shard a plan reads still holds the bytes the plan reads from it (EIO,
-// naming the shard, when one shrank). A gathered read finds this itself; a spliced reply
-// cannot report a short read, so the adapter calls this before splicing.
+// Checks that every shard a plan reads is still the file its view was built from: the size and
+// mtime stamped then (EIO, naming the shard, when it was rewritten, grew or shrank: a read would
+// mix two versions). One fstat per shard a request reads. execute() calls it after gathering a
+// view's bytes (a rewrite during the read shows then); a spliced reply cannot report an error
+// after the fact, so the adapter calls it before splicing.
 Status check_extents(const ReadPlan& plan);
 
 // Everything a read of one open file depends on, kept alive by handles and the prefetcher.
@@ -195,6 +204,16 @@ class Filesystem {
   Filesystem& operator=(const Filesystem&) = delete;
 
   void set_notifier(Notifier* n);
+
+  // Whether a lookup of `name` in directory `dir` (an empty name: its listing) can run now
+  // without building the directory's view or waiting for another thread's build. If not, it
+  // is parked: `resume` is called once that build has ended (on a builder thread, which may
+  // then run the request), and false is returned. Always true without build threads
+  // (Options::build_threads). `resume` must not throw.
+  bool when_ready(Ino dir, std::string_view name, const std::function<void()>& resume);
+  // Ends the builder threads (running builds end; parked requests are dropped): called once
+  // the session stops serving, before what `resume`s use goes away.
+  void stop_builds();
 
   // `who`: only its pid matters here, for the writer's view (Options::writer_view).
   Result<EntryOut> lookup(Ino parent, std::string_view name, const Caller& who = {});
