@@ -285,6 +285,7 @@ Result<EntryOut> Filesystem::Impl::link(Ino ino, Ino new_parent, std::string_vie
   if (n->kind != Kind::File || writes.find(n->dev, n->bino)) {
     return make_error(EPERM, "only plain files that are not being written can be linked");
   }
+  CKPTFS_CHECK(may_reach_lifted(n->rel, who));
   CKPTFS_TRY(auto d, dir_for_change(new_parent, new_name));
   // A link never replaces anything (a hidden name exists in SRC: EEXIST from linkat), and in a
   // checkpoint directory a model name shows a consolidated file or nothing: a real file linked

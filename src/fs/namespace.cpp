@@ -225,6 +225,20 @@ Result<EntryOut> Filesystem::Impl::lookup_real(const std::string& rel, Ino paren
   return EntryOut{n.ino, st};
 }
 
+Status Filesystem::Impl::may_reach_lifted(const std::string& rel, const Caller& who) {
+  const std::string folder = parent_of(rel);
+  const std::string last = last_of(folder);
+  if (folder.empty() || std::find(std::begin(format::kLiftedDirs), std::end(format::kLiftedDirs),
+                                  last) == std::end(format::kLiftedDirs)) {
+    return {};
+  }
+  CKPTFS_TRY(struct stat st, stat_beneath(root.get(), folder));
+  if (!may(Perm::of(st), who, X_OK)) {
+    return make_error(EACCES, "{}: uid {} may not search {}", rel, who.uid, folder);
+  }
+  return {};
+}
+
 Result<EntryOut> Filesystem::Impl::lookup_virtual(const std::shared_ptr<const View>& v,
                                                   const std::string& dir_rel, Ino dir_ino,
                                                   Kind kind, uint32_t output,
@@ -312,7 +326,10 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
   for (std::string_view from : format::kLiftedDirs) {
     const std::string lifted = join_rel(join_rel(dir.rel, from), name);
     auto st = stat_beneath(root.get(), lifted);
-    if (st && S_ISREG(st->st_mode)) return lookup_real(lifted, dir.ino, name);
+    if (st && S_ISREG(st->st_mode)) {
+      CKPTFS_CHECK(may_reach_lifted(lifted, who));
+      return lookup_real(lifted, dir.ino, name);
+    }
   }
   // A mapped checkpoint without a config.json of its own shows -o hf_config's.
   if (name == kConfigName && v->complete && !v->ckpt->config_json.empty()) {
@@ -383,6 +400,9 @@ Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const C
   for (std::string_view from : format::kLiftedDirs) {
     auto meta = open_beneath(fd.get(), std::string(from), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
     if (!meta) continue;
+    // Its names are listed for whoever could list the folder itself in SRC.
+    struct stat mst {};
+    if (::fstat(meta->get(), &mst) != 0 || !may(Perm::of(mst), who, R_OK)) continue;
     if (auto lifted = source::list_dir(meta->get()); lifted.ok()) {
       for (const auto& e : *lifted) {
         // Never the mapping files (fqn_to_dtype_mapping.json is hidden, as NeMo's export).

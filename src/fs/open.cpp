@@ -62,6 +62,9 @@ Result<std::shared_ptr<const ShardFds>> Filesystem::Impl::open_view_shards(
 Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
   auto n = nodes.get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  // A lifted file (config.json from huggingface/): the kernel checked the path it sees, not
+  // the folder the file is in. Its entry may be cached from another user's lookup.
+  if (n->kind == Kind::File) CKPTFS_CHECK(may_reach_lifted(n->rel, who));
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
     if (opts.read_only) return make_error(EROFS, "read-only view");
     note_writer_of(ino, who);

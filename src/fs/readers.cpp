@@ -77,26 +77,47 @@ Result<size_t> execute(const ReadPlan& p, char* dst) {
     return done;
   }
   CKPTFS_CHECK(gather(p.src, p.segs, dst));
+  // After the bytes are in: a shard rewritten while they were read shows a new stamp now.
+  CKPTFS_CHECK(check_extents(p));
   return static_cast<size_t>(p.size);
 }
 
 Status check_extents(const ReadPlan& p) {
   if (p.src.ckpt == nullptr) return {};  // a plain file reads like the file: short at its end
-  // Segments per request are few (the splice path takes at most 16); a pass per shard is fine.
+  const auto& shards = p.src.ckpt->shards;
+  // Segments per request are few (the splice path takes at most 16; a 1 MiB read of a
+  // consolidated file, a few shards): a pass per shard is fine.
   for (size_t i = 0; i < p.segs.size(); ++i) {
     const auto& g = p.segs[i];
-    if (g.is_memory() || p.src.fds[g.shard] < 0) continue;  // remote: its owner checks
+    if (g.is_memory() || g.shard >= p.src.fds.size() || p.src.fds[g.shard] < 0) {
+      continue;  // remote, or staged: their owner checks
+    }
     bool seen = false;
     for (size_t j = 0; j < i && !seen; ++j)
       seen = !p.segs[j].is_memory() && p.segs[j].shard == g.shard;
     if (seen) continue;
-    uint64_t end = 0;
-    for (const auto& h : p.segs) {
-      if (!h.is_memory() && h.shard == g.shard) end = std::max(end, h.src + h.src_len());
-    }
     struct stat st {};
     if (::fstat(p.src.fds[g.shard], &st) != 0) {
       return make_error(errno, "{}: stat failed: {}", p.src.name_of(g.shard), std::strerror(errno));
+    }
+    // The file the view was built from, unchanged: a shard rewritten in place (torch writes
+    // .distcp files with "wb") would otherwise give a read that mixes two versions.
+    if (g.shard < shards.size()) {
+      const layout::FileStamp& was = shards[g.shard].stamp;
+      const int64_t mtime =
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+      if (static_cast<uint64_t>(st.st_size) != was.size || mtime != was.mtime_ns) {
+        return make_error(EIO,
+                          "{}: changed under an open file (now {} bytes, mtime {} ns; it was {} "
+                          "bytes, mtime {} ns): a read now could mix two versions; open the "
+                          "file again for the new version",
+                          p.src.name_of(g.shard), st.st_size, mtime, was.size, was.mtime_ns);
+      }
+      continue;
+    }
+    uint64_t end = 0;
+    for (const auto& h : p.segs) {
+      if (!h.is_memory() && h.shard == g.shard) end = std::max(end, h.src + h.src_len());
     }
     if (static_cast<uint64_t>(st.st_size) < end) {
       return make_error(EIO, "{}: shrank to {} bytes under an open file that reads up to {}",

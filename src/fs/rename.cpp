@@ -40,7 +40,14 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
     // be hidden: refused now, before anything moves. A file still being written is decided
     // when its writer closes it.
     CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
-    if (name_state(to.fd.get(), entries, nn).others) {
+    const NameState ns = name_state(to.fd.get(), entries, nn);
+    if (!ns.native.empty()) {
+      return make_error(EINVAL,
+                        "{}: in a {} checkpoint directory every model name shows the "
+                        "consolidated view of its native files, and {} would be hidden",
+                        source_path(join_rel(to.node.rel, new_name)), ns.native, o);
+    }
+    if (ns.others) {
       struct stat sst {};
       Status why = make_error(EINVAL, "{}: not a regular file", o);
       if (::fstatat(from.fd.get(), o.c_str(), &sst, AT_SYMLINK_NOFOLLOW) == 0 &&

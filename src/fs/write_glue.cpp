@@ -11,6 +11,8 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
+#include "ckptfs/source/distcp.hpp"
+#include "ckptfs/source/verl.hpp"
 #include "ckptfs/util/path.hpp"
 #include "ckptfs/write/sniff.hpp"
 #include "impl.hpp"
@@ -182,6 +184,11 @@ auto Filesystem::Impl::name_state(int dirfd, const std::vector<source::DirEntry>
   NameState ns;
   const auto mn = format::parse_model_name(name);
   if (!mn) return ns;
+  ns.native = native_format(dirfd);
+  if (!ns.native.empty()) {
+    ns.others = true;
+    return ns;
+  }
   bool mine_recorded = false, other_same_km = false;
   for (const auto& [rel, st] : source::record_files(dirfd, entries)) {
     const std::string_view file = std::string_view(rel).substr(
@@ -212,6 +219,15 @@ auto Filesystem::Impl::name_state(int dirfd, const std::vector<source::DirEntry>
   return ns;
 }
 
+std::string Filesystem::Impl::native_format(int dirfd) {
+  auto entries = source::list_checkpoint_dir(dirfd);
+  if (!entries) return {};
+  if (source::is_distcp_dir(*entries)) return "torch DCP";
+  if (source::is_accelerate_dir(*entries)) return "accelerate FSDP (torch DCP)";
+  if (source::is_verl_dir(*entries)) return "verl FSDP";
+  return {};
+}
+
 // After a close left file `name` of directory `dirfd` whole for reason `why`: the name keeps
 // its stored consolidated file if it has one (a writer killed mid-save must not cost the
 // version it was replacing), and a directory of rank shards would hide it; either way close()
@@ -229,10 +245,15 @@ Status Filesystem::Impl::place_whole(int dirfd, const std::string& display, cons
   if (!ns.stored && !ns.others) return {};
   const std::string msg = fmt::format(
       "{}; not stored: {}", why.message,
-      ns.stored ? "the name keeps the consolidated file stored under it (write a complete "
-                  "consolidated safetensors file, or rename a file over it)"
-                : "in a directory of rank shards a model name shows a consolidated file, and "
-                  "this one would be hidden");
+      !ns.native.empty()
+          ? fmt::format("in a {} checkpoint directory every model name shows the consolidated "
+                        "view of its native files, and this one would be hidden (write it in "
+                        "another directory, or under another name)",
+                        ns.native)
+      : ns.stored ? "the name keeps the consolidated file stored under it (write a complete "
+                    "consolidated safetensors file, or rename a file over it)"
+                  : "in a directory of rank shards a model name shows a consolidated file, and "
+                    "this one would be hidden");
   spdlog::warn("{}", msg);
   return Error{why.code ? why.code : EINVAL, msg};
 }
@@ -309,6 +330,12 @@ write::StoreRules Filesystem::Impl::store_rules(int dirfd, const std::string& di
                                                 std::string_view name) {
   write::StoreRules r;
   if (!format::parse_model_name(name)) return r;
+  if (auto native = native_format(dirfd); !native.empty()) {
+    // Never split into rank shards beside native files (the directory would change format):
+    // kept whole, and close() reports it hidden (place_whole).
+    r.whole = Error{EINVAL, fmt::format("{}/{}", display, name)};
+    return r;
+  }
   if (split_hides_plain(dirfd, name)) {
     r.whole = Error{0, ""};
     return r;
