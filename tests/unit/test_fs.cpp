@@ -8,8 +8,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <filesystem>
+#include <future>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -1097,4 +1100,187 @@ TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
   EXPECT_EQ(f->lookup(d->ino, format::shard_file_name(1, 1, 1), reader).error().code, ENOENT);
   // By name, the writer finds the consolidated file too (from_pretrained in the same process).
   EXPECT_TRUE(f->lookup(d->ino, "model-00001-of-00001.safetensors", writer).ok());
+}
+
+// --- issue 32: builds, lifted folders and rewrites under open files -------------------------
+
+TEST(Fs, ABuildThatThrowsLeavesNothingPinned) {
+  // A build that fails by an exception (here the test's seam; in the field a name the JSON
+  // writer refused) must still end: the next listing and lookup build again instead of waiting
+  // forever for a build nobody runs.
+  std::atomic<int> builds{0};
+  fs::Options o;
+  o.on_build = [&](const std::string&) {
+    if (builds.fetch_add(1) == 0) throw std::runtime_error("the first build fails");
+  };
+  Fs t(o);
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  EXPECT_THROW((void)t.f->lookup(model, "model-00001-of-00001.safetensors"), std::runtime_error);
+  auto again = std::async(std::launch::async, [&] { return names(*t.f, model); });
+  ASSERT_EQ(again.wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "a listing after a failed build hangs";
+  EXPECT_EQ(again.get(),
+            (std::vector<std::string>{"config.json", "model-00001-of-00001.safetensors",
+                                      "model.safetensors.index.json"}));
+  EXPECT_EQ(builds.load(), 2);
+}
+
+namespace {
+// A latch the builder of one directory waits on (the test's seam: Options::on_build).
+struct Gate {
+  std::mutex mu;  // guards open, entered
+  std::condition_variable cv;
+  bool open = false;
+  int entered = 0;
+  void pass() {
+    std::unique_lock lock(mu);
+    ++entered;
+    cv.notify_all();
+    cv.wait(lock, [&] { return open; });
+  }
+  void release() {
+    std::lock_guard lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+  bool wait_entered(int n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(20), [&] { return entered >= n; });
+  }
+};
+// A flag set by a parked request's resume.
+struct Done {
+  std::mutex mu;  // guards n
+  std::condition_variable cv;
+  int n = 0;
+  std::function<void()> fn() {
+    return [this] {
+      std::lock_guard lock(mu);
+      ++n;
+      cv.notify_all();
+    };
+  }
+  bool wait(int want) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(20), [&] { return n >= want; });
+  }
+  int count() {
+    std::lock_guard lock(mu);
+    return n;
+  }
+};
+}  // namespace
+
+TEST(Fs, ABuildRunsOffTheCallersThreadAndStallsNoOtherDirectory) {
+  Gate slow;
+  fs::Options o;
+  o.build_threads = 2;
+  o.on_build = [&](const std::string& rel) {
+    if (rel.ends_with("step_1/model")) slow.pass();
+  };
+  Fs t(o);
+  stdfs::create_directories(t.dir.path() + "/run/step_2/model");
+  write_ckpt(t.dir.path() + "/run/step_2/model", 'b');
+  fs::Ino m1 = t.walk({"run", "step_1", "model"});
+  fs::Ino m2 = t.walk({"run", "step_2", "model"});
+  const std::string name = "model-00001-of-00001.safetensors";
+  // Plain names and attributes never wait for a build.
+  Done d1, d1b, d2;
+  EXPECT_FALSE(t.f->when_ready(m1, name, d1.fn()));  // parked: step_1 builds on a builder
+  ASSERT_TRUE(slow.wait_entered(1));
+  EXPECT_FALSE(t.f->when_ready(m1, "", d1b.fn()));  // its listing too, behind the same build
+  EXPECT_TRUE(t.f->when_ready(m1, "notes.txt", [] {}));
+  EXPECT_TRUE(t.f->getattr(m1).ok());
+  // Another directory's build runs meanwhile, and its request is answered.
+  EXPECT_FALSE(t.f->when_ready(m2, name, d2.fn()));
+  ASSERT_TRUE(d2.wait(1)) << "step_2's parked lookup waited for step_1's build";
+  EXPECT_TRUE(t.f->when_ready(m2, name, [] {}));  // built: ready now
+  EXPECT_TRUE(t.f->lookup(m2, name).ok());
+  EXPECT_EQ(d1.count() + d1b.count(), 0);
+  slow.release();
+  ASSERT_TRUE(d1.wait(1));
+  ASSERT_TRUE(d1b.wait(1));
+  EXPECT_TRUE(t.f->when_ready(m1, name, [] {}));
+  EXPECT_TRUE(t.f->lookup(m1, name).ok());
+}
+
+TEST(Fs, ALiftedFileIsReachedOnlyByWhoMaySearchItsFolder) {
+  Fs t;
+  const auto meta = t.dir.path() + "/run/step_1/model/.hf_metadata";
+  fs::Ino model = t.walk({"run", "step_1", "model"});
+  fs::Ino cfg = t.walk({"run", "step_1", "model", "config.json"});  // root: cached for all
+  const fs::Caller user{1000, 1000, {}};
+  auto listed_for = [&](const fs::Caller& who) {
+    auto dh = t.f->opendir(model, who);
+    EXPECT_TRUE(dh.ok());
+    std::set<std::string> out;
+    if (!dh) return out;
+    (void)t.f->readdir(*dh, 0, [&](const fs::DirEntryOut& e, uint64_t) {
+      out.insert(e.name);
+      return true;
+    });
+    t.f->releasedir(*dh);
+    return out;
+  };
+  auto open_errno = [&](const fs::Caller& who) {
+    auto o = t.f->open(cfg, O_RDONLY, who);
+    if (!o) return o.error().code;
+    t.f->release(o->fh);
+    return 0;
+  };
+  EXPECT_EQ(open_errno(user), 0);
+  EXPECT_TRUE(listed_for(user).count("config.json"));
+  // A folder only its owner (root) may enter: in SRC, uid 1000 reaches nothing in it.
+  ASSERT_EQ(::chmod(meta.c_str(), 0700), 0);
+  auto looked = t.f->lookup(model, "config.json", user);
+  ASSERT_FALSE(looked.ok());
+  EXPECT_EQ(looked.error().code, EACCES);
+  EXPECT_FALSE(listed_for(user).count("config.json"));
+  EXPECT_EQ(open_errno(user), EACCES);  // the entry root looked up, opened as uid 1000
+  EXPECT_EQ(open_errno(fs::Caller{}), 0);
+  EXPECT_TRUE(listed_for(fs::Caller{}).count("config.json"));
+  // Searchable but not readable: the name cannot be listed, and it opens.
+  ASSERT_EQ(::chmod(meta.c_str(), 0711), 0);
+  EXPECT_FALSE(listed_for(user).count("config.json"));
+  EXPECT_EQ(open_errno(user), 0);
+}
+
+TEST(Fs, AShardRewrittenInPlaceUnderAnOpenFileIsAnErrorNeverAMix) {
+  Fs t;
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto o = t.f->open(file, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  auto reader = t.f->reader(o->fh);
+  std::string v1(reader->size(), '\0');
+  ASSERT_TRUE(reader->read(0, v1.size(), v1.data()).ok());
+  // Shard 2 rewritten in place (same inode, same size), as torch rewrites a .distcp ("wb"). Its
+  // mtime moves as the kernel moves it; pinned one second on so that the clock's granularity
+  // cannot hide the rewrite from this test.
+  const auto shard = t.dir.path() + "/run/step_1/model/" + format::shard_file_name(2, 1, 1);
+  struct stat before {};
+  ASSERT_EQ(::stat(shard.c_str(), &before), 0);
+  write_ckpt(t.dir.path() + "/run/step_1/model", 'z');
+  struct timespec times[2] = {before.st_atim, before.st_mtim};
+  times[1].tv_sec += 1;
+  ASSERT_EQ(::utimensat(AT_FDCWD, shard.c_str(), times, 0), 0);
+  struct stat after {};
+  ASSERT_EQ(::stat(shard.c_str(), &after), 0);
+  ASSERT_EQ(after.st_ino, before.st_ino);
+  ASSERT_EQ(after.st_size, before.st_size);
+  std::string again(reader->size(), '\0');
+  auto n = reader->read(0, again.size(), again.data());
+  ASSERT_FALSE(n.ok()) << "read the rewritten shard's bytes under the old version's header";
+  EXPECT_EQ(n.error().code, EIO);
+  // It names the shard it found changed (both were rewritten; shard 2 surely moved its mtime).
+  EXPECT_NE(n.error().message.find("-model-00001-of-00001.safetensors: changed under an open"),
+            std::string::npos)
+      << n.error().message;
+  // The splice path's check, made before the kernel moves the bytes, says the same.
+  fs::ReadPlan plan;
+  ASSERT_TRUE(t.f->read(o->fh, 0, reader->size(), plan).ok());
+  EXPECT_FALSE(fs::check_extents(plan).ok());
+  t.f->release(o->fh);
+  // The new version opens and reads.
+  fs::Ino v2 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  EXPECT_NE(read_all(*t.f, v2).find(std::string(16, 'z' + 1)), std::string::npos);
 }
