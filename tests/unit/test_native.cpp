@@ -163,6 +163,74 @@ TEST(Pickle, ACycleThroughTheMemoIsHeldNotFollowed) {
   EXPECT_EQ(l.items[0], p->root());
 }
 
+TEST(Pickle, AStrThatIsNotUtf8IsRefusedWhereItIsRead) {
+  // ['ok', 'b\xffd']: the unpickler holds both; Walk::text gives the first and refuses the
+  // second (Python's own unpickler cannot make that str), naming the input and the place.
+  const std::string bytes(
+      "\x80\x04]\x94(\x8c\x02ok\x8c\x03"
+      "b\xff"
+      "de.",
+      16);
+  auto p = pickle::parse(bytes, {}, "x.pkl");
+  ASSERT_TRUE(p.ok()) << err(p);
+  pickle::Walk w(*p, "x.pkl");
+  auto items = w.sequence(p->root(), "root");
+  ASSERT_TRUE(items.ok());
+  ASSERT_EQ(items->size(), 2u);
+  EXPECT_EQ(*w.text((*items)[0], "items[0]"), "ok");
+  auto bad = w.text((*items)[1], "items[1]");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(err(bad).find("x.pkl: items[1] is a str that is not valid UTF-8"), std::string::npos)
+      << err(bad);
+  EXPECT_NE(err(bad).find("b\\xffd"), std::string::npos) << err(bad);  // shown escaped
+  // Overlong, surrogate and cut sequences too.
+  for (std::string s : {"\xc0\xaf"s, "\xed\xa0\x80"s, "\xe2\x82"s}) {
+    std::string b = "\x80\x04\x8c"s + static_cast<char>(s.size()) + s + ".";
+    auto q = pickle::parse(b, {}, "y");
+    ASSERT_TRUE(q.ok()) << err(q);
+    EXPECT_FALSE(pickle::Walk(*q, "y").text(q->root(), "root").ok()) << b;
+  }
+}
+
+// A DUP bomb: DUP pushes one reference per input byte and APPENDS keeps them all in the list.
+std::string dup_bomb(size_t dups, size_t batch) {
+  std::string b("\x80\x04]", 3);
+  for (size_t done = 0; done < dups; done += batch) {
+    b += "(N";
+    b.append(std::min(batch, dups - done), '2');
+    b += 'e';
+  }
+  b += '.';
+  return b;
+}
+
+TEST(Pickle, CapsTheReferencesContainersHoldAndKeepsOneCopyOfTheInput) {
+  pickle::Limits small;
+  small.max_refs = 1000;
+  // Under the cap: every reference is counted (the list holds 2 per batch: N and its DUP).
+  auto ok = pickle::parse(dup_bomb(400, 100), {}, "ok", small);
+  ASSERT_TRUE(ok.ok()) << err(ok);
+  EXPECT_EQ(ok->refs(), 400u + 4);
+  // Past it, in many APPENDS of few references each (no stack is ever large): refused, the
+  // cap named.
+  auto bomb = pickle::parse(dup_bomb(2000, 100), {}, "bomb.metadata", small);
+  ASSERT_FALSE(bomb.ok());
+  EXPECT_NE(err(bomb).find("bomb.metadata"), std::string::npos) << err(bomb);
+  EXPECT_NE(err(bomb).find("more than 1000 references"), std::string::npos) << err(bomb);
+  EXPECT_NE(err(bomb).find("max_refs"), std::string::npos) << err(bomb);
+  // With the default caps: 20 Mi DUPs (20 MiB of input) would hold 80 MiB of references.
+  auto big = pickle::parse(dup_bomb(size_t{20} << 20, 4096), {}, "big");
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(err(big).find("max_refs"), std::string::npos) << err(big);
+  // The input is held once: the Pickle's text is the caller's buffer, moved in.
+  std::string in = "\x80\x04\x8c\x40"s + std::string(64, 'k') + ".";
+  const char* at = in.data();
+  auto p = pickle::parse(std::move(in), {}, "moved");
+  ASSERT_TRUE(p.ok()) << err(p);
+  EXPECT_EQ(p->input().data(), at);
+  EXPECT_EQ(p->text(p->at(p->root())).data(), at + 4);
+}
+
 TEST(Pickle, EveryPrefixAndByteFlipOfARealMetadataFailsCleanly) {
   const std::string meta = seed("small.metadata");
   for (size_t n = 0; n < meta.size(); ++n) {
