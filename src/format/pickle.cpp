@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -445,23 +444,27 @@ class Machine {
     return {};
   }
 
+  // CPython's picklers (and so torch.save and dcp.save) number memo entries in order: a PUT
+  // names the next index (len(memo)), MEMOIZE implies it. So the memo is a dense array of 4
+  // bytes an entry; an index past the next one is refused, one already stored is replaced.
   Status put(uint64_t i) {
     CKPTFS_TRY(Ref top, peek());
-    if (i >= limits_.max_memo) return fail("memo index {} (at most {})", i, limits_.max_memo);
-    auto it = memo_.find(i);
-    if (it != memo_.end()) {
-      it->second = top;
-    } else {
-      if (memo_.size() >= limits_.max_memo)
-        return fail("more than {} memo entries", limits_.max_memo);
-      memo_.emplace(i, top);
+    if (i < memo_.size()) {
+      memo_[i] = top;
+      return {};
     }
+    if (i > memo_.size()) {
+      return fail("memo index {} skips ahead (the next is {})", i, memo_.size());
+    }
+    if (memo_.size() >= limits_.max_memo) {
+      return fail("more than {} memo entries", limits_.max_memo);
+    }
+    memo_.push_back(top);
     return {};
   }
   Status get(uint64_t i) {
-    auto it = memo_.find(i);
-    if (it == memo_.end()) return fail("memo index {} was never stored", i);
-    return push(it->second);
+    if (i >= memo_.size()) return fail("memo index {} was never stored", i);
+    return push(memo_[i]);
   }
 
   Pickle p_;
@@ -473,7 +476,7 @@ class Machine {
   uint8_t op_ = 0;
   std::vector<Ref> stack_;
   std::vector<size_t> marks_;  // stack heights at each open MARK
-  std::unordered_map<uint64_t, Ref> memo_;
+  std::vector<Ref> memo_;      // dense: entry i is the value PUT i stored
 };
 
 namespace {

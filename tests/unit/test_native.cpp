@@ -155,6 +155,29 @@ TEST(Pickle, CapsValuesMarksAndMemo) {
   EXPECT_EQ(pickle::parse(many, {}, "many", tiny_input).error().code, EFBIG);
 }
 
+TEST(Pickle, TheMemoIsDenseAsCPythonWritesIt) {
+  // torch memoizes 16 entries per DCP chunk: 2 Mi (a 130,000-chunk .metadata's) are read
+  // (a cap of 1 Mi refused real checkpoints past ~65k chunks).
+  std::string many("\x80\x04N", 3);
+  many.append(size_t{2} << 20, '\x94');  // MEMOIZE
+  many +=
+      "j\xff\xff\x1f\x00"
+      "0."s;  // LONG_BINGET of the last entry, POP it, STOP
+  auto p = pickle::parse(many, {}, "memo");
+  ASSERT_TRUE(p.ok()) << err(p);
+  EXPECT_EQ(p->at(p->root()).kind, pickle::Kind::None);
+  // An index past the next one (CPython numbers them in order) is refused; one already
+  // stored may be stored again.
+  auto ahead = pickle::parse("\x80\x02Nq\x00q\x02."s, {}, "ahead");
+  EXPECT_NE(err(ahead).find("memo index 2 skips ahead (the next is 1)"), std::string::npos)
+      << err(ahead);
+  auto again = pickle::parse(
+      "\x80\x02Nq\x00q\x00h\x00"
+      "0."s,
+      {}, "again");
+  EXPECT_TRUE(again.ok()) << err(again);
+}
+
 TEST(Pickle, ACycleThroughTheMemoIsHeldNotFollowed) {
   auto p = pickle::parse(kSelf, {}, "self");
   ASSERT_TRUE(p.ok()) << err(p);

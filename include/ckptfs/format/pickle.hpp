@@ -10,7 +10,8 @@
 // Caps: values, memo entries, marks and the references held by containers and the stack are
 // bounded (Limits), and the input is held once (parse takes it by move): memory is linear in
 // the caps, never in what a DUP or BINGET loop could make of the input. An integer past 64
-// bits, an opcode or a global outside the lists, a memo index never stored, or a stream that
+// bits, an opcode or a global outside the lists, a memo index never stored (or past the next
+// one: the memo is dense, as CPython's picklers write it), or a stream that
 // does not end in STOP refuses the whole pickle, naming `what`, the offset and the opcode or
 // global. The tree may hold cycles (a list appended to itself through the memo), so nothing
 // walks it recursively: `Walk` reads one level per call, and its callers follow a fixed schema.
@@ -73,15 +74,17 @@ struct GlobalName {
 
 struct Limits {
   size_t max_values = size_t{1} << 22;  // arena entries (each opcode makes at most one)
-  size_t max_memo = size_t{1} << 20;    // memo entries, and the highest index a PUT may name
-  size_t max_marks = 4096;              // MARKs open at once
-  size_t max_bytes = size_t{1} << 30;   // the input (text offsets are 32-bit)
+  // Memo entries (4 bytes each: indices are dense, as CPython numbers them). torch memoizes 16
+  // per DCP chunk: this is ~260k chunks, past where max_values binds (~175k).
+  size_t max_memo = size_t{1} << 22;
+  size_t max_marks = 4096;             // MARKs open at once
+  size_t max_bytes = size_t{1} << 30;  // the input (text offsets are 32-bit)
   // References held at once by every container's items and the stack together (4 bytes each):
   // a DUP or BINGET pushes one per input byte and APPENDS keeps them, so without this a
   // 240 MiB input could hold 240 Mi of them (1.5 GB measured). torch's own .metadata
   // pickles hold 1.17 per value (per chunk: 24 values, 28 references, 16 memo entries, 142
   // bytes; measured on a 60,000-chunk one), so this cap binds only past ~600k chunks, after
-  // max_memo (~65k) and max_values (~175k) do: it never refuses a real file they pass. 64 MiB.
+  // max_values (~175k) does: it never refuses a real file the other caps pass. 64 MiB.
   size_t max_refs = size_t{1} << 24;
 };
 
