@@ -80,7 +80,7 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
   }
   std::string pkl(archive.pickle.size, '\0');
   CKPTFS_CHECK(read(archive.pickle.offset, std::span<char>(pkl.data(), pkl.size())));
-  CKPTFS_TRY(auto rec, format::parse_torch_tensor_pickle(pkl, what + " data.pkl"));
+  CKPTFS_TRY(auto rec, format::parse_torch_tensor_pickle(std::move(pkl), what + " data.pkl"));
   if (rec.dtype != t.dtype) {
     return make_error(EINVAL, "{}: holds {} where .metadata says {}", what,
                       format::dtype_name(rec.dtype), format::dtype_name(t.dtype));
@@ -146,7 +146,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefi
   if (!mfd) return problem(meta_name, "", mfd.error().message);
   auto text = read_whole(*mfd, mst, meta_name, format::kMaxDistcpMetadataBytes);
   if (!text) return problem(meta_name, "", text.error().message);
-  auto md = format::parse_distcp_metadata(*text, meta_name);
+  auto md = format::parse_distcp_metadata(std::move(*text), meta_name);
   if (!md) return problem(meta_name, "", md.error().message);
 
   // Which tensors are the model's, and their served names.

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <string_view>
 
 #include "ckptfs/format/distcp.hpp"
@@ -13,8 +14,8 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace ckptfs;
   std::string_view bytes(reinterpret_cast<const char*>(data), size);
-  (void)format::parse_distcp_metadata(bytes, "fuzz.metadata");
-  (void)format::parse_torch_tensor_pickle(bytes, "fuzz data.pkl");
+  (void)format::parse_distcp_metadata(std::string(bytes), "fuzz.metadata");
+  (void)format::parse_torch_tensor_pickle(std::string(bytes), "fuzz data.pkl");
   (void)format::parse_rank_state_dict(bytes, "fuzz rank data.pkl");
   (void)format::parse_verl_config(bytes, "fuzz fsdp_config.json");
   (void)format::parse_verl_rank_name(bytes);
@@ -31,8 +32,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     auto a = format::zip::torch_archive(*m, "fuzz.zip");
     if (a.ok()) {
-      (void)format::parse_torch_tensor_pickle(bytes.substr(a->pickle.offset, a->pickle.size),
-                                              "fuzz data.pkl");
+      (void)format::parse_torch_tensor_pickle(
+          std::string(bytes.substr(a->pickle.offset, a->pickle.size)), "fuzz data.pkl");
       (void)format::parse_rank_state_dict(bytes.substr(a->pickle.offset, a->pickle.size),
                                           "fuzz rank data.pkl");
     }
