@@ -1,6 +1,6 @@
 // libFuzzer target: the native-format parsers (the restricted unpickler, DCP's .metadata and
-// tensor pickles, verl's DTensor state dicts and fsdp_config.json, the zip locator) on
-// arbitrary bytes.
+// tensor pickles, verl's DTensor state dicts and fsdp_config.json, the zip locator with the
+// whole-archive caps and a DCP chunk's) on arbitrary bytes.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +10,7 @@
 #include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/verl.hpp"
 #include "ckptfs/format/zip.hpp"
+#include "ckptfs/source/distcp.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace ckptfs;
@@ -24,7 +25,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(out.data(), data + off, out.size());
     return {};
   };
+  // A DCP chunk's archive is read with small caps (one tensor's archive): they must refuse,
+  // never misread, what the whole-state-dict caps accept.
+  auto chunk = format::zip::members(
+      size, read, "fuzz chunk",
+      format::zip::Limits{source::kMaxChunkArchiveMembers, source::kMaxChunkDirectoryBytes});
   auto m = format::zip::members(size, read, "fuzz.zip");
+  if (chunk.ok() && (!m.ok() || m->size() != chunk->size())) __builtin_trap();
   if (m.ok()) {
     // Every member located lies inside the archive, and none overlap.
     for (const auto& x : *m) {

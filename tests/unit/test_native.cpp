@@ -2,6 +2,8 @@
 // torch DCP's .metadata and tensor pickles, verl's rank files (real files torch wrote:
 // tests/fuzz/seeds-torch).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include "ckptfs/format/pickle.hpp"
 #include "ckptfs/format/verl.hpp"
 #include "ckptfs/format/zip.hpp"
+#include "ckptfs/source/distcp.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
@@ -789,6 +792,170 @@ TEST(Distcp, MoreFilesThanTheCapAreRefused) {
   EXPECT_NE(err(md).find("ckpt/.metadata: names more than 65536 files (kMaxDistcpFiles)"),
             std::string::npos)
       << err(md);
+}
+
+// ---- DCP directories read by the source layer (no mount) --------------------------------------
+
+// A DCP checkpoint directory: `.distcp` files holding f32.pt (torch.save of a [2, 3] float32
+// tensor) once per chunk, and a .metadata written last, as dcp.save leaves it.
+class DcpDir {
+ public:
+  explicit DcpDir(const test::TempDir& t) : dir_(t.path()), archive_(seed("f32.pt")) {}
+
+  // `chunks` chunks of a [2 * chunks, 3] tensor `key`, chunk i in `file(i)` at
+  // `slot(i)` * the archive's length: every file written with the archives it holds.
+  MetaTensor tensor(
+      const std::string& key, size_t chunks, const std::function<std::string(size_t)>& file,
+      const std::function<size_t(size_t)>& slot = [](size_t) { return 0; }) {
+    const uint64_t len = archive_.size();
+    MetaTensor t = rows_tensor(
+        key, chunks, file, [&](size_t i) { return slot(i) * len; }, len);
+    for (size_t i = 0; i < chunks; ++i) {
+      std::string& bytes = files_[t.chunks[i].file];
+      const size_t at = slot(i) * len;
+      if (bytes.size() < at + len) bytes.resize(at + len);
+      bytes.replace(at, len, archive_);
+    }
+    return t;
+  }
+  void write(const std::vector<MetaTensor>& tensors) {
+    for (const auto& [name, bytes] : files_) test::write_file(dir_ + "/" + name, bytes);
+    test::write_file(dir_ + "/.metadata", dcp_metadata(tensors));
+  }
+  [[nodiscard]] std::shared_ptr<const layout::Checkpoint> load() const {
+    auto fd = open_file(dir_, O_RDONLY | O_DIRECTORY);
+    EXPECT_TRUE(fd.ok());
+    auto entries = source::list_checkpoint_dir(fd->get());
+    EXPECT_TRUE(entries.ok());
+    EXPECT_TRUE(source::is_checkpoint_dir(fd->get(), *entries));
+    source::HeaderCache cache;
+    return source::load_checkpoint(fd->get(), *entries, dir_, cache, {});
+  }
+  [[nodiscard]] const std::string& path() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::string archive_;
+  std::map<std::string, std::string> files_;
+};
+
+std::string problems(const layout::Checkpoint& ck) {
+  std::string out;
+  for (const auto& p : ck.problems) out += p.to_string() + "\n";
+  return out;
+}
+
+void set_mtime(const std::string& path, int64_t sec, int64_t nsec = 0) {
+  const struct timespec ts[2] = {{sec, nsec}, {sec, nsec}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), ts, 0), 0) << path;
+}
+
+TEST(DistcpSource, AServedNameBelowModelIsCheckedToo) {
+  // {"model": {"__metadata__": t}}: the key 'model.__metadata__' is a fine key, but what
+  // would be served is the header's own field.
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("model.w", 1, [](size_t) { return "__0_0.distcp"s; });
+  w.path = {"model", "w"};
+  MetaTensor m = d.tensor(
+      "model.__metadata__", 1, [](size_t) { return "__0_0.distcp"s; }, [](size_t) { return 1; });
+  m.path = {"model", "__metadata__"};
+  d.write({w, m});
+  auto ck = d.load();
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(problems(*ck).find(".metadata: tensor 'model.__metadata__': served below 'model': a "
+                               "tensor named '__metadata__'"),
+            std::string::npos)
+      << problems(*ck);
+  d.write({w});
+  ck = d.load();
+  EXPECT_TRUE(ck->valid()) << problems(*ck);
+}
+
+TEST(DistcpSource, AChunkArchiveOfManyMembersIsRefused) {
+  // torch.save of one tensor has 7 members; an archive of 65,536 (a whole state dict's cap)
+  // would be parsed whole for each chunk pointing at it.
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("w", 1, [](size_t) { return "__0_0.distcp"s; });
+  d.write({w});
+  ASSERT_TRUE(d.load()->valid()) << problems(*d.load());
+  std::vector<ZipEntry> entries = {{"archive/data.pkl", "x"}, {"archive/data/0", "y"}};
+  for (int i = 0; i < 100; ++i) entries.push_back({fmt::format("archive/m{}", i), ""});
+  const std::string zip = build_zip(entries);
+  w.chunks[0].length = zip.size();
+  test::write_file(d.path() + "/__0_0.distcp", zip);
+  test::write_file(d.path() + "/.metadata", dcp_metadata({w}));
+  auto ck = d.load();
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(problems(*ck).find("__0_0.distcp: tensor 'w'"), std::string::npos) << problems(*ck);
+  EXPECT_NE(problems(*ck).find("zip archive of 102 members (at most 64)"), std::string::npos)
+      << problems(*ck);
+}
+
+TEST(DistcpSource, OnlyDcpDataFilesMayBeNamed) {
+  // A .metadata naming a neighbour's torch.save file (same directory, a plain name) or itself.
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("w", 2, [](size_t i) { return fmt::format("__{}_0.distcp", i); });
+  d.write({w});
+  ASSERT_TRUE(d.load()->valid()) << problems(*d.load());
+  for (const std::string name : {"secret.pt", ".metadata", ".distcp"}) {
+    test::write_file(d.path() + "/" + name, seed("f32.pt"));
+    MetaTensor bad = w;
+    bad.chunks[1].file = name;
+    test::write_file(d.path() + "/.metadata", dcp_metadata({bad}));
+    auto ck = d.load();
+    ASSERT_FALSE(ck->valid()) << name;
+    EXPECT_NE(
+        problems(*ck).find(fmt::format("names the file '{}', which is not a DCP data file", name)),
+        std::string::npos)
+        << problems(*ck);
+  }
+}
+
+TEST(DistcpSource, ADataFileNewerThanMetadataIsASaveInProgress) {
+  // dcp.save of v2 over v1, killed once its first .distcp was closed: that file is newer than
+  // v1's .metadata (DCP writes .metadata last, and .distcp files in place).
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("w", 2, [](size_t i) { return fmt::format("__{}_0.distcp", i); });
+  d.write({w});
+  const std::string meta = d.path() + "/.metadata";
+  set_mtime(d.path() + "/__0_0.distcp", 1'700'000'000);
+  set_mtime(d.path() + "/__1_0.distcp", 1'700'000'000, 5);
+  set_mtime(meta, 1'700'000'000, 5);  // the same time as the newest: fine
+  ASSERT_TRUE(d.load()->valid()) << problems(*d.load());
+  set_mtime(d.path() + "/__1_0.distcp", 1'700'000'000, 6);  // one nanosecond later
+  auto ck = d.load();
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(problems(*ck).find("__1_0.distcp: written after .metadata"), std::string::npos)
+      << problems(*ck);
+  EXPECT_NE(problems(*ck).find("touch .metadata"), std::string::npos) << problems(*ck);
+  EXPECT_EQ(problems(*ck).find("__0_0.distcp"), std::string::npos) << problems(*ck);
+  set_mtime(meta, 1'700'000'001);  // .metadata written again, last: the save committed
+  EXPECT_TRUE(d.load()->valid()) << problems(*d.load());
+}
+
+TEST(DistcpSource, ManyFilesAreReadOneDescriptorAtATime) {
+  // 300 files, read with a descriptor limit of 64: one open at a time (before, one per file,
+  // all held to the end: EMFILE here, and for the daemon's other users).
+  test::TempDir t;
+  DcpDir d(t);
+  const size_t n = 300;
+  MetaTensor w = d.tensor("w", n, [](size_t i) { return fmt::format("__{}_0.distcp", i); });
+  d.write({w});
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  struct rlimit low = old;
+  low.rlim_cur = 64;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto ck = d.load();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  ASSERT_TRUE(ck->valid()) << problems(*ck).substr(0, 2000);
+  ASSERT_EQ(ck->tensors.size(), 1u);
+  EXPECT_EQ(ck->tensors[0].chunks.size(), n);
+  EXPECT_EQ(ck->tensors[0].shape, (std::vector<uint64_t>{2 * n, 3}));
 }
 
 // ---- verl (FSDP2 DTensor state dicts) ---------------------------------------------------------
