@@ -1,11 +1,15 @@
 // torch DCP's `.metadata` and torch.save's tensor pickle, read into plain structs.
 #include "ckptfs/format/distcp.hpp"
 
+#include <algorithm>
 #include <array>
 #include <map>
+#include <numeric>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
+#include "ckptfs/format/names.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "json_strict.hpp"
 
@@ -136,6 +140,38 @@ Result<DType> properties_dtype(const Walk& w, Ref props, std::string_view where)
   return w.fail(where, "a torch dtype a safetensors file can hold", dt);
 }
 
+// DCP writes each item's bytes once: two storage entries whose ranges overlap in one file
+// (every chunk pointing at one archive, so each costs a parse of all of it) are refused,
+// naming both. Sorted per file, then one pass: O(n log n).
+Status check_storage_overlaps(const std::vector<DistcpStorage>& storage, std::string_view what) {
+  std::vector<uint32_t> order(storage.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const auto& x = storage[a];
+    const auto& y = storage[b];
+    if (const int c = x.file.compare(y.file); c != 0) return c < 0;
+    return x.offset < y.offset;
+  });
+  const DistcpStorage* last = nullptr;  // the entry reaching furthest so far in this file
+  for (uint32_t i : order) {
+    const DistcpStorage& s = storage[i];
+    if (s.length == 0) continue;  // an empty range overlaps nothing
+    if (last != nullptr && last->file == s.file &&
+        s.offset < last->offset + last->length) {  // no overflow: checked when read
+      return make_error(EINVAL,
+                        "{}: storage of '{}' at bytes [{}, {}) and of '{}' at [{}, {}) of {} "
+                        "overlap (DCP writes each item's bytes once)",
+                        what, last->key, last->offset, last->offset + last->length, s.key, s.offset,
+                        s.offset + s.length, s.file);
+    }
+    if (last == nullptr || last->file != s.file ||
+        s.offset + s.length > last->offset + last->length) {
+      last = &s;
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 bool is_distcp_file_name(std::string_view name) {
@@ -167,12 +203,12 @@ std::optional<DType> torch_storage_dtype(std::string_view storage_class) {
   return std::nullopt;
 }
 
-Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string_view what) {
+Result<DistcpMetadata> parse_distcp_metadata(std::string&& bytes, std::string_view what) {
   if (bytes.size() > kMaxDistcpMetadataBytes) {
     return make_error(EFBIG, "{}: {} bytes is over the {}-byte limit for DCP metadata", what,
                       bytes.size(), kMaxDistcpMetadataBytes);
   }
-  CKPTFS_TRY(pickle::Pickle p, pickle::parse(bytes, metadata_globals(), what));
+  CKPTFS_TRY(pickle::Pickle p, pickle::parse(std::move(bytes), metadata_globals(), what));
   const Walk w(p, what);
   CKPTFS_TRY(auto top, w.object_state(p.root(), kMeta, "Metadata", "the pickle"));
   CKPTFS_TRY(Ref sdm_ref, need(w, top, "state_dict_metadata", "Metadata"));
@@ -182,6 +218,8 @@ Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string
   std::map<std::string, size_t, std::less<>> by_key;  // key -> index in out.tensors
   for (size_t k = 0; k + 1 < sdm.size(); k += 2) {
     CKPTFS_TRY(std::string_view key, w.text(sdm[k], "a state_dict_metadata key"));
+    // Every key, served or not: one may be served under its own name, and all are listed.
+    CKPTFS_CHECK(check_tensor_name(key, what));
     const std::string where = fmt::format("state_dict_metadata['{}']", key);
     const Ref item = sdm[k + 1];
     if (w.call(item, kMeta, "BytesStorageMetadata", where).ok()) {
@@ -229,7 +267,9 @@ Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string
       for (Ref part : parts) {
         const pickle::Value& v = w.at(part);
         if (v.kind == Kind::Str) {
-          path.emplace_back(p.text(v));
+          // Its first part names what is left out (inspect, the log): valid UTF-8 too.
+          CKPTFS_TRY(std::string_view s, w.text(part, fmt::format("planner_data['{}']", key)));
+          path.emplace_back(s);
         } else if (v.kind == Kind::Int) {
           path.push_back(fmt::format("{}", v.i));  // a list index in the nested dict
         } else {
@@ -245,6 +285,25 @@ Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string
   std::vector<std::vector<bool>> placed(out.tensors.size());
   for (size_t t = 0; t < out.tensors.size(); ++t)
     placed[t].assign(out.tensors[t].chunks.size(), false);
+  // Each tensor's chunks sorted by offsets, for the storage entries to find theirs: one
+  // binary search each, not a walk of the tensor's chunks (60,000 chunks made that 1.8e9
+  // comparisons). Two chunks at the same offsets are refused here.
+  std::vector<std::vector<uint32_t>> by_offsets(out.tensors.size());
+  for (size_t t = 0; t < out.tensors.size(); ++t) {
+    const auto& chunks = out.tensors[t].chunks;
+    auto& order = by_offsets[t];
+    order.resize(chunks.size());
+    std::iota(order.begin(), order.end(), 0u);
+    std::sort(order.begin(), order.end(),
+              [&](uint32_t a, uint32_t b) { return chunks[a].offsets < chunks[b].offsets; });
+    for (size_t i = 1; i < order.size(); ++i) {
+      if (chunks[order[i]].offsets == chunks[order[i - 1]].offsets) {
+        return make_error(EINVAL, "{}: tensor '{}': lists the chunk at {} twice", what,
+                          out.tensors[t].key, dims(chunks[order[i]].offsets));
+      }
+    }
+  }
+  std::unordered_set<std::string_view> files;  // distinct relative_paths (slices of the pickle)
   for (size_t k = 0; k + 1 < sd.size(); k += 2) {
     CKPTFS_TRY(auto idx, w.object_state(sd[k], kMeta, "MetadataIndex", "a storage_data key"));
     CKPTFS_TRY(Ref fqn_ref, need(w, idx, "fqn", "MetadataIndex"));
@@ -257,6 +316,10 @@ Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string
     CKPTFS_TRY(Ref rp, need(w, info, "relative_path", where));
     CKPTFS_TRY(std::string_view file, w.text(rp, where + ".relative_path"));
     place.file = std::string(file);
+    if (files.insert(file).second && files.size() > kMaxDistcpFiles) {
+      return make_error(EINVAL, "{}: names more than {} files (kMaxDistcpFiles)", what,
+                        kMaxDistcpFiles);
+    }
     CKPTFS_TRY(Ref o, need(w, info, "offset", where));
     CKPTFS_TRY(place.offset, w.non_negative(o, where + ".offset"));
     CKPTFS_TRY(Ref l, need(w, info, "length", where));
@@ -271,12 +334,15 @@ Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string
     CKPTFS_TRY(Ref off_ref, need(w, idx, "offset", where));
     CKPTFS_TRY(auto offsets, w.dims(off_ref, where + ".offset"));
     DistcpTensor& t = out.tensors[it->second];
-    size_t c = 0;
-    while (c < t.chunks.size() && t.chunks[c].offsets != offsets) ++c;
-    if (c == t.chunks.size()) {
+    const auto& order = by_offsets[it->second];
+    auto at = std::lower_bound(
+        order.begin(), order.end(), offsets,
+        [&](uint32_t c, const std::vector<uint64_t>& o) { return t.chunks[c].offsets < o; });
+    if (at == order.end() || t.chunks[*at].offsets != offsets) {
       return make_error(EINVAL, "{}: tensor '{}': storage for a chunk at {} that it does not list",
                         what, fqn, dims(offsets));
     }
+    const size_t c = *at;
     if (placed[it->second][c]) {
       return make_error(EINVAL, "{}: tensor '{}': two storages for the chunk at {}", what, fqn,
                         dims(offsets));
@@ -299,6 +365,7 @@ Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string
       }
     }
   }
+  CKPTFS_CHECK(check_storage_overlaps(out.storage, what));
   return out;
 }
 
@@ -395,8 +462,8 @@ Result<uint64_t> tensor_offset_in_archive(const zip::TorchArchive& a, const Torc
   return storage->offset + rec.storage_offset * item;
 }
 
-Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
-  CKPTFS_TRY(pickle::Pickle p, pickle::parse(bytes, tensor_globals(), what));
+Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string&& bytes, std::string_view what) {
+  CKPTFS_TRY(pickle::Pickle p, pickle::parse(std::move(bytes), tensor_globals(), what));
   return read_rebuild_tensor(p, p.root(), what);
 }
 

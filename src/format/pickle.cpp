@@ -3,9 +3,10 @@
 
 #include <algorithm>
 #include <bit>
-#include <unordered_map>
 
 #include <fmt/format.h>
+
+#include "ckptfs/util/text.hpp"
 
 namespace ckptfs::format::pickle {
 
@@ -72,10 +73,10 @@ std::string op_name(uint8_t op) {
 // entry), or consumes stack entries into a container already on it.
 class Machine {
  public:
-  Machine(std::string_view bytes, std::span<const GlobalName> allowed, std::string_view what,
+  Machine(std::string&& bytes, std::span<const GlobalName> allowed, std::string_view what,
           const Limits& limits)
       : allowed_(allowed), what_(what), limits_(limits) {
-    p_.bytes_.assign(bytes.data(), bytes.size());
+    p_.bytes_ = std::move(bytes);  // held once: the caller's buffer, not a copy of it
     p_.values_.reserve(64);
     p_.values_.push_back(make(Kind::None));     // kNone
     p_.values_.push_back(make(Kind::Bool, 1));  // kTrue
@@ -277,10 +278,15 @@ class Machine {
   }
 
   Status push(Ref r) {
-    // The stack holds references only; it is bounded by the opcodes read, and those by
-    // max_bytes, but a DUP loop could still make it large: cap it with the values.
+    // Every reference held is pushed here first (containers take theirs from the stack), so
+    // this one check bounds them all: a DUP or BINGET loop makes one per input byte, and
+    // APPENDS keeps them in a list.
     if (stack_.size() >= limits_.max_values)
       return fail("more than {} values on the stack", limits_.max_values);
+    if (stack_.size() + p_.refs_ >= limits_.max_refs) {
+      return fail("more than {} references held by containers and the stack (max_refs)",
+                  limits_.max_refs);
+    }
     stack_.push_back(r);
     return {};
   }
@@ -332,6 +338,7 @@ class Machine {
   Status collect(Kind kind, size_t from) {
     Value v = make(kind);
     v.items.assign(stack_.begin() + static_cast<ptrdiff_t>(from), stack_.end());
+    p_.refs_ += v.items.size();  // moved from the stack: the total held does not grow
     stack_.resize(from);
     if (kind == Kind::Tuple && v.items.empty()) return push(kEmptyTuple);
     return push_new(std::move(v));
@@ -371,6 +378,7 @@ class Machine {
     if (target.kind == Kind::Call) target.added = want;
     target.items.insert(target.items.end(), stack_.begin() + static_cast<ptrdiff_t>(from),
                         stack_.end());
+    p_.refs_ += stack_.size() - from;  // moved from the stack: the total held does not grow
     stack_.resize(from);
     return {};
   }
@@ -436,23 +444,27 @@ class Machine {
     return {};
   }
 
+  // CPython's picklers (and so torch.save and dcp.save) number memo entries in order: a PUT
+  // names the next index (len(memo)), MEMOIZE implies it. So the memo is a dense array of 4
+  // bytes an entry; an index past the next one is refused, one already stored is replaced.
   Status put(uint64_t i) {
     CKPTFS_TRY(Ref top, peek());
-    if (i >= limits_.max_memo) return fail("memo index {} (at most {})", i, limits_.max_memo);
-    auto it = memo_.find(i);
-    if (it != memo_.end()) {
-      it->second = top;
-    } else {
-      if (memo_.size() >= limits_.max_memo)
-        return fail("more than {} memo entries", limits_.max_memo);
-      memo_.emplace(i, top);
+    if (i < memo_.size()) {
+      memo_[i] = top;
+      return {};
     }
+    if (i > memo_.size()) {
+      return fail("memo index {} skips ahead (the next is {})", i, memo_.size());
+    }
+    if (memo_.size() >= limits_.max_memo) {
+      return fail("more than {} memo entries", limits_.max_memo);
+    }
+    memo_.push_back(top);
     return {};
   }
   Status get(uint64_t i) {
-    auto it = memo_.find(i);
-    if (it == memo_.end()) return fail("memo index {} was never stored", i);
-    return push(it->second);
+    if (i >= memo_.size()) return fail("memo index {} was never stored", i);
+    return push(memo_[i]);
   }
 
   Pickle p_;
@@ -464,16 +476,29 @@ class Machine {
   uint8_t op_ = 0;
   std::vector<Ref> stack_;
   std::vector<size_t> marks_;  // stack heights at each open MARK
-  std::unordered_map<uint64_t, Ref> memo_;
+  std::vector<Ref> memo_;      // dense: entry i is the value PUT i stored
 };
+
+namespace {
+Status check_size(size_t size, std::string_view what, const Limits& limits) {
+  if (size > limits.max_bytes) {
+    return make_error(EFBIG, "{}: pickle of {} bytes is over the {}-byte limit", what, size,
+                      limits.max_bytes);
+  }
+  return {};
+}
+}  // namespace
+
+Result<Pickle> parse(std::string&& bytes, std::span<const GlobalName> allowed,
+                     std::string_view what, const Limits& limits) {
+  CKPTFS_CHECK(check_size(bytes.size(), what, limits));
+  return Machine(std::move(bytes), allowed, what, limits).run();
+}
 
 Result<Pickle> parse(std::string_view bytes, std::span<const GlobalName> allowed,
                      std::string_view what, const Limits& limits) {
-  if (bytes.size() > limits.max_bytes) {
-    return make_error(EFBIG, "{}: pickle of {} bytes is over the {}-byte limit", what, bytes.size(),
-                      limits.max_bytes);
-  }
-  return Machine(bytes, allowed, what, limits).run();
+  CKPTFS_CHECK(check_size(bytes.size(), what, limits));
+  return Machine(std::string(bytes), allowed, what, limits).run();
 }
 
 // ---- Walk ------------------------------------------------------------------------------------
@@ -484,7 +509,7 @@ std::string Walk::describe(Ref r) const {
     case Kind::Int:
       return fmt::format("the int {}", v.i);
     case Kind::Str:
-      return fmt::format("the str '{}'", p_.text(v).substr(0, 40));
+      return fmt::format("the str '{}'", printable(p_.text(v).substr(0, 40)));
     case Kind::Global:
       return fmt::format("the global {}.{}", p_.text(v), p_.name(v));
     case Kind::Call: {
@@ -529,7 +554,14 @@ Result<uint64_t> Walk::non_negative(Ref r, std::string_view where) const {
 Result<std::string_view> Walk::text(Ref r, std::string_view where) const {
   const Value& v = p_.at(r);
   if (v.kind != Kind::Str) return fail(where, "a str", r);
-  return p_.text(v);
+  const std::string_view s = p_.text(v);
+  if (!is_valid_utf8(s)) {
+    // Python's unpickler decodes a str as UTF-8 (passing surrogates only) and fails on such
+    // bytes: torch never wrote them, and a name made of them cannot go into a JSON header.
+    return make_error(EINVAL, "{}: {} is a str that is not valid UTF-8 ('{}')", what_, where,
+                      printable(s.substr(0, 200)));
+  }
+  return s;
 }
 
 Result<std::span<const Ref>> Walk::sequence(Ref r, std::string_view where) const {

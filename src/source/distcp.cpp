@@ -72,7 +72,10 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
     }
     return pread_exact(fd, out.data(), out.size(), c.offset + off, what);
   };
-  CKPTFS_TRY(auto members, format::zip::members(c.length, read, what));
+  // One tensor's archive: a handful of members, a small directory (the caps of a whole
+  // state dict's archive would let each of a file's chunks cost a parse of 65,536 members).
+  const format::zip::Limits limits{kMaxChunkArchiveMembers, kMaxChunkDirectoryBytes};
+  CKPTFS_TRY(auto members, format::zip::members(c.length, read, what, limits));
   CKPTFS_TRY(auto archive, format::zip::torch_archive(std::move(members), what));
   if (archive.pickle.size > kMaxTensorPickleBytes) {
     return make_error(EINVAL, "{}: data.pkl of {} bytes (at most {})", what, archive.pickle.size,
@@ -80,7 +83,7 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
   }
   std::string pkl(archive.pickle.size, '\0');
   CKPTFS_CHECK(read(archive.pickle.offset, std::span<char>(pkl.data(), pkl.size())));
-  CKPTFS_TRY(auto rec, format::parse_torch_tensor_pickle(pkl, what + " data.pkl"));
+  CKPTFS_TRY(auto rec, format::parse_torch_tensor_pickle(std::move(pkl), what + " data.pkl"));
   if (rec.dtype != t.dtype) {
     return make_error(EINVAL, "{}: holds {} where .metadata says {}", what,
                       format::dtype_name(rec.dtype), format::dtype_name(t.dtype));
@@ -142,11 +145,16 @@ void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefi
     in.declared->format = "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)";
   }
   struct stat mst {};
-  auto mfd = open_regular_at(dirfd, meta_name, meta_name, &mst);
-  if (!mfd) return problem(meta_name, "", mfd.error().message);
-  auto text = read_whole(*mfd, mst, meta_name, format::kMaxDistcpMetadataBytes);
-  if (!text) return problem(meta_name, "", text.error().message);
-  auto md = format::parse_distcp_metadata(*text, meta_name);
+  std::string text;
+  {
+    auto mfd = open_regular_at(dirfd, meta_name, meta_name, &mst);
+    if (!mfd) return problem(meta_name, "", mfd.error().message);
+    auto t = read_whole(*mfd, mst, meta_name, format::kMaxDistcpMetadataBytes);
+    if (!t) return problem(meta_name, "", t.error().message);
+    text = std::move(t).value();
+  }  // closed: one descriptor at a time
+  const int64_t meta_mtime = stamp_of(mst).mtime_ns;
+  auto md = format::parse_distcp_metadata(std::move(text), meta_name);
   if (!md) return problem(meta_name, "", md.error().message);
 
   // Which tensors are the model's, and their served names.
@@ -165,7 +173,13 @@ void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefi
       skipped[std::string(top)]++;
       continue;
     }
-    served.emplace_back(&t, wrapped ? t.key.substr(6) : t.key);
+    std::string name = wrapped ? t.key.substr(6) : t.key;
+    // The key was checked whole; what is served is below "model." ("model.__metadata__").
+    if (auto ok = format::check_tensor_name(name, "served below 'model'"); !ok.ok()) {
+      problem(meta_name, t.key, ok.error().message);
+      continue;
+    }
+    served.emplace_back(&t, std::move(name));
   }
   for (const auto& [top, n] : skipped) {
     in.left_out.push_back(fmt::format(
@@ -176,88 +190,135 @@ void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefi
                                       meta_name, md->bytes_items.size(), md->bytes_items.front()));
   }
 
-  // The files the chunks name: plain names of regular files in this directory.
-  std::map<std::string, std::optional<uint32_t>> file_index;  // nullopt: refused (once)
-  std::vector<UniqueFd> fds;
-  std::vector<uint64_t> sizes;
-  auto file_of = [&](const std::string& name,
-                     const std::string& tensor) -> std::optional<uint32_t> {
-    if (auto it = file_index.find(name); it != file_index.end()) return it->second;
-    file_index.emplace(name, std::nullopt);
-    if (!is_valid_component(name)) {
-      problem(meta_name, tensor,
-              fmt::format("names the file '{}', not a file of this directory", name));
-      return std::nullopt;
-    }
-    layout::ShardInput si;
-    si.name = pre + name;
-    struct stat st {};
-    auto fd = open_regular_at(dirfd, name, name, &st);
-    if (!fd) {
-      problem(name, tensor, fmt::format("named by .metadata: {}", fd.error().message));
-      return std::nullopt;
-    }
-    si.stamp = stamp_of(st);
-    si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
-    si.atime_ns = static_cast<int64_t>(st.st_atim.tv_sec) * 1'000'000'000 + st.st_atim.tv_nsec;
-    const auto idx = static_cast<uint32_t>(in.shards.size());
-    in.shards.push_back(std::move(si));
-    fds.push_back(std::move(fd).value());
-    sizes.push_back(static_cast<uint64_t>(st.st_size));
-    file_index[name] = idx;
-    return idx;
-  };
-
-  // Every storage entry, served or not, in a file that is there and long enough: a save cut
-  // short or a file lost is never shown as complete.
-  for (const auto& place : md->storage) {
-    auto f = file_of(place.file, place.key);
-    if (!f) continue;
-    if (place.offset > sizes[*f] || place.length > sizes[*f] - place.offset) {
-      problem(place.file, place.key,
-              fmt::format(".metadata places it at bytes [{}, {}) of a file of {} bytes",
-                          place.offset, place.offset + place.length, sizes[*f]));
-    }
-  }
-  if (!in.problems.empty()) return;
-
+  // Each served tensor's output file, in .metadata's order.
   OutputPacker packer;
-  for (const auto& [t, name] : served) {
+  std::vector<uint32_t> out_file(served.size(), 0);
+  for (size_t i = 0; i < served.size(); ++i) {
+    const auto& [t, name] = served[i];
     auto nbytes = checked_numel(t->size);
     auto bytes = nbytes ? format::byte_size(t->dtype, *nbytes) : std::nullopt;
     if (!bytes) {
       problem(meta_name, name, fmt::format("size {} overflows", dims(t->size)));
       continue;
     }
-    const uint32_t k = packer.place(*bytes);
-    if (t->chunks.empty()) {
-      problem(meta_name, name, "has no chunks");
-      continue;
-    }
-    for (const auto& c : t->chunks) {
-      if (c.transformed) {
-        problem(c.file, name,
+    out_file[i] = packer.place(*bytes);
+    if (t->chunks.empty()) problem(meta_name, name, "has no chunks");
+  }
+
+  // The files .metadata names (at most kMaxDistcpFiles: format checked it), in order of first
+  // mention, each with its storage entries and the served chunks stored in it. They are then
+  // read one at a time (open, stat, every chunk located, closed), so a .metadata naming many
+  // files never holds more than one descriptor: another user's open never meets EMFILE.
+  struct FileWork {
+    std::string name;
+    std::vector<const format::DistcpStorage*> storage;
+    std::vector<std::pair<uint32_t, uint32_t>> chunks;  // (served index, chunk index)
+  };
+  std::vector<FileWork> work;
+  std::map<std::string_view, size_t> work_of;  // name -> index in work (views into md)
+  auto work_for = [&](const std::string& name) -> FileWork& {
+    auto [it, added] = work_of.emplace(name, work.size());
+    if (added) work.push_back(FileWork{name, {}, {}});
+    return work[it->second];
+  };
+  for (const auto& place : md->storage) work_for(place.file).storage.push_back(&place);
+  for (size_t i = 0; i < served.size(); ++i) {
+    const auto& [t, name] = served[i];
+    for (size_t c = 0; c < t->chunks.size(); ++c) {
+      const DistcpChunk& ch = t->chunks[c];
+      if (ch.transformed) {
+        problem(ch.file, name,
                 fmt::format("the chunk at {} is stored with transform_descriptors (compression "
                             "or another storage extension), which is not served",
-                            dims(c.offsets)));
+                            dims(ch.offsets)));
         continue;
       }
-      auto f = file_of(c.file, name);
-      if (!f) continue;
-      auto at = locate_chunk(fds[*f].get(), c.file, sizes[*f], *t, c);
+      work_for(ch.file).chunks.emplace_back(static_cast<uint32_t>(i), static_cast<uint32_t>(c));
+    }
+  }
+
+  // Where each served chunk's tensor bytes are in its file, once located.
+  std::vector<std::vector<std::optional<std::pair<uint32_t, uint64_t>>>> located(served.size());
+  for (size_t i = 0; i < served.size(); ++i) located[i].resize(served[i].first->chunks.size());
+  for (const FileWork& f : work) {
+    const std::string& name = f.name;
+    const std::string first_key = f.storage.empty() ? "" : f.storage.front()->key;
+    if (!is_valid_component(name)) {
+      problem(meta_name, first_key,
+              fmt::format("names the file '{}', not a file of this directory", name));
+      continue;
+    }
+    // Only DCP's own data files: a .metadata must not make the view serve (or its reads
+    // touch) any other file it can name, such as a neighbour's torch.save file.
+    if (!format::is_distcp_file_name(name) || name == format::kDistcpMetadataName) {
+      problem(meta_name, first_key,
+              fmt::format("names the file '{}', which is not a DCP data file (*{})", name,
+                          format::kDistcpSuffix));
+      continue;
+    }
+    struct stat st {};
+    auto fd = open_regular_at(dirfd, name, name, &st);
+    if (!fd) {
+      problem(name, first_key, fmt::format("named by .metadata: {}", fd.error().message));
+      continue;
+    }
+    layout::ShardInput si;
+    si.name = pre + name;
+    si.stamp = stamp_of(st);
+    si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
+    si.atime_ns = static_cast<int64_t>(st.st_atim.tv_sec) * 1'000'000'000 + st.st_atim.tv_nsec;
+    const auto idx = static_cast<uint32_t>(in.shards.size());
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    const int64_t mtime = si.stamp.mtime_ns;
+    in.shards.push_back(std::move(si));
+    bool ok = true;
+    // .metadata is DCP's commit point, written last (.metadata.tmp, then a rename); torch
+    // rewrites .distcp files in place. A data file changed after it belongs to a later save,
+    // running or killed: served with this .metadata it would mix two versions.
+    if (mtime > meta_mtime) {
+      problem(name, "",
+              fmt::format("written after .metadata ({:.3f} s later; DCP writes .metadata last): a "
+                          "save in progress or cut short, which would mix two versions; if this "
+                          "is a copy that did not keep file times, `touch .metadata`",
+                          static_cast<double>(mtime - meta_mtime) / 1e9));
+      ok = false;
+    }
+    // Every storage entry, served or not, in a file long enough: a save cut short or a file
+    // lost is never shown as complete.
+    for (const auto* place : f.storage) {
+      if (place->offset > size || place->length > size - place->offset) {
+        problem(name, place->key,
+                fmt::format(".metadata places it at bytes [{}, {}) of a file of {} bytes",
+                            place->offset, place->offset + place->length, size));
+        ok = false;
+      }
+    }
+    if (!ok) continue;
+    for (const auto& [i, c] : f.chunks) {
+      const auto& [t, served_name] = served[i];
+      auto at = locate_chunk(fd->get(), name, size, *t, t->chunks[c]);
       if (!at) {
-        problem(c.file, name, at.error().message);
+        problem(name, served_name, at.error().message);
         continue;
       }
+      located[i][c] = std::pair{idx, *at};
+    }
+  }  // each file's descriptor is closed at the end of its turn
+  if (!in.problems.empty()) return;
+
+  for (size_t i = 0; i < served.size(); ++i) {
+    const auto& [t, name] = served[i];
+    for (size_t c = 0; c < t->chunks.size(); ++c) {
+      const DistcpChunk& ch = t->chunks[c];
       layout::DeclaredChunk d;
-      d.shard = *f;
+      d.shard = located[i][c]->first;
       d.tensor = name;
       d.dtype = t->dtype;
-      d.file_offset = *at;
-      d.offsets = c.offsets;
-      d.sizes = c.sizes;
+      d.file_offset = located[i][c]->second;
+      d.offsets = ch.offsets;
+      d.sizes = ch.sizes;
       d.full_shape = t->size;
-      d.k = k;
+      d.k = out_file[i];
       in.declared->chunks.push_back(std::move(d));
     }
   }

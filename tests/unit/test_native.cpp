@@ -2,6 +2,8 @@
 // torch DCP's .metadata and tensor pickles, verl's rank files (real files torch wrote:
 // tests/fuzz/seeds-torch).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include "ckptfs/format/pickle.hpp"
 #include "ckptfs/format/verl.hpp"
 #include "ckptfs/format/zip.hpp"
+#include "ckptfs/source/distcp.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
@@ -155,6 +158,29 @@ TEST(Pickle, CapsValuesMarksAndMemo) {
   EXPECT_EQ(pickle::parse(many, {}, "many", tiny_input).error().code, EFBIG);
 }
 
+TEST(Pickle, TheMemoIsDenseAsCPythonWritesIt) {
+  // torch memoizes 16 entries per DCP chunk: 2 Mi (a 130,000-chunk .metadata's) are read
+  // (a cap of 1 Mi refused real checkpoints past ~65k chunks).
+  std::string many("\x80\x04N", 3);
+  many.append(size_t{2} << 20, '\x94');  // MEMOIZE
+  many +=
+      "j\xff\xff\x1f\x00"
+      "0."s;  // LONG_BINGET of the last entry, POP it, STOP
+  auto p = pickle::parse(many, {}, "memo");
+  ASSERT_TRUE(p.ok()) << err(p);
+  EXPECT_EQ(p->at(p->root()).kind, pickle::Kind::None);
+  // An index past the next one (CPython numbers them in order) is refused; one already
+  // stored may be stored again.
+  auto ahead = pickle::parse("\x80\x02Nq\x00q\x02."s, {}, "ahead");
+  EXPECT_NE(err(ahead).find("memo index 2 skips ahead (the next is 1)"), std::string::npos)
+      << err(ahead);
+  auto again = pickle::parse(
+      "\x80\x02Nq\x00q\x00h\x00"
+      "0."s,
+      {}, "again");
+  EXPECT_TRUE(again.ok()) << err(again);
+}
+
 TEST(Pickle, ACycleThroughTheMemoIsHeldNotFollowed) {
   auto p = pickle::parse(kSelf, {}, "self");
   ASSERT_TRUE(p.ok()) << err(p);
@@ -163,17 +189,85 @@ TEST(Pickle, ACycleThroughTheMemoIsHeldNotFollowed) {
   EXPECT_EQ(l.items[0], p->root());
 }
 
+TEST(Pickle, AStrThatIsNotUtf8IsRefusedWhereItIsRead) {
+  // ['ok', 'b\xffd']: the unpickler holds both; Walk::text gives the first and refuses the
+  // second (Python's own unpickler cannot make that str), naming the input and the place.
+  const std::string bytes(
+      "\x80\x04]\x94(\x8c\x02ok\x8c\x03"
+      "b\xff"
+      "de.",
+      16);
+  auto p = pickle::parse(bytes, {}, "x.pkl");
+  ASSERT_TRUE(p.ok()) << err(p);
+  pickle::Walk w(*p, "x.pkl");
+  auto items = w.sequence(p->root(), "root");
+  ASSERT_TRUE(items.ok());
+  ASSERT_EQ(items->size(), 2u);
+  EXPECT_EQ(*w.text((*items)[0], "items[0]"), "ok");
+  auto bad = w.text((*items)[1], "items[1]");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(err(bad).find("x.pkl: items[1] is a str that is not valid UTF-8"), std::string::npos)
+      << err(bad);
+  EXPECT_NE(err(bad).find("b\\xffd"), std::string::npos) << err(bad);  // shown escaped
+  // Overlong, surrogate and cut sequences too.
+  for (std::string s : {"\xc0\xaf"s, "\xed\xa0\x80"s, "\xe2\x82"s}) {
+    std::string b = "\x80\x04\x8c"s + static_cast<char>(s.size()) + s + ".";
+    auto q = pickle::parse(b, {}, "y");
+    ASSERT_TRUE(q.ok()) << err(q);
+    EXPECT_FALSE(pickle::Walk(*q, "y").text(q->root(), "root").ok()) << b;
+  }
+}
+
+// A DUP bomb: DUP pushes one reference per input byte and APPENDS keeps them all in the list.
+std::string dup_bomb(size_t dups, size_t batch) {
+  std::string b("\x80\x04]", 3);
+  for (size_t done = 0; done < dups; done += batch) {
+    b += "(N";
+    b.append(std::min(batch, dups - done), '2');
+    b += 'e';
+  }
+  b += '.';
+  return b;
+}
+
+TEST(Pickle, CapsTheReferencesContainersHoldAndKeepsOneCopyOfTheInput) {
+  pickle::Limits small;
+  small.max_refs = 1000;
+  // Under the cap: every reference is counted (the list holds 2 per batch: N and its DUP).
+  auto ok = pickle::parse(dup_bomb(400, 100), {}, "ok", small);
+  ASSERT_TRUE(ok.ok()) << err(ok);
+  EXPECT_EQ(ok->refs(), 400u + 4);
+  // Past it, in many APPENDS of few references each (no stack is ever large): refused, the
+  // cap named.
+  auto bomb = pickle::parse(dup_bomb(2000, 100), {}, "bomb.metadata", small);
+  ASSERT_FALSE(bomb.ok());
+  EXPECT_NE(err(bomb).find("bomb.metadata"), std::string::npos) << err(bomb);
+  EXPECT_NE(err(bomb).find("more than 1000 references"), std::string::npos) << err(bomb);
+  EXPECT_NE(err(bomb).find("max_refs"), std::string::npos) << err(bomb);
+  // With the default caps: 20 Mi DUPs (20 MiB of input) would hold 80 MiB of references.
+  auto big = pickle::parse(dup_bomb(size_t{20} << 20, 4096), {}, "big");
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(err(big).find("max_refs"), std::string::npos) << err(big);
+  // The input is held once: the Pickle's text is the caller's buffer, moved in.
+  std::string in = "\x80\x04\x8c\x40"s + std::string(64, 'k') + ".";
+  const char* at = in.data();
+  auto p = pickle::parse(std::move(in), {}, "moved");
+  ASSERT_TRUE(p.ok()) << err(p);
+  EXPECT_EQ(p->input().data(), at);
+  EXPECT_EQ(p->text(p->at(p->root())).data(), at + 4);
+}
+
 TEST(Pickle, EveryPrefixAndByteFlipOfARealMetadataFailsCleanly) {
   const std::string meta = seed("small.metadata");
   for (size_t n = 0; n < meta.size(); ++n) {
-    EXPECT_FALSE(parse_distcp_metadata(std::string_view(meta).substr(0, n), "cut").ok()) << n;
+    EXPECT_FALSE(parse_distcp_metadata(meta.substr(0, n), "cut").ok()) << n;
   }
   // Flips: whatever happens, no crash and no exception (ASan and UBSan check the rest).
   for (size_t at = 0; at < meta.size(); at += 7) {
     for (int v : {0x00, 0x28, 0x2e, 0x4a, 0x68, 0x72, 0x80, 0x8c, 0x94, 0xff}) {
       std::string m = meta;
       m[at] = static_cast<char>(v);
-      (void)parse_distcp_metadata(m, "flip");
+      (void)parse_distcp_metadata(std::move(m), "flip");
     }
   }
 }
@@ -395,6 +489,473 @@ TEST(Distcp, MetadataOfAnFsdp2SaveWithOptimizerState) {
   }
   EXPECT_EQ(model, 21u);
   EXPECT_EQ(optim, 60u);
+}
+
+// ---- .metadata made in the test -----------------------------------------------------------------
+
+// What a tensor of a .metadata holds: its chunks and where each is stored.
+struct MetaChunk {
+  std::vector<uint64_t> offsets, sizes;
+  std::string file;
+  uint64_t offset = 0, length = 0;
+};
+struct MetaTensor {
+  std::string key;
+  std::vector<uint64_t> size;
+  std::vector<MetaChunk> chunks;
+  std::vector<std::string> path;  // planner_data (none when empty)
+  std::string dtype = "float32";
+};
+
+// The pickle dcp.save's coordinator writes as .metadata (pickle.dump(Metadata), protocol 4),
+// opcode for opcode in the shapes torch's objects take: NEWOBJ then BUILD of a state dict,
+// torch.Size(tuple) by REDUCE, SETITEMS and APPENDS in batches of 1000 as Python's pickler
+// writes them, globals and field names memoized and fetched again with LONG_BINGET.
+class MetadataWriter {
+ public:
+  bool storage_reversed = false;  // storage_data in the reverse of the chunks' order
+
+  std::string write(const std::vector<MetaTensor>& tensors) {
+    out_.assign("\x80\x04", 2);
+    object(kMetaMod, "Metadata");
+    out_ += "}(";
+    field("state_dict_metadata");
+    dict(tensors.size(), [&](size_t i) {
+      const MetaTensor& t = tensors[i];
+      str(t.key);
+      object(kMetaMod, "TensorStorageMetadata");
+      out_ += "}(";
+      field("properties");
+      object(kMetaMod, "TensorProperties");
+      out_ += '(';
+      global("torch", t.dtype);
+      out_ += "\x89\x89tb";  // (dtype, False, False): the fields after it are not read
+      field("size");
+      size(t.size);
+      field("chunks");
+      out_ += ']';
+      batches(t.chunks.size(), 'e', [&](size_t c) {
+        object(kMetaMod, "ChunkStorageMetadata");
+        out_ += "}(";
+        field("offsets");
+        size(t.chunks[c].offsets);
+        field("sizes");
+        size(t.chunks[c].sizes);
+        out_ += "ub";
+      });
+      out_ += "ub";
+    });
+    field("planner_data");
+    std::vector<const MetaTensor*> with_path;
+    for (const auto& t : tensors) {
+      if (!t.path.empty()) with_path.push_back(&t);
+    }
+    dict(with_path.size(), [&](size_t i) {
+      str(with_path[i]->key);
+      out_ += '(';
+      for (const auto& part : with_path[i]->path) str(part);
+      out_ += 't';
+    });
+    field("storage_data");
+    std::vector<std::pair<const MetaTensor*, const MetaChunk*>> all;
+    for (const auto& t : tensors) {
+      for (const auto& c : t.chunks) all.emplace_back(&t, &c);
+    }
+    if (storage_reversed) std::reverse(all.begin(), all.end());
+    dict(all.size(), [&](size_t i) {
+      const auto& [t, c] = all[i];
+      object(kMetaMod, "MetadataIndex");
+      out_ += "}(";
+      field("fqn");
+      str(t->key);
+      field("offset");
+      size(c->offsets);
+      field("index");
+      out_ += "Nub";
+      object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+      out_ += "}(";
+      field("relative_path");
+      str(c->file);
+      field("offset");
+      integer(c->offset);
+      field("length");
+      integer(c->length);
+      out_ += "ub";
+    });
+    out_ += "ub.";
+    return out_;
+  }
+
+ private:
+  static constexpr std::string_view kMetaMod = "torch.distributed.checkpoint.metadata";
+
+  void put() {
+    out_ += 'r';
+    le(out_, memo_.size(), 4);
+  }
+  void get(uint32_t i) {
+    out_ += 'j';
+    le(out_, i, 4);
+  }
+  // A str; field names and globals' parts are memoized, as the pickler memoizes interned str.
+  void str(std::string_view s, bool memoize = false) {
+    if (memoize) {
+      if (auto it = memo_.find(std::string(s)); it != memo_.end()) return get(it->second);
+    }
+    if (s.size() < 256) {
+      out_ += '\x8c';
+      out_ += static_cast<char>(s.size());
+    } else {
+      out_ += 'X';
+      le(out_, s.size(), 4);
+    }
+    out_ += s;
+    if (memoize) {
+      const auto i = static_cast<uint32_t>(memo_.size());
+      put();
+      memo_.emplace(std::string(s), i);
+    }
+  }
+  void field(std::string_view name) { str(name, true); }  // interned: memoized once
+  void global(std::string_view module, std::string_view name) {
+    const std::string key = std::string(module) + "\n" + std::string(name);
+    if (auto it = memo_.find(key); it != memo_.end()) return get(it->second);
+    str(module, true);
+    str(name, true);
+    out_ += '\x93';
+    const auto i = static_cast<uint32_t>(memo_.size());
+    put();
+    memo_.emplace(key, i);
+  }
+  void object(std::string_view module, std::string_view name) {
+    global(module, name);
+    out_ += ")\x81";
+  }
+  void integer(uint64_t v) {
+    if (v < 256) {
+      out_ += 'K';
+      out_ += static_cast<char>(v);
+    } else if (v < (uint64_t{1} << 31)) {
+      out_ += 'J';
+      le(out_, v, 4);
+    } else {
+      out_ += "\x8a\x08";
+      le(out_, v, 8);
+    }
+  }
+  void size(const std::vector<uint64_t>& dims) {
+    global("torch", "Size");
+    out_ += '(';
+    for (uint64_t d : dims) integer(d);
+    out_ += "t\x85R";
+  }
+  // n items in batches of 1000, each batch MARK ... `op` (APPENDS or SETITEMS).
+  template <typename F>
+  void batches(size_t n, char op, F&& item) {
+    for (size_t at = 0; at < n; at += 1000) {
+      out_ += '(';
+      for (size_t i = at; i < std::min(n, at + 1000); ++i) item(i);
+      out_ += op;
+    }
+  }
+  template <typename F>
+  void dict(size_t n, F&& pair) {
+    out_ += '}';
+    batches(n, 'u', pair);
+  }
+
+  std::string out_;
+  std::map<std::string, uint32_t> memo_;
+};
+
+std::string dcp_metadata(const std::vector<MetaTensor>& tensors) {
+  return MetadataWriter().write(tensors);
+}
+
+// A tensor of `rows` x 3 float32 whose chunks are rows [2i, 2i + 2), each chunk in `file(i)` at
+// `at(i)`, `length` bytes long (f32.pt's archive when the checkpoint is to be read).
+MetaTensor rows_tensor(std::string key, size_t chunks,
+                       const std::function<std::string(size_t)>& file,
+                       const std::function<uint64_t(size_t)>& at, uint64_t length) {
+  MetaTensor t;
+  t.key = std::move(key);
+  t.size = {2 * chunks, 3};
+  for (size_t i = 0; i < chunks; ++i) {
+    t.chunks.push_back(MetaChunk{{2 * i, 0}, {2, 3}, file(i), at(i), length});
+  }
+  return t;
+}
+
+TEST(Distcp, TheTestsMetadataWriterMakesWhatTheParserReads) {
+  // The writer's pickle reads as torch's own does (MetadataOfASmallSave reads a real one).
+  MetaTensor t{"model.w", {4, 3}, {}, {"model", "w"}};
+  t.chunks = {{{0, 0}, {2, 3}, "__0_0.distcp", 0, 100}, {{2, 0}, {2, 3}, "__1_0.distcp", 7, 100}};
+  auto md = parse_distcp_metadata(dcp_metadata({t}), ".metadata");
+  ASSERT_TRUE(md.ok()) << err(md);
+  ASSERT_EQ(md->tensors.size(), 1u);
+  EXPECT_EQ(md->tensors[0].path, (std::vector<std::string>{"model", "w"}));
+  EXPECT_EQ(md->tensors[0].chunks[1].file, "__1_0.distcp");
+  EXPECT_EQ(md->tensors[0].chunks[1].offset, 7u);
+  EXPECT_EQ(md->storage.size(), 2u);
+}
+
+TEST(Distcp, AKeyThatIsNotUtf8IsRefusedNamingTheFile) {
+  // A real .metadata with its second key's bytes made invalid UTF-8 (same length, so the
+  // pickle stays well formed): before, it reached the view and the JSON header threw.
+  std::string meta = seed("small.metadata");
+  const size_t at = meta.find("model.norm.weight");
+  ASSERT_NE(at, std::string::npos);
+  meta[at + 7] = '\xff';
+  auto md = parse_distcp_metadata(std::move(meta), "ckpt/.metadata");
+  ASSERT_FALSE(md.ok());
+  EXPECT_NE(err(md).find("ckpt/.metadata"), std::string::npos) << err(md);
+  EXPECT_NE(err(md).find("not valid UTF-8"), std::string::npos) << err(md);
+  EXPECT_NE(err(md).find("model.n\\xffrm.weight"), std::string::npos) << err(md);
+}
+
+TEST(Distcp, AKeyNamedLikeTheHeadersOwnFieldIsRefused) {
+  auto one = [](std::string key) {
+    MetaTensor t{std::move(key), {2, 3}, {{{0, 0}, {2, 3}, "__0_0.distcp", 0, 10}}, {}};
+    return parse_distcp_metadata(dcp_metadata({t}), "ckpt/.metadata");
+  };
+  for (std::string key : {"__metadata__"s, ""s}) {
+    auto md = one(key);
+    ASSERT_FALSE(md.ok()) << key;
+    EXPECT_NE(err(md).find("ckpt/.metadata"), std::string::npos) << err(md);
+  }
+  EXPECT_NE(err(one("__metadata__")).find("'__metadata__'"), std::string::npos);
+  EXPECT_TRUE(one("__metadata__.x").ok());  // a key below it is a name like any other
+}
+
+TEST(Distcp, SixtyThousandChunksParse) {
+  // 60,000 chunks of one tensor (8 MB, as a 512-rank save of a large model has per few
+  // tensors), stored in the reverse of their listed order: each storage entry finds its
+  // chunk by its offsets. (Before: a walk of the tensor's chunks per entry, 1.8e9
+  // comparisons.) How long it takes is measured in docs/benchmarks, not asserted here.
+  const size_t n = 60'000;
+  MetaTensor t = rows_tensor(
+      "w", n, [](size_t i) { return fmt::format("__{}_0.distcp", i % 512); },
+      [&](size_t i) { return (n - 1 - i) * 2000; }, 2000);
+  MetadataWriter writer;
+  writer.storage_reversed = true;
+  std::string meta = writer.write({t});
+  EXPECT_GT(meta.size(), 4'000'000u);
+  auto md = parse_distcp_metadata(std::move(meta), ".metadata");
+  ASSERT_TRUE(md.ok()) << err(md);
+  ASSERT_EQ(md->tensors[0].chunks.size(), n);
+  EXPECT_EQ(md->tensors[0].chunks[0].offset, (n - 1) * 2000);
+  EXPECT_EQ(md->tensors[0].chunks[n - 1].offset, 0u);
+  EXPECT_EQ(md->storage.front().offset, 0u);  // stored last-chunk first
+  // Two chunks listed at the same offsets are refused (one of them could have no storage).
+  t.chunks[1].offsets = t.chunks[0].offsets;
+  auto twice = parse_distcp_metadata(dcp_metadata({t}), ".metadata");
+  EXPECT_NE(err(twice).find("lists the chunk at [0, 0] twice"), std::string::npos) << err(twice);
+}
+
+TEST(Distcp, OverlappingStorageRangesInOneFileAreRefused) {
+  // Every chunk's [offset, length) covering the same archive: each would cost a parse of all
+  // of it. DCP writes each item's bytes once.
+  auto same = [](size_t) { return uint64_t{100}; };
+  auto file = [](size_t) { return "__0_0.distcp"s; };
+  auto md = parse_distcp_metadata(dcp_metadata({rows_tensor("w", 300, file, same, 5000)}),
+                                  "ckpt/.metadata");
+  ASSERT_FALSE(md.ok());
+  EXPECT_NE(err(md).find("ckpt/.metadata: storage of 'w' at bytes [100, 5100) and of 'w' at "
+                         "[100, 5100) of __0_0.distcp overlap"),
+            std::string::npos)
+      << err(md);
+  // Two tensors overlapping by one byte: both named.
+  MetaTensor a = rows_tensor(
+      "a", 1, file, [](size_t) { return 0; }, 1000);
+  MetaTensor b = rows_tensor(
+      "b", 1, file, [](size_t) { return 999; }, 1000);
+  md = parse_distcp_metadata(dcp_metadata({a, b}), "m");
+  EXPECT_NE(err(md).find("'a' at bytes [0, 1000) and of 'b' at [999, 1999)"), std::string::npos)
+      << err(md);
+  // Touching ranges, and the same range in two files, are what DCP writes.
+  b.chunks[0].offset = 1000;
+  EXPECT_TRUE(parse_distcp_metadata(dcp_metadata({a, b}), "m").ok());
+  b.chunks[0].offset = 0;
+  b.chunks[0].file = "__1_0.distcp";
+  EXPECT_TRUE(parse_distcp_metadata(dcp_metadata({a, b}), "m").ok());
+}
+
+TEST(Distcp, MoreFilesThanTheCapAreRefused) {
+  auto named = [](size_t files) {
+    return dcp_metadata({rows_tensor(
+        "w", files, [](size_t i) { return fmt::format("__{}_0.distcp", i); },
+        [](size_t) { return 0; }, 10)});
+  };
+  EXPECT_TRUE(parse_distcp_metadata(named(kMaxDistcpFiles), ".metadata").ok());
+  auto md = parse_distcp_metadata(named(kMaxDistcpFiles + 1), "ckpt/.metadata");
+  ASSERT_FALSE(md.ok());
+  EXPECT_NE(err(md).find("ckpt/.metadata: names more than 65536 files (kMaxDistcpFiles)"),
+            std::string::npos)
+      << err(md);
+}
+
+// ---- DCP directories read by the source layer (no mount) --------------------------------------
+
+// A DCP checkpoint directory: `.distcp` files holding f32.pt (torch.save of a [2, 3] float32
+// tensor) once per chunk, and a .metadata written last, as dcp.save leaves it.
+class DcpDir {
+ public:
+  explicit DcpDir(const test::TempDir& t) : dir_(t.path()), archive_(seed("f32.pt")) {}
+
+  // `chunks` chunks of a [2 * chunks, 3] tensor `key`, chunk i in `file(i)` at
+  // `slot(i)` * the archive's length: every file written with the archives it holds.
+  MetaTensor tensor(
+      const std::string& key, size_t chunks, const std::function<std::string(size_t)>& file,
+      const std::function<size_t(size_t)>& slot = [](size_t) { return 0; }) {
+    const uint64_t len = archive_.size();
+    MetaTensor t = rows_tensor(
+        key, chunks, file, [&](size_t i) { return slot(i) * len; }, len);
+    for (size_t i = 0; i < chunks; ++i) {
+      std::string& bytes = files_[t.chunks[i].file];
+      const size_t at = slot(i) * len;
+      if (bytes.size() < at + len) bytes.resize(at + len);
+      bytes.replace(at, len, archive_);
+    }
+    return t;
+  }
+  void write(const std::vector<MetaTensor>& tensors) {
+    for (const auto& [name, bytes] : files_) test::write_file(dir_ + "/" + name, bytes);
+    test::write_file(dir_ + "/.metadata", dcp_metadata(tensors));
+  }
+  [[nodiscard]] std::shared_ptr<const layout::Checkpoint> load() const {
+    auto fd = open_file(dir_, O_RDONLY | O_DIRECTORY);
+    EXPECT_TRUE(fd.ok());
+    auto entries = source::list_checkpoint_dir(fd->get());
+    EXPECT_TRUE(entries.ok());
+    EXPECT_TRUE(source::is_checkpoint_dir(fd->get(), *entries));
+    source::HeaderCache cache;
+    return source::load_checkpoint(fd->get(), *entries, dir_, cache, {});
+  }
+  [[nodiscard]] const std::string& path() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::string archive_;
+  std::map<std::string, std::string> files_;
+};
+
+std::string problems(const layout::Checkpoint& ck) {
+  std::string out;
+  for (const auto& p : ck.problems) out += p.to_string() + "\n";
+  return out;
+}
+
+void set_mtime(const std::string& path, int64_t sec, int64_t nsec = 0) {
+  const struct timespec ts[2] = {{sec, nsec}, {sec, nsec}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), ts, 0), 0) << path;
+}
+
+TEST(DistcpSource, AServedNameBelowModelIsCheckedToo) {
+  // {"model": {"__metadata__": t}}: the key 'model.__metadata__' is a fine key, but what
+  // would be served is the header's own field.
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("model.w", 1, [](size_t) { return "__0_0.distcp"s; });
+  w.path = {"model", "w"};
+  MetaTensor m = d.tensor(
+      "model.__metadata__", 1, [](size_t) { return "__0_0.distcp"s; }, [](size_t) { return 1; });
+  m.path = {"model", "__metadata__"};
+  d.write({w, m});
+  auto ck = d.load();
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(problems(*ck).find(".metadata: tensor 'model.__metadata__': served below 'model': a "
+                               "tensor named '__metadata__'"),
+            std::string::npos)
+      << problems(*ck);
+  d.write({w});
+  ck = d.load();
+  EXPECT_TRUE(ck->valid()) << problems(*ck);
+}
+
+TEST(DistcpSource, AChunkArchiveOfManyMembersIsRefused) {
+  // torch.save of one tensor has 7 members; an archive of 65,536 (a whole state dict's cap)
+  // would be parsed whole for each chunk pointing at it.
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("w", 1, [](size_t) { return "__0_0.distcp"s; });
+  d.write({w});
+  ASSERT_TRUE(d.load()->valid()) << problems(*d.load());
+  std::vector<ZipEntry> entries = {{"archive/data.pkl", "x"}, {"archive/data/0", "y"}};
+  for (int i = 0; i < 100; ++i) entries.push_back({fmt::format("archive/m{}", i), ""});
+  const std::string zip = build_zip(entries);
+  w.chunks[0].length = zip.size();
+  test::write_file(d.path() + "/__0_0.distcp", zip);
+  test::write_file(d.path() + "/.metadata", dcp_metadata({w}));
+  auto ck = d.load();
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(problems(*ck).find("__0_0.distcp: tensor 'w'"), std::string::npos) << problems(*ck);
+  EXPECT_NE(problems(*ck).find("zip archive of 102 members (at most 64)"), std::string::npos)
+      << problems(*ck);
+}
+
+TEST(DistcpSource, OnlyDcpDataFilesMayBeNamed) {
+  // A .metadata naming a neighbour's torch.save file (same directory, a plain name) or itself.
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("w", 2, [](size_t i) { return fmt::format("__{}_0.distcp", i); });
+  d.write({w});
+  ASSERT_TRUE(d.load()->valid()) << problems(*d.load());
+  for (const std::string name : {"secret.pt", ".metadata", ".distcp"}) {
+    test::write_file(d.path() + "/" + name, seed("f32.pt"));
+    MetaTensor bad = w;
+    bad.chunks[1].file = name;
+    test::write_file(d.path() + "/.metadata", dcp_metadata({bad}));
+    auto ck = d.load();
+    ASSERT_FALSE(ck->valid()) << name;
+    EXPECT_NE(
+        problems(*ck).find(fmt::format("names the file '{}', which is not a DCP data file", name)),
+        std::string::npos)
+        << problems(*ck);
+  }
+}
+
+TEST(DistcpSource, ADataFileNewerThanMetadataIsASaveInProgress) {
+  // dcp.save of v2 over v1, killed once its first .distcp was closed: that file is newer than
+  // v1's .metadata (DCP writes .metadata last, and .distcp files in place).
+  test::TempDir t;
+  DcpDir d(t);
+  MetaTensor w = d.tensor("w", 2, [](size_t i) { return fmt::format("__{}_0.distcp", i); });
+  d.write({w});
+  const std::string meta = d.path() + "/.metadata";
+  set_mtime(d.path() + "/__0_0.distcp", 1'700'000'000);
+  set_mtime(d.path() + "/__1_0.distcp", 1'700'000'000, 5);
+  set_mtime(meta, 1'700'000'000, 5);  // the same time as the newest: fine
+  ASSERT_TRUE(d.load()->valid()) << problems(*d.load());
+  set_mtime(d.path() + "/__1_0.distcp", 1'700'000'000, 6);  // one nanosecond later
+  auto ck = d.load();
+  ASSERT_FALSE(ck->valid());
+  EXPECT_NE(problems(*ck).find("__1_0.distcp: written after .metadata"), std::string::npos)
+      << problems(*ck);
+  EXPECT_NE(problems(*ck).find("touch .metadata"), std::string::npos) << problems(*ck);
+  EXPECT_EQ(problems(*ck).find("__0_0.distcp"), std::string::npos) << problems(*ck);
+  set_mtime(meta, 1'700'000'001);  // .metadata written again, last: the save committed
+  EXPECT_TRUE(d.load()->valid()) << problems(*d.load());
+}
+
+TEST(DistcpSource, ManyFilesAreReadOneDescriptorAtATime) {
+  // 300 files, read with a descriptor limit of 64: one open at a time (before, one per file,
+  // all held to the end: EMFILE here, and for the daemon's other users).
+  test::TempDir t;
+  DcpDir d(t);
+  const size_t n = 300;
+  MetaTensor w = d.tensor("w", n, [](size_t i) { return fmt::format("__{}_0.distcp", i); });
+  d.write({w});
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  struct rlimit low = old;
+  low.rlim_cur = 64;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto ck = d.load();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  ASSERT_TRUE(ck->valid()) << problems(*ck).substr(0, 2000);
+  ASSERT_EQ(ck->tensors.size(), 1u);
+  EXPECT_EQ(ck->tensors[0].chunks.size(), n);
+  EXPECT_EQ(ck->tensors[0].shape, (std::vector<uint64_t>{2 * n, 3}));
 }
 
 // ---- verl (FSDP2 DTensor state dicts) ---------------------------------------------------------

@@ -11,6 +11,9 @@
 //
 // Only the globals those two pickles need are allowed (kMetadataGlobals, kTensorGlobals); a
 // chunk stored with transform_descriptors (compression, other extensions) is refused by name.
+// Every key must be a tensor name a safetensors header can hold (check_tensor_name); two
+// storage entries whose bytes overlap in one file, and more than kMaxDistcpFiles files, are
+// refused: DCP writes each item's bytes once, and a file per rank and writer thread.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,10 @@ namespace ckptfs::format {
 inline constexpr std::string_view kDistcpMetadataName = ".metadata";
 inline constexpr std::string_view kDistcpSuffix = ".distcp";
 inline constexpr uint64_t kMaxDistcpMetadataBytes = 256ull << 20;
+// Distinct files one `.metadata` may name: a file per rank and writer thread (Megatron writes
+// a few per rank), so this is 64 Ki ranks of one file or 16 Ki ranks of four. The source opens
+// them one at a time; the cap bounds the opens and stats of one rebuild of the view.
+inline constexpr size_t kMaxDistcpFiles = 65536;
 
 // `.metadata` or `*.distcp`: a DCP checkpoint's own files (never copied into its consolidated
 // form, never hidden by the view).
@@ -76,8 +83,9 @@ struct DistcpMetadata {
   std::vector<DistcpStorage> storage;    // every storage_data entry, in order
 };
 
-// Parses `.metadata` bytes. `what` names the file in messages.
-Result<DistcpMetadata> parse_distcp_metadata(std::string_view bytes, std::string_view what);
+// Parses `.metadata` bytes, taken by move: the unpickler holds them once, never a copy.
+// `what` names the file in messages.
+Result<DistcpMetadata> parse_distcp_metadata(std::string&& bytes, std::string_view what);
 
 // What a torch.save archive's data.pkl says of the one tensor it holds.
 struct TorchTensorRecord {
@@ -91,7 +99,7 @@ struct TorchTensorRecord {
   [[nodiscard]] bool contiguous() const;
 };
 
-Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string_view bytes, std::string_view what);
+Result<TorchTensorRecord> parse_torch_tensor_pickle(std::string&& bytes, std::string_view what);
 // The same, for a `_rebuild_tensor_v2/v3` call at `ref` inside a larger pickle.
 Result<TorchTensorRecord> read_rebuild_tensor(const pickle::Pickle& p, pickle::Ref ref,
                                               std::string_view what);

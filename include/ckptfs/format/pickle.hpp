@@ -7,8 +7,11 @@
 // calling it (REDUCE, NEWOBJ) or setting its state (BUILD) makes a `Call` node recording what
 // would have been called with what. Callers then read the fields they need from that tree.
 //
-// Caps: values, memo entries, stack and mark depth are bounded (Limits); an integer past 64
-// bits, an opcode or a global outside the lists, a memo index never stored, or a stream that
+// Caps: values, memo entries, marks and the references held by containers and the stack are
+// bounded (Limits), and the input is held once (parse takes it by move): memory is linear in
+// the caps, never in what a DUP or BINGET loop could make of the input. An integer past 64
+// bits, an opcode or a global outside the lists, a memo index never stored (or past the next
+// one: the memo is dense, as CPython's picklers write it), or a stream that
 // does not end in STOP refuses the whole pickle, naming `what`, the offset and the opcode or
 // global. The tree may hold cycles (a list appended to itself through the memo), so nothing
 // walks it recursively: `Walk` reads one level per call, and its callers follow a fixed schema.
@@ -32,7 +35,7 @@ enum class Kind : uint8_t {
   Bool,
   Int,
   Float,
-  Str,    // text (UTF-8 as written; not validated)
+  Str,    // text as written (Walk::text refuses one that is not valid UTF-8)
   Bytes,  // binary strings
   Tuple,
   List,
@@ -71,9 +74,18 @@ struct GlobalName {
 
 struct Limits {
   size_t max_values = size_t{1} << 22;  // arena entries (each opcode makes at most one)
-  size_t max_memo = size_t{1} << 20;    // memo entries, and the highest index a PUT may name
-  size_t max_marks = 4096;              // MARKs open at once
-  size_t max_bytes = size_t{1} << 30;   // the input (text offsets are 32-bit)
+  // Memo entries (4 bytes each: indices are dense, as CPython numbers them). torch memoizes 16
+  // per DCP chunk: this is ~260k chunks, past where max_values binds (~175k).
+  size_t max_memo = size_t{1} << 22;
+  size_t max_marks = 4096;             // MARKs open at once
+  size_t max_bytes = size_t{1} << 30;  // the input (text offsets are 32-bit)
+  // References held at once by every container's items and the stack together (4 bytes each):
+  // a DUP or BINGET pushes one per input byte and APPENDS keeps them, so without this a
+  // 240 MiB input could hold 240 Mi of them (1.5 GB measured). torch's own .metadata
+  // pickles hold 1.17 per value (per chunk: 24 values, 28 references, 16 memo entries, 142
+  // bytes; measured on a 60,000-chunk one), so this cap binds only past ~600k chunks, after
+  // max_values (~175k) does: it never refuses a real file the other caps pass. 64 MiB.
+  size_t max_refs = size_t{1} << 24;
 };
 
 class Pickle {
@@ -81,6 +93,10 @@ class Pickle {
   [[nodiscard]] const Value& at(Ref r) const { return values_.at(r); }
   [[nodiscard]] Ref root() const { return root_; }
   [[nodiscard]] size_t size() const { return values_.size(); }
+  // References held in containers' items (the stack's last one, the root, is not counted).
+  [[nodiscard]] size_t refs() const { return refs_; }
+  // The input, held once: every text is a slice of it.
+  [[nodiscard]] std::string_view input() const { return bytes_; }
   // Str, Bytes: the text; Global: the module.
   [[nodiscard]] std::string_view text(const Value& v) const { return slice(v.off, v.len); }
   // Global: the attribute name.
@@ -91,13 +107,18 @@ class Pickle {
   [[nodiscard]] std::string_view slice(uint32_t off, uint32_t len) const {
     return std::string_view(bytes_).substr(off, len);
   }
-  std::string bytes_;  // the input: every text is a slice of it
+  std::string bytes_;  // the input, moved in by parse: every text is a slice of it
   std::vector<Value> values_;
+  size_t refs_ = 0;  // sum of every value's items.size()
   Ref root_ = 0;
 };
 
 // Parse `bytes` (a whole pickle, protocol 2 to 5) allowing only `allowed` globals. `what`
-// names the input in every message ("ckpt/.metadata", "ckpt/__0_0.distcp chunk 'w'").
+// names the input in every message ("ckpt/.metadata", "ckpt/__0_0.distcp chunk 'w'"). The
+// Pickle keeps the input it was given: moved in, never copied.
+Result<Pickle> parse(std::string&& bytes, std::span<const GlobalName> allowed,
+                     std::string_view what, const Limits& limits = {});
+// The same on a copy of `bytes` (after the size check): for inputs the caller keeps.
 Result<Pickle> parse(std::string_view bytes, std::span<const GlobalName> allowed,
                      std::string_view what, const Limits& limits = {});
 
@@ -114,6 +135,8 @@ class Walk {
                             std::string_view where) const;
   Result<int64_t> integer(Ref r, std::string_view where) const;
   Result<uint64_t> non_negative(Ref r, std::string_view where) const;
+  // A Str, which must be valid UTF-8 (Python's unpickler decodes it as such, and the names
+  // and paths read from it end up in JSON headers).
   Result<std::string_view> text(Ref r, std::string_view where) const;
   // Elements of a Tuple or List.
   Result<std::span<const Ref>> sequence(Ref r, std::string_view where) const;

@@ -24,13 +24,21 @@ namespace ckptfs::source {
 using layout::kMaxOutputBytes;  // the packing rule is the layout's (maps repack too)
 using layout::OutputPacker;
 inline constexpr uint64_t kMaxTensorPickleBytes = 1 << 20;  // one chunk's data.pkl
+// A chunk's archive is torch.save of one tensor: 7 members as torch 2.x writes it (data.pkl,
+// data/0, version, byteorder, .data/serialization_id, .format_version, .storage_alignment).
+// verl's whole-state-dict archives keep zip::Limits' defaults (65,536 members, 64 MiB).
+inline constexpr size_t kMaxChunkArchiveMembers = 64;
+inline constexpr uint64_t kMaxChunkDirectoryBytes = 64 << 10;  // its central directory
 
 // `.metadata` or a `*.distcp` file: the inputs of a DCP checkpoint.
 bool is_distcp_entry(const DirEntry& e);
 bool is_distcp_dir(const std::vector<DirEntry>& entries);
 
 // Fills `in` (dir set by the caller) with the directory's DCP chunks, or with the problems
-// that keep it from being served. Reads `.metadata`, and each chunk's archive structure.
+// that keep it from being served. Reads `.metadata`, then each file it names in turn, one
+// descriptor at a time: every chunk's archive structure in it. A file must be a `*.distcp`
+// of this directory, and none may be newer than `.metadata` (DCP writes it last: a newer one
+// is a later save running or cut short, which would mix two versions).
 // `prefix` ("pytorch_model_fsdp_0/": accelerate's layout, where `dirfd` is that folder of the
 // checkpoint directory) is put before every file name the checkpoint records.
 void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefix = {});
