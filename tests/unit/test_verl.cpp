@@ -1,7 +1,7 @@
 // verl's FSDP source against rank files a red team made (issue 32): ranks that are one file
-// (hard links) are refused from the listing before any rank is read, and the ranks are read one
-// at a time against rank 0. Real FSDP2 rank files torch wrote (tests/fuzz/seeds-torch), some
-// edited.
+// (hard links) are refused from the listing before any rank is read, the ranks are read one at
+// a time against rank 0, and state-dict keys that cannot name a tensor are refused naming the
+// file and the tensor. Real FSDP2 rank files torch wrote (tests/fuzz/seeds-torch), some edited.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -207,6 +207,31 @@ TEST(VerlTrust, TheFirstRankThatCannotBeServedEndsTheReading) {
   EXPECT_TRUE(std::none_of(ck->problems.begin(), ck->problems.end(), [](const auto& p) {
     return p.file == rank_name(3, 2);
   })) << problems(*ck);
+}
+
+// A state-dict key is a tensor name from an untrusted file: `__metadata__` (the safetensors
+// header's own field) and invalid UTF-8 (the header is JSON) are refused, naming the file and
+// the tensor.
+TEST(VerlTrust, KeysThatCannotNameATensorAreRefusedNamingTheFileAndTheTensor) {
+  struct Case {
+    std::string key, says, shown;
+  };
+  for (const Case& c : {Case{"__metadata__", "a tensor named '__metadata__'", "__metadata__"},
+                        Case{"\xff.weight", "its name is not valid UTF-8", "\\xff.weight"}}) {
+    SCOPED_TRACE(c.shown);
+    test::TempDir t;
+    for (int r = 0; r < 3; ++r) {
+      test::write_file(t.path() + "/" + rank_name(3, r), with_key(rank_file(r), "0.weight", c.key));
+    }
+    write_config(t.path(), 3);
+    auto ck = build(t.path());
+    ASSERT_FALSE(ck->valid());
+    ASSERT_FALSE(ck->problems.empty());
+    const std::string text = ck->problems[0].to_string();
+    EXPECT_NE(text.find(rank_name(3, 0)), std::string::npos) << text;
+    EXPECT_NE(text.find(c.says), std::string::npos) << text;
+    EXPECT_NE(text.find(c.shown), std::string::npos) << text;
+  }
 }
 
 }  // namespace
