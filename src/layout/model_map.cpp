@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ckptfs/format/names.hpp"
 #include "ckptfs/util/checked.hpp"
 
 namespace ckptfs::layout {
@@ -353,6 +354,10 @@ class Compiler {
       }
       MappedTensor t;
       t.name = format::expand_pattern(r.hf, b);
+      if (auto named = format::check_tensor_name(t.name, rule_where(r)); !named) {
+        problem(t.name, named.error().message);
+        return;
+      }
       if (!names.insert(t.name).second) {
         problem(t.name, fmt::format("{}: the HF name is made twice", rule_where(r)));
         return;

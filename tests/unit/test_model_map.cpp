@@ -1581,6 +1581,31 @@ TEST(MapHostile, ATensorNeedingMoreRunsThanTheMapMayHaveStopsAtTheBudget) {
   EXPECT_EXIT(std::_Exit(child()), ::testing::ExitedWithCode(0), "");
 }
 
+// An HF name a map makes is a tensor name like any other: not `__metadata__` (the safetensors
+// header's own field), valid UTF-8 (it is written into the JSON header), not empty.
+TEST(MapHostile, HfNamesThatCannotNameATensorAreRefusedNamingTheRule) {
+  auto meta = compile(map_with(json::array({{{"hf", "model.norm.weight"}, {"from", "a"}},
+                                            {{"hf", "__metadata__"}, {"from", "b"}}})),
+                      json::object(), {st("a", {2}), st("b", {2})});
+  EXPECT_PROBLEM(meta, "__metadata__", "map 't'", "rule 2 ('__metadata__')",
+                 "a tensor named '__metadata__'");
+  // The map's JSON cannot hold invalid UTF-8 (the parser refuses it): a map made another way
+  // is checked all the same.
+  auto m = format::parse_model_map(one_rule({{"hf", "x.{L}.y"}, {"from", "w.{L}"}}).dump(), "m");
+  ASSERT_TRUE(m) << m.error().message;
+  for (auto& piece : m->rules[0].hf.pieces) {
+    if (piece.kind == format::MapPattern::Piece::Lit && piece.text == "x.")
+      piece.text = "\xff\xfe.";
+  }
+  layout::BuildOptions opts;
+  opts.map = std::make_shared<const format::ModelMap>(std::move(m).value());
+  opts.hf_config = "{}";
+  std::mt19937_64 rng(3);
+  std::vector<Stored> stored = {st("w.0", {2}), st("w.1", {2})};
+  auto bad = build_view(stored, opts, rng);
+  EXPECT_PROBLEM(bad, "", "rule 1 ('x.{L}.y')", "not valid UTF-8", "\\xff\\xfe.0.y");
+}
+
 // =========================================================================================
 // The random-map property test
 // =========================================================================================
