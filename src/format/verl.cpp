@@ -178,6 +178,8 @@ Result<RankStateDict> parse_rank_state_dict(std::string_view bytes, std::string_
   RankStateDict out;
   for (size_t k = 0; k + 1 < items.size(); k += 2) {
     CKPTFS_TRY(std::string_view key, w.text(items[k], "a state-dict key"));
+    // Every key, served or not: it names a tensor of the view, or shows in inspect.
+    CKPTFS_CHECK(check_tensor_name(key, what));
     const std::string where = fmt::format("{}: tensor '{}'", what, key);
     const Ref value = items[k + 1];
     const pickle::Value& v = w.at(value);

@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <span>
+#include <tuple>
 #include <unordered_map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ckptfs/format/names.hpp"
 #include "ckptfs/util/checked.hpp"
 
 namespace ckptfs::layout {
@@ -351,6 +354,10 @@ class Compiler {
       }
       MappedTensor t;
       t.name = format::expand_pattern(r.hf, b);
+      if (auto named = format::check_tensor_name(t.name, rule_where(r)); !named) {
+        problem(t.name, named.error().message);
+        return;
+      }
       if (!names.insert(t.name).second) {
         problem(t.name, fmt::format("{}: the HF name is made twice", rule_where(r)));
         return;
@@ -361,24 +368,41 @@ class Compiler {
       }
       if (!make(r, b, src, t)) return;
       for (uint32_t s : src) used_[s] = true;
-      total_runs_ += t.runs.size();
-      if (total_runs_ > kMaxRunsTotal) {
-        problem(t.name, fmt::format("{} needs more than {} runs", where_, kMaxRunsTotal));
-        return;
-      }
+      total_runs_ += t.runs.size();  // make() kept it within kMaxRunsTotal
       out_.tensors.push_back(std::move(t));
     }
   }
 
-  // One part's rows appended to t.runs; its output shape in `shape`.
-  bool part(const MapRule& r, const MapPart& p, const Binding& b, uint32_t si, MappedTensor& t,
-            uint64_t out_elem, std::vector<uint64_t>& shape) {
+  // One part of a rule, planned: the rows of one stored tensor it reads, in output order. Its
+  // rows are distinct by construction: `index` selects one prefix, each `rows` LHS name splits
+  // its axis row-major and appears exactly once after `->` (format/map_lang), and slices lie
+  // inside their axis (checked here). So one part never reads a stored element twice; only two
+  // parts of one HF tensor that read the same stored tensor can (no_byte_twice).
+  struct PartPlan {
+    struct Ax {
+      uint64_t lo, n, stride;  // a slice of a named axis; stride in rows of the stored tensor
+    };
+    uint32_t src = 0;
+    uint64_t base = 0;     // the stored element the selection starts at
+    uint64_t inner = 0;    // elements per row: the last axis (the whole selection without `rows`)
+    std::vector<Ax> axes;  // the output's named axes in order; empty: one row
+    uint64_t rows = 0;
+    std::vector<uint64_t> shape;  // the part's output shape
+    uint64_t lo = 0, hi = 0;      // the stored elements it reads lie in [lo, hi) (its hull)
+    [[nodiscard]] uint64_t elems() const { return rows * inner; }
+  };
+
+  // Plans one part: its selection, its axes and their slices, checked against the stored tensor.
+  bool plan_part(const MapRule& r, const MapPart& p, const Binding& b, uint32_t si,
+                 PartPlan& plan) {
     const Tensor& s = stored_[si];
     sizes_.scope(&r.let, &p.let, &b);
     auto fail = [&](std::string axis, std::string msg) {
       problem(s.name, fmt::format("{}: {}{}", rule_where(r), axis.empty() ? "" : axis + ": ", msg));
       return false;
     };
+    plan = PartPlan{};
+    plan.src = si;
     if (p.index.size() > s.shape.size()) {
       return fail("", fmt::format("'index' selects {} axes of a tensor of shape {}", p.index.size(),
                                   dims(s.shape)));
@@ -411,25 +435,27 @@ class Compiler {
       }
       base += *v * s.strides[d];  // < numel: no overflow
     }
+    plan.base = base;
     std::vector<uint64_t> rest(s.shape.begin() + static_cast<ptrdiff_t>(p.index.size()),
                                s.shape.end());
     if (rest.empty()) {
       if (p.rows) return fail("", "'rows' on a tensor with no axes left");
-      shape = {};
-      RunBuilder rb(t.runs, si, 1, out_elem);
-      rb.row(base);
-      rb.finish();
+      plan.inner = 1;
+      plan.rows = 1;
+      plan.lo = base;
+      plan.hi = base + 1;
       return true;
     }
     const uint64_t inner = rest.back();  // elements per row: the last axis
     const std::vector<uint64_t> lead(rest.begin(), rest.end() - 1);
     if (!p.rows) {
-      shape = rest;
+      plan.shape = rest;
       uint64_t n = 1;
       for (auto d : rest) n *= d;  // <= numel
-      if (n > 0) {
-        t.runs.push_back(MapRun{si, out_elem, base, n, 1, 0});
-      }
+      plan.inner = n;
+      plan.rows = 1;
+      plan.lo = base;
+      plan.hi = base + n;
       return true;
     }
     const auto& rows = *p.rows;
@@ -437,6 +463,14 @@ class Compiler {
       return fail("", fmt::format("'rows' {} describes {} leading axes; the tensor of shape {} "
                                   "has {} (the last axis is never named)",
                                   rows.text, rows.lhs.size(), dims(rest), lead.size()));
+    }
+    // What makes the rows distinct, checked where it is relied on: each name once after '->'.
+    std::vector<uint32_t> used(rows.names.size(), 0);
+    for (const auto& g : rows.rhs) {
+      for (const auto& o : g) ++used[o.axis];
+    }
+    if (std::any_of(used.begin(), used.end(), [](uint32_t n) { return n != 1; })) {
+      return fail("", fmt::format("'rows' {} does not name each axis once after '->'", rows.text));
     }
     // Sizes of the named axes, one unknown per group inferred from the stored size.
     std::vector<uint64_t> size(rows.names.size(), 0);
@@ -489,11 +523,6 @@ class Compiler {
       }
     }
     // The output axes in order, with their slices.
-    struct Ax {
-      uint64_t lo, n, stride;
-    };
-    std::vector<Ax> axes;
-    shape.clear();
     for (const auto& g : rows.rhs) {
       uint64_t gs = 1;
       for (const auto& o : g) {
@@ -511,14 +540,14 @@ class Compiler {
           lo = *l;
           hi = *h;
         }
-        axes.push_back(Ax{lo, hi - lo, stride[o.axis]});
+        plan.axes.push_back(PartPlan::Ax{lo, hi - lo, stride[o.axis]});
         gs *= hi - lo;
       }
-      shape.push_back(gs);
+      plan.shape.push_back(gs);
     }
-    shape.push_back(inner);
+    plan.shape.push_back(inner);
     uint64_t nrows = 1;
-    for (const auto& a : axes) nrows *= a.n;
+    for (const auto& a : plan.axes) nrows *= a.n;
     if (nrows > kMaxRowsPerPart) {
       return fail("", fmt::format("{} rows (at most {})", nrows, kMaxRowsPerPart));
     }
@@ -526,23 +555,48 @@ class Compiler {
     if (total_rows_ > kMaxRowsTotal) {
       return fail("", fmt::format("the map enumerates more than {} rows in all", kMaxRowsTotal));
     }
-    if (nrows == 0 || inner == 0) return true;
-    RunBuilder rb(t.runs, si, inner, out_elem);
-    std::vector<uint64_t> idx(axes.size(), 0);
-    for (uint64_t k = 0; k < nrows; ++k) {
-      uint64_t row = 0;
-      for (size_t i = 0; i < axes.size(); ++i) row += (axes[i].lo + idx[i]) * axes[i].stride;
-      rb.row(base + row * inner);
-      for (size_t i = axes.size(); i-- > 0;) {
-        if (++idx[i] < axes[i].n) break;
+    plan.inner = inner;
+    plan.rows = nrows;
+    if (nrows > 0 && inner > 0) {  // the first and the last row read, by the slices' ends
+      uint64_t first = 0, last = 0;
+      for (const auto& a : plan.axes) {
+        first += a.lo * a.stride;
+        last += (a.lo + a.n - 1) * a.stride;
+      }
+      plan.lo = base + first * inner;
+      plan.hi = base + (last + 1) * inner;
+    }
+    return true;
+  }
+
+  // Appends a planned part's rows to `out` as runs, compressed as they are produced; false as
+  // soon as `out` holds more than `limit` runs (the rest is not produced). Time: one step per
+  // row; memory: the runs.
+  static bool emit(const PartPlan& p, uint64_t out_elem, std::vector<MapRun>& out, uint64_t limit) {
+    if (p.rows == 0 || p.inner == 0) return true;
+    RunBuilder rb(out, p.src, p.inner, out_elem);
+    // Axes of one index add a constant: only the others are stepped through.
+    std::vector<PartPlan::Ax> ax;
+    uint64_t row = 0;
+    for (const auto& a : p.axes) {
+      row += a.lo * a.stride;
+      if (a.n != 1) ax.push_back(a);
+    }
+    std::vector<uint64_t> idx(ax.size(), 0);
+    for (uint64_t k = 0; k < p.rows; ++k) {
+      rb.row(p.base + row * p.inner);
+      if (out.size() > limit) return false;
+      for (size_t i = ax.size(); i-- > 0;) {
+        if (++idx[i] < ax[i].n) {
+          row += ax[i].stride;
+          break;
+        }
+        row -= (ax[i].n - 1) * ax[i].stride;
         idx[i] = 0;
       }
     }
     rb.finish();
-    if (t.runs.size() > kMaxRunsPerTensor) {
-      return fail("", fmt::format("{} runs (at most {})", t.runs.size(), kMaxRunsPerTensor));
-    }
-    return true;
+    return out.size() <= limit;
   }
 
   bool make(const MapRule& r, const Binding& b, const std::vector<uint32_t>& src, MappedTensor& t) {
@@ -555,7 +609,7 @@ class Compiler {
     }
     t.dtype = first.dtype;
     t.src_dtype = first.src_dtype;
-    uint64_t out_elem = 0;
+    std::vector<PartPlan> plans(r.parts.size());
     std::vector<std::string> origins;
     for (size_t i = 0; i < r.parts.size(); ++i) {
       const Tensor& s = stored_[src[i]];
@@ -565,8 +619,8 @@ class Compiler {
                             format::dtype_name(s.dtype), format::dtype_name(t.dtype), first.name));
         return false;
       }
-      std::vector<uint64_t> shape;
-      if (!part(r, r.parts[i], b, src[i], t, out_elem, shape)) return false;
+      if (!plan_part(r, r.parts[i], b, src[i], plans[i])) return false;
+      const auto& shape = plans[i].shape;
       if (i == 0) {
         t.shape = shape;
       } else {
@@ -579,9 +633,6 @@ class Compiler {
         }
         t.shape[0] += shape[0];
       }
-      uint64_t n = 1;
-      for (auto d : shape) n *= d;
-      out_elem += n;
       origins.push_back(s.name);
     }
     t.origin = fmt::format("{} (rule {}: {})", fmt::join(origins, " ++ "), r.number, r.text);
@@ -607,24 +658,81 @@ class Compiler {
         }
       }
     }
-    return no_byte_twice(r, t);
+    if (!no_byte_twice(r, t, plans)) return false;
+    // The runs, never more than what remains of the map's budget: a tensor that needs more is
+    // refused before its runs outgrow it.
+    const uint64_t left = kMaxRunsTotal - total_runs_;
+    const uint64_t limit = std::min(kMaxRunsPerTensor, left);
+    uint64_t out_elem = 0;
+    for (const auto& plan : plans) {
+      if (!emit(plan, out_elem, t.runs, limit)) {
+        problem(t.name, limit < left
+                            ? fmt::format("{}: '{}' needs more than {} runs", rule_where(r), t.name,
+                                          kMaxRunsPerTensor)
+                            : fmt::format("{} needs more than {} runs", where_, kMaxRunsTotal));
+        t.runs = {};
+        return false;
+      }
+      out_elem += plan.elems();
+    }
+    return true;
   }
 
-  // No stored element is read twice by one HF tensor.
-  bool no_byte_twice(const MapRule& r, const MappedTensor& t) {
-    std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> iv;
-    for (const auto& run : t.runs) {
-      for (uint64_t c = 0; c < run.count; ++c) {
-        iv.emplace_back(run.src, run.src_elem + c * run.stride, run.len);
+  // No stored element is read twice by one HF tensor. One part cannot (PartPlan), and parts of
+  // other stored tensors cannot: only parts sharing a stored tensor are compared. Where their
+  // hulls are disjoint that is all; otherwise their rows are expanded into blocks and sorted,
+  // at most kMaxOverlapBlocks of them (beyond that the tensor is refused, naming the cap).
+  bool no_byte_twice(const MapRule& r, const MappedTensor& t, const std::vector<PartPlan>& plans) {
+    std::vector<size_t> order;
+    for (size_t i = 0; i < plans.size(); ++i) {
+      if (plans[i].elems() > 0) order.push_back(i);
+    }
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return std::tie(plans[a].src, plans[a].lo) < std::tie(plans[b].src, plans[b].lo);
+    });
+    for (size_t g = 0; g < order.size();) {
+      size_t e = g + 1;
+      bool meet = false;
+      uint64_t hi = plans[order[g]].hi;
+      for (; e < order.size() && plans[order[e]].src == plans[order[g]].src; ++e) {
+        meet = meet || plans[order[e]].lo < hi;
+        hi = std::max(hi, plans[order[e]].hi);
+      }
+      if (meet && !blocks_disjoint(r, t, plans, std::span(order).subspan(g, e - g))) return false;
+      g = e;
+    }
+    return true;
+  }
+
+  // The exact check of parts of one stored tensor whose hulls meet.
+  bool blocks_disjoint(const MapRule& r, const MappedTensor& t, const std::vector<PartPlan>& plans,
+                       std::span<const size_t> parts) {
+    const Tensor& s = stored_[plans[parts[0]].src];
+    auto too_many = [&] {
+      problem(s.name, fmt::format("{}: '{}' reads '{}' in parts whose rows interleave; checking "
+                                  "that they read no element twice takes more than {} blocks",
+                                  rule_where(r), t.name, s.name, kMaxOverlapBlocks));
+      return false;
+    };
+    std::vector<std::pair<uint64_t, uint64_t>> blocks;  // (first element, elements)
+    std::vector<MapRun> runs;
+    for (size_t i : parts) {
+      runs.clear();
+      if (!emit(plans[i], 0, runs, kMaxOverlapBlocks)) return too_many();
+      for (const auto& run : runs) {
+        if (run.count > kMaxOverlapBlocks - blocks.size()) return too_many();
+        for (uint64_t c = 0; c < run.count; ++c) {
+          blocks.emplace_back(run.src_elem + c * run.stride, run.len);
+        }
       }
     }
-    std::sort(iv.begin(), iv.end());
-    for (size_t i = 1; i < iv.size(); ++i) {
-      const auto& [s0, a0, n0] = iv[i - 1];
-      const auto& [s1, a1, n1] = iv[i];
-      if (s0 == s1 && a0 + n0 > a1) {
-        problem(stored_[s1].name, fmt::format("{}: '{}' reads elements {}..{} twice", rule_where(r),
-                                              t.name, a1, std::min(a0 + n0, a1 + n1) - 1));
+    std::sort(blocks.begin(), blocks.end());
+    for (size_t i = 1; i < blocks.size(); ++i) {
+      const auto [a0, n0] = blocks[i - 1];
+      const auto [a1, n1] = blocks[i];
+      if (a0 + n0 > a1) {
+        problem(s.name, fmt::format("{}: '{}' reads elements {}..{} twice", rule_where(r), t.name,
+                                    a1, std::min(a0 + n0, a1 + n1) - 1));
         return false;
       }
     }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <span>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -22,7 +23,11 @@ namespace {
 using format::Placement;
 using format::RankTensor;
 
-std::string dims(const std::vector<uint64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
+// Problems kept per checkpoint: enough to act on, and a checkpoint of thousands of ranks that
+// all disagree cannot grow the daemon with messages.
+constexpr size_t kMaxProblems = 32;
+
+std::string dims(std::span<const uint64_t> v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
 
 bool same_placements(const std::vector<Placement>& a, const std::vector<Placement>& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
@@ -30,19 +35,29 @@ bool same_placements(const std::vector<Placement>& a, const std::vector<Placemen
   });
 }
 
-// One rank's file, read: its archive's members and its state dict.
-struct Rank {
-  uint32_t shard = 0;  // index into BuildInput::shards
+// One rank's file, read: its archive's members and its state dict. Rank 0's is kept while the
+// others are read (the reference they are checked against); every other rank's is dropped as
+// soon as what its chunks need is taken from it.
+struct RankFile {
   std::string name;
+  struct stat st {};
   format::zip::TorchArchive archive;
   format::RankStateDict sd;
-  std::unordered_map<std::string_view, size_t> by_key;  // into sd.tensors
 };
 
-Result<Rank> read_rank(int dirfd, const std::string& name, layout::BuildInput& in) {
-  struct stat st {};
-  CKPTFS_TRY(UniqueFd fd, open_regular_at(dirfd, name, name, &st));
-  const auto size = static_cast<uint64_t>(st.st_size);
+// Opens a rank file and refuses it at once when it is the same file as a rank read before it.
+Result<RankFile> read_rank(int dirfd, const std::string& name,
+                           std::map<std::pair<dev_t, ino_t>, std::string>& seen) {
+  RankFile r;
+  r.name = name;
+  CKPTFS_TRY(UniqueFd fd, open_regular_at(dirfd, name, name, &r.st));
+  if (auto [it, fresh] = seen.emplace(std::pair{r.st.st_dev, r.st.st_ino}, name); !fresh) {
+    return make_error(EINVAL,
+                      "{}: the same file as {} (device {}, inode {}: hard links; verl writes one "
+                      "file per rank)",
+                      name, it->second, r.st.st_dev, r.st.st_ino);
+  }
+  const auto size = static_cast<uint64_t>(r.st.st_size);
   auto read = [&](uint64_t off, std::span<char> out) -> Status {
     if (off > size || out.size() > size - off) {
       return make_error(EINVAL, "{}: a read past the end of the file", name);
@@ -50,8 +65,6 @@ Result<Rank> read_rank(int dirfd, const std::string& name, layout::BuildInput& i
     return pread_exact(fd.get(), out.data(), out.size(), off, name);
   };
   CKPTFS_TRY(auto members, format::zip::members(size, read, name));
-  Rank r;
-  r.name = name;
   CKPTFS_TRY(r.archive, format::zip::torch_archive(std::move(members), name));
   if (r.archive.pickle.size > format::kMaxVerlPickleBytes) {
     return make_error(EINVAL, "{}: data.pkl of {} bytes (at most {})", name, r.archive.pickle.size,
@@ -60,42 +73,41 @@ Result<Rank> read_rank(int dirfd, const std::string& name, layout::BuildInput& i
   std::string pkl(r.archive.pickle.size, '\0');
   CKPTFS_CHECK(read(r.archive.pickle.offset, std::span<char>(pkl.data(), pkl.size())));
   CKPTFS_TRY(r.sd, format::parse_rank_state_dict(pkl, name));
-  for (size_t i = 0; i < r.sd.tensors.size(); ++i) {
-    if (!r.by_key.emplace(r.sd.tensors[i].key, i).second) {
-      return make_error(EINVAL, "{}: tensor '{}' twice in the state dict", name,
-                        r.sd.tensors[i].key);
-    }
-  }
-  layout::ShardInput si;
-  si.name = name;
-  si.stamp = stamp_of(st);
-  si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
-  si.atime_ns = static_cast<int64_t>(st.st_atim.tv_sec) * 1'000'000'000 + st.st_atim.tv_nsec;
-  r.shard = static_cast<uint32_t>(in.shards.size());
-  in.shards.push_back(std::move(si));
   return r;
 }
 
-// Where rank `rank`'s piece of `t` lies in the full tensor: offsets and sizes, nullopt if the
-// piece is a replica of another rank's (a Replicate mesh dimension at a coordinate past 0).
+// What the chunks of one of rank 0's tensors need of every rank, kept while the ranks are read
+// one at a time: per rank holding it, one record of `width()` numbers: the rank, the offset of
+// its bytes in its file (kNowhere where it holds none that are served), its mesh coordinate
+// (one per placement) and its local size (one per dimension).
+struct Held {
+  static constexpr uint64_t kNowhere = UINT64_MAX;
+  size_t mesh_dims = 0, ndim = 0;
+  std::vector<uint64_t> v;
+  [[nodiscard]] size_t width() const { return 2 + mesh_dims + ndim; }
+  [[nodiscard]] size_t size() const { return v.size() / width(); }
+  [[nodiscard]] std::span<const uint64_t> at(size_t i) const {
+    return std::span<const uint64_t>(v).subspan(i * width(), width());
+  }
+};
+
+// Where a rank's piece of `t0` lies in the full tensor: offsets and sizes, nullopt if the piece
+// is a replica of another rank's (a Replicate mesh dimension at a coordinate past 0). `coord`
+// and `local` are the rank's mesh coordinate and local size; `mesh` the mesh's size on each
+// dimension.
 struct Piece {
   std::vector<uint64_t> offsets, sizes;
 };
-Result<std::optional<Piece>> piece_of(const RankTensor& t, uint32_t rank,
+Result<std::optional<Piece>> piece_of(const RankTensor& t0, std::span<const uint64_t> coord,
+                                      std::span<const uint64_t> local,
                                       const std::vector<uint64_t>& mesh) {
   Piece p;
-  p.offsets.assign(t.global_size.size(), 0);
-  p.sizes = t.global_size;
-  if (!t.dtensor) {
-    if (rank != 0) return std::optional<Piece>();
-    return std::optional<Piece>(std::move(p));
-  }
-  std::vector<uint64_t> coord = t.coordinate;
-  if (coord.empty()) coord.assign(1, rank);  // checked: a 1-D mesh without a recorded coordinate
-  std::vector<bool> split(t.global_size.size(), false);
+  p.offsets.assign(t0.global_size.size(), 0);
+  p.sizes = t0.global_size;
+  std::vector<bool> split(t0.global_size.size(), false);
   bool replica = false;
-  for (size_t i = 0; i < t.placements.size(); ++i) {
-    const Placement& pl = t.placements[i];
+  for (size_t i = 0; i < t0.placements.size(); ++i) {
+    const Placement& pl = t0.placements[i];
     if (pl.kind == Placement::Kind::Replicate) {
       replica = replica || coord[i] != 0;
       continue;
@@ -106,21 +118,232 @@ Result<std::optional<Piece>> piece_of(const RankTensor& t, uint32_t rank,
     }
     split[pl.dim] = true;
     // torch.chunk: pieces of ceil(n / parts) rows, the last ones shorter or empty.
-    const uint64_t n = t.global_size[pl.dim], parts = mesh[i];
+    const uint64_t n = t0.global_size[pl.dim], parts = mesh[i];
     const uint64_t each = parts == 0 ? 0 : n / parts + (n % parts != 0);
     const uint64_t start = checked_mul(coord[i], each).value_or(UINT64_MAX);
     p.offsets[pl.dim] = std::min(start, n);
     p.sizes[pl.dim] = std::min(n - p.offsets[pl.dim], each);
   }
-  if (p.sizes != t.local.size) {
+  if (!std::equal(p.sizes.begin(), p.sizes.end(), local.begin(), local.end())) {
     return make_error(EINVAL,
                       "holds a local tensor of size {} where its placement (mesh coordinate {}) "
                       "gives {} of {}",
-                      dims(t.local.size), dims(coord), dims(p.sizes), dims(t.global_size));
+                      dims(local), dims(coord), dims(p.sizes), dims(t0.global_size));
   }
   if (replica) return std::optional<Piece>();
   return std::optional<Piece>(std::move(p));
 }
+
+// The ranks of one checkpoint, read one at a time against rank 0.
+class Reader {
+ public:
+  Reader(int dirfd, uint32_t world, layout::BuildInput& in)
+      : dirfd_(dirfd), world_(world), in_(in), shard0_(static_cast<uint32_t>(in.shards.size())) {}
+
+  void problem(std::string file, std::string tensor, std::string msg) {
+    if (in_.problems.size() >= kMaxProblems) {
+      ++more_;
+      return;
+    }
+    in_.problems.push_back({std::move(file), std::move(tensor), std::move(msg)});
+  }
+  [[nodiscard]] bool failed() const { return !in_.problems.empty(); }
+  void finish() {
+    if (more_ > 0) problem_more();
+  }
+
+  // Reads rank r's file, checks it against rank 0 and keeps what its chunks need; false when it
+  // cannot be served (the problems say why).
+  bool rank(uint32_t r) {
+    const std::string name = format::verl_rank_name("model", world_, r);
+    auto file = read_rank(dirfd_, name, seen_);
+    if (!file) {
+      problem(name, "",
+              file.error().code == ENOENT
+                  ? fmt::format("missing: {} says {} ranks", format::kVerlConfigName, world_)
+                  : file.error().message);
+      return false;
+    }
+    if (r == 0) {
+      ref_ = std::move(file).value();
+      for (size_t i = 0; i < ref_.sd.tensors.size(); ++i) {
+        if (!by_key_.emplace(ref_.sd.tensors[i].key, i).second) {
+          problem(name, ref_.sd.tensors[i].key, "twice in the state dict");
+          return false;
+        }
+      }
+      held_.resize(ref_.sd.tensors.size());
+      for (size_t i = 0; i < held_.size(); ++i) {
+        const auto& t0 = ref_.sd.tensors[i];
+        held_[i].mesh_dims = t0.dtensor ? t0.placements.size() : 0;
+        held_[i].ndim = t0.global_size.size();
+      }
+      take(0, ref_);
+    } else {
+      take(r, *file);
+    }
+    add_shard(name, r == 0 ? ref_.st : file->st);
+    return !failed();
+  }
+
+  // The chunks, once every rank was read and agreed.
+  void declare() {
+    const auto& first = ref_.sd;
+    if (!first.not_tensors.empty()) {
+      in_.left_out.push_back(fmt::format("{}: {} non-tensor item(s) not served (e.g. '{}')",
+                                         ref_.name, first.not_tensors.size(),
+                                         first.not_tensors.front()));
+    }
+    OutputPacker packer;
+    for (size_t i = 0; i < first.tensors.size(); ++i) {
+      const RankTensor& t0 = first.tensors[i];
+      auto numel = checked_numel(t0.global_size);
+      auto bytes = numel ? format::byte_size(t0.dtype, *numel) : std::nullopt;
+      if (!bytes) {
+        problem(ref_.name, t0.key, fmt::format("size {} overflows", dims(t0.global_size)));
+        continue;
+      }
+      const uint32_t k = packer.place(*bytes);
+      const Held& h = held_[i];
+      for (size_t j = 0; j < h.size(); ++j) {
+        const auto rec = h.at(j);
+        const auto r = static_cast<uint32_t>(rec[0]);
+        const uint64_t at = rec[1];
+        const auto coord = rec.subspan(2, h.mesh_dims);
+        const auto local = rec.subspan(2 + h.mesh_dims, h.ndim);
+        const std::string name = format::verl_rank_name("model", world_, r);
+        std::optional<Piece> piece;
+        if (t0.dtensor) {
+          auto p = piece_of(t0, coord, local, mesh_);
+          if (!p) {
+            problem(name, t0.key, p.error().message);
+            continue;
+          }
+          piece = std::move(*p);
+        } else {
+          piece = Piece{std::vector<uint64_t>(t0.global_size.size(), 0), t0.global_size};
+        }
+        if (!piece || checked_numel(piece->sizes).value_or(0) == 0) continue;
+        if (at == Held::kNowhere) {  // a rank's local tensor found empty where it is not
+          problem(name, t0.key, "holds no bytes for its piece");
+          continue;
+        }
+        layout::DeclaredChunk d;
+        d.shard = shard0_ + r;
+        d.tensor = t0.key;
+        d.dtype = t0.dtype;
+        d.file_offset = at;
+        d.offsets = std::move(piece->offsets);
+        d.sizes = std::move(piece->sizes);
+        d.full_shape = t0.global_size;
+        d.k = k;
+        in_.declared->chunks.push_back(std::move(d));
+      }
+    }
+    in_.declared->outputs = packer.outputs();
+    if (first.tensors.empty()) problem(ref_.name, "", "no tensors");
+  }
+
+ private:
+  void problem_more() {
+    in_.problems.push_back(
+        {"", "", fmt::format("and {} more problem(s) with the rank files", more_)});
+    more_ = 0;
+  }
+
+  void add_shard(const std::string& name, const struct stat& st) {
+    layout::ShardInput si;
+    si.name = name;
+    si.stamp = stamp_of(st);
+    si.access = layout::Access{st.st_uid, st.st_gid, static_cast<uint32_t>(st.st_mode & 07777)};
+    si.atime_ns = static_cast<int64_t>(st.st_atim.tv_sec) * 1'000'000'000 + st.st_atim.tv_nsec;
+    in_.shards.push_back(std::move(si));
+  }
+
+  // Checks rank r's state dict against rank 0's (the same keys, each with the same dtype, global
+  // size and placements) and keeps, per tensor, what its chunk needs (Held).
+  void take(uint32_t r, const RankFile& f) {
+    std::vector<bool> found(held_.size(), false);
+    for (const RankTensor& t : f.sd.tensors) {
+      auto it = by_key_.find(t.key);
+      if (it == by_key_.end()) {
+        problem(f.name, t.key, fmt::format("not in {}", ref_.name));
+        continue;
+      }
+      const size_t i = it->second;
+      if (found[i]) {
+        problem(f.name, t.key, "twice in the state dict");
+        continue;
+      }
+      found[i] = true;
+      const RankTensor& t0 = ref_.sd.tensors[i];
+      if (t.dtensor != t0.dtensor || t.dtype != t0.dtype || t.global_size != t0.global_size ||
+          !same_placements(t.placements, t0.placements)) {
+        problem(f.name, t0.key,
+                fmt::format("{} {} here, {} {} in {} (dtype, size or placements differ)",
+                            format::dtype_name(t.dtype), dims(t.global_size),
+                            format::dtype_name(t0.dtype), dims(t0.global_size), ref_.name));
+        continue;
+      }
+      if (!t.dtensor && r != 0) continue;  // a plain tensor is rank 0's
+      std::vector<uint64_t> coord = t.coordinate;
+      bool replica = false;
+      if (t.dtensor) {
+        if (coord.empty() && t.placements.size() != 1) {
+          problem(f.name, t.key,
+                  "a DTensor on a multi-dimensional mesh records no mesh coordinate");
+          continue;
+        }
+        if (coord.empty()) coord.assign(1, r);  // a 1-D mesh without a recorded coordinate
+        if (mesh_.size() < coord.size()) mesh_.resize(coord.size(), 0);
+        bool past = false;
+        for (size_t d = 0; d < coord.size(); ++d) {
+          past = past || coord[d] >= world_;
+          if (!past) mesh_[d] = std::max(mesh_[d], coord[d] + 1);
+          replica =
+              replica || (t.placements[d].kind == Placement::Kind::Replicate && coord[d] != 0);
+        }
+        if (past) {
+          problem(f.name, t.key,
+                  fmt::format("mesh coordinate {} past the world size {}", dims(coord), world_));
+          continue;
+        }
+      }
+      uint64_t at = Held::kNowhere;
+      if (!replica && checked_numel(t.local.size).value_or(0) != 0) {
+        auto off = format::tensor_offset_in_archive(f.archive, t.local,
+                                                    fmt::format("{}: tensor '{}'", f.name, t.key));
+        if (!off) {
+          problem(f.name, t.key, off.error().message);
+          continue;
+        }
+        at = *off;
+      }
+      Held& h = held_[i];
+      h.v.push_back(r);
+      h.v.push_back(at);
+      h.v.insert(h.v.end(), coord.begin(), coord.end());
+      h.v.insert(h.v.end(), t.local.size.begin(), t.local.size.end());
+    }
+    for (size_t i = 0; i < held_.size(); ++i) {
+      if (!found[i]) {
+        problem(f.name, ref_.sd.tensors[i].key,
+                fmt::format("missing here, present in {}", ref_.name));
+      }
+    }
+  }
+
+  int dirfd_;
+  uint32_t world_;
+  layout::BuildInput& in_;
+  uint32_t shard0_;                                      // rank r's file is in_.shards[shard0_ + r]
+  size_t more_ = 0;                                      // problems beyond kMaxProblems
+  RankFile ref_;                                         // rank 0's file, the reference
+  std::unordered_map<std::string_view, size_t> by_key_;  // into ref_.sd.tensors
+  std::vector<Held> held_;                               // per tensor of ref_.sd
+  std::vector<uint64_t> mesh_;  // per mesh dimension: one past the highest coordinate so far
+  std::map<std::pair<dev_t, ino_t>, std::string> seen_;  // the rank files read, by identity
+};
 
 }  // namespace
 
@@ -157,16 +380,33 @@ void read_verl_input(int dirfd, const std::vector<DirEntry>& entries, layout::Bu
                                *cfg->fsdp_version));
   }
   const uint32_t world = cfg->world_size;
+  Reader rd(dirfd, world, in);
   size_t other_state = 0;
+  std::vector<bool> listed(world, false);
+  // The rank files by identity: two ranks that are one file (hard links) are refused before any
+  // file is read. verl writes one file per rank; a world of links to one file would otherwise
+  // be read and parsed once per rank.
+  std::map<std::pair<dev_t, ino_t>, uint32_t> ids;
   for (const auto& e : entries) {
     auto n = format::parse_verl_rank_name(e.name);
     if (!n) continue;
     if (n->kind != "model") {
       ++other_state;
     } else if (n->world != world) {
-      problem(e.name, "",
-              fmt::format("a rank file for world size {}, where {} says {}", n->world, config_name,
-                          world));
+      rd.problem(e.name, "",
+                 fmt::format("a rank file for world size {}, where {} says {}", n->world,
+                             config_name, world));
+    } else {
+      listed[n->rank] = true;
+      if (!S_ISREG(e.st.st_mode)) continue;  // refused when it is opened
+      auto [it, fresh] = ids.emplace(std::pair{e.st.st_dev, e.st.st_ino}, n->rank);
+      if (fresh) continue;
+      const uint32_t lo = std::min(it->second, n->rank), hi = std::max(it->second, n->rank);
+      it->second = lo;
+      rd.problem(format::verl_rank_name("model", world, hi), "",
+                 fmt::format("the same file as {} (device {}, inode {}: hard links); verl writes "
+                             "one file per rank",
+                             format::verl_rank_name("model", world, lo), e.st.st_dev, e.st.st_ino));
     }
   }
   if (other_state > 0) {
@@ -175,109 +415,18 @@ void read_verl_input(int dirfd, const std::vector<DirEntry>& entries, layout::Bu
         "not served",
         other_state));
   }
-  if (!in.problems.empty()) return;
-
-  std::vector<Rank> ranks;
-  ranks.reserve(world);
   for (uint32_t r = 0; r < world; ++r) {
-    const std::string name = format::verl_rank_name("model", world, r);
-    auto rank = read_rank(dirfd, name, in);
-    if (!rank) {
-      problem(name, "",
-              rank.error().code == ENOENT
-                  ? fmt::format("missing: {} says {} ranks", config_name, world)
-                  : rank.error().message);
-      continue;
-    }
-    ranks.push_back(std::move(rank).value());
-  }
-  if (!in.problems.empty()) return;
-
-  // The mesh's size on each dimension: one past the highest coordinate any rank records.
-  std::vector<uint64_t> mesh;
-  for (uint32_t r = 0; r < world; ++r) {
-    for (const auto& t : ranks[r].sd.tensors) {
-      if (!t.dtensor) continue;
-      if (t.coordinate.empty() && t.placements.size() != 1) {
-        return problem(ranks[r].name, t.key,
-                       "a DTensor on a multi-dimensional mesh records no mesh coordinate");
-      }
-      std::vector<uint64_t> c = t.coordinate.empty() ? std::vector<uint64_t>{r} : t.coordinate;
-      if (mesh.size() < c.size()) mesh.resize(c.size(), 0);
-      for (size_t i = 0; i < c.size(); ++i) {
-        if (c[i] >= world) {
-          return problem(ranks[r].name, t.key,
-                         fmt::format("mesh coordinate {} past the world size {}", dims(c), world));
-        }
-        mesh[i] = std::max(mesh[i], c[i] + 1);
-      }
+    if (!listed[r]) {
+      rd.problem(format::verl_rank_name("model", world, r), "",
+                 fmt::format("missing: {} says {} ranks", config_name, world));
     }
   }
-
-  const auto& first = ranks[0].sd;
-  if (!first.not_tensors.empty()) {
-    in.left_out.push_back(fmt::format("{}: {} non-tensor item(s) not served (e.g. '{}')",
-                                      ranks[0].name, first.not_tensors.size(),
-                                      first.not_tensors.front()));
+  // Rank by rank: rank 0 whole, then each other rank checked against it and dropped.
+  for (uint32_t r = 0; r < world && !rd.failed(); ++r) {
+    if (!rd.rank(r)) break;
   }
-  OutputPacker packer;
-  for (const auto& t0 : first.tensors) {
-    auto numel = checked_numel(t0.global_size);
-    auto bytes = numel ? format::byte_size(t0.dtype, *numel) : std::nullopt;
-    if (!bytes) {
-      problem(ranks[0].name, t0.key, fmt::format("size {} overflows", dims(t0.global_size)));
-      continue;
-    }
-    const uint32_t k = packer.place(*bytes);
-    for (uint32_t r = 0; r < world; ++r) {
-      const Rank& rank = ranks[r];
-      auto it = rank.by_key.find(t0.key);
-      if (it == rank.by_key.end()) {
-        problem(rank.name, t0.key, fmt::format("missing here, present in {}", ranks[0].name));
-        continue;
-      }
-      const RankTensor& t = rank.sd.tensors[it->second];
-      if (t.dtensor != t0.dtensor || t.dtype != t0.dtype || t.global_size != t0.global_size ||
-          !same_placements(t.placements, t0.placements)) {
-        problem(rank.name, t0.key,
-                fmt::format("{} {} here, {} {} in {} (dtype, size or placements differ)",
-                            format::dtype_name(t.dtype), dims(t.global_size),
-                            format::dtype_name(t0.dtype), dims(t0.global_size), ranks[0].name));
-        continue;
-      }
-      auto piece = piece_of(t, r, mesh);
-      if (!piece) {
-        problem(rank.name, t0.key, piece.error().message);
-        continue;
-      }
-      if (!*piece || checked_numel((*piece)->sizes).value_or(0) == 0) continue;
-      const std::string what = fmt::format("{}: tensor '{}'", rank.name, t0.key);
-      auto at = format::tensor_offset_in_archive(rank.archive, t.local, what);
-      if (!at) {
-        problem(rank.name, t0.key, at.error().message);
-        continue;
-      }
-      layout::DeclaredChunk d;
-      d.shard = rank.shard;
-      d.tensor = t0.key;
-      d.dtype = t0.dtype;
-      d.file_offset = *at;
-      d.offsets = std::move((*piece)->offsets);
-      d.sizes = std::move((*piece)->sizes);
-      d.full_shape = t0.global_size;
-      d.k = k;
-      in.declared->chunks.push_back(std::move(d));
-    }
-  }
-  for (uint32_t r = 1; r < world; ++r) {
-    for (const auto& t : ranks[r].sd.tensors) {
-      if (!ranks[0].by_key.contains(t.key)) {
-        problem(ranks[r].name, t.key, fmt::format("not in {}", ranks[0].name));
-      }
-    }
-  }
-  in.declared->outputs = packer.outputs();
-  if (first.tensors.empty()) problem(ranks[0].name, "", "no tensors");
+  if (!rd.failed()) rd.declare();
+  rd.finish();
 }
 
 }  // namespace ckptfs::source

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <iostream>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <numeric>
 #include <random>
@@ -1438,6 +1441,169 @@ TEST(MapHostile, AChainOfUnresolvableAxesIsNotExponential) {
         std::_Exit(v.ck->valid() ? 1 : 0);
       },
       ::testing::ExitedWithCode(0), "");
+}
+
+// A stored tensor described, with no bytes: compile_map needs names, dtypes and shapes only.
+layout::Tensor described(std::string name, std::vector<uint64_t> shape, DType dt = DType::U8) {
+  layout::Tensor t;
+  t.name = std::move(name);
+  t.dtype = t.src_dtype = dt;
+  t.shape = std::move(shape);
+  t.strides.assign(t.shape.size(), 1);
+  for (size_t d = t.shape.size(); d-- > 1;) t.strides[d - 1] = t.strides[d] * t.shape[d];
+  t.numel = numel(t.shape);
+  t.nbytes = t.numel * esize(dt);
+  return t;
+}
+
+// The process's resident set now and its peak since the last reset_peak(), in KiB (Linux).
+uint64_t status_kib(std::string_view field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.starts_with(field)) return std::stoull(line.substr(field.size() + 1));
+  }
+  return 0;
+}
+bool reset_peak() { return static_cast<bool>(std::ofstream("/proc/self/clear_refs") << "5"); }
+
+// The red team's Megatron config: 2 layers of 2^24 query groups of one row each, a 128 MiB
+// store. The fused QKV's q, k and v are each one strided run per layer; the compiler checks
+// that no element is read twice without a structure that grows with the 2^24 rows (it made a
+// 24-byte tuple per row, and sorted them: 400 MB, 12 s). Built in a child, whose peak memory
+// is measured.
+TEST(MapHostile, AMegatronConfigOfMillionsOfQueryGroupsCompilesInMemoryThatDoesNotGrowWithRows) {
+  const uint64_t L = 2, G = uint64_t{1} << 24;
+  const std::vector<layout::Tensor> stored = {
+      described("embedding.word_embeddings.weight", {1, 1}),
+      described("decoder.layers.self_attention.linear_qkv.layer_norm_weight", {L, 1}),
+      described("decoder.layers.self_attention.linear_qkv.weight", {L, 3 * G, 1}),
+      described("decoder.layers.self_attention.linear_proj.weight", {L, 1, G}),
+      described("decoder.layers.mlp.linear_fc1.layer_norm_weight", {L, 1}),
+      described("decoder.layers.mlp.linear_fc1.weight", {L, 2, 1}),
+      described("decoder.layers.mlp.linear_fc2.weight", {L, 1, 1}),
+      described("decoder.final_layernorm.weight", {1}),
+      described("output_layer.weight", {1, 1}),
+  };
+  const json config = {{"hidden_size", 1},         {"num_attention_heads", G},
+                       {"num_key_value_heads", G}, {"head_dim", 1},
+                       {"intermediate_size", 1},   {"vocab_size", 1},
+                       {"num_hidden_layers", L},   {"tie_word_embeddings", false}};
+  const auto map = format::find_builtin_map("megatron-gpt");
+  ASSERT_NE(map, nullptr);
+  // In the child: 0, or what went wrong on stderr.
+  auto child = [&]() -> int {
+    ::alarm(120);  // a hang guard, not a timing
+    const bool measured = reset_peak();
+    const uint64_t before = status_kib("VmRSS:");
+    auto c = layout::compile_map(*map, config, "config.json", stored);
+    const uint64_t grown = status_kib("VmHWM:") - before;
+    if (!c.problems.empty()) {
+      std::cerr << c.problems[0].to_string() << "\n";
+      return 1;
+    }
+    if (c.tensors.size() != 3 + 9 * L) {
+      std::cerr << c.tensors.size() << " tensors\n";
+      return 2;
+    }
+    for (const auto& t : c.tensors) {
+      const bool qkv = t.name.ends_with("q_proj.weight") || t.name.ends_with("k_proj.weight") ||
+                       t.name.ends_with("v_proj.weight");
+      if (qkv && t.runs.size() != 1) {
+        std::cerr << t.name << ": " << t.runs.size() << " runs\n";
+        return 3;
+      }
+    }
+    if (measured && grown > 64 * 1024) {
+      std::cerr << "peak memory grew by " << grown / 1024 << " MiB\n";
+      return 4;
+    }
+    return 0;
+  };
+  EXPECT_EXIT(std::_Exit(child()), ::testing::ExitedWithCode(0), "");
+}
+
+// Parts of one HF tensor that read one stored tensor: hulls that do not meet need no more;
+// interleaved rows are checked exactly (disjoint: served; meeting: refused), within a cap.
+TEST(MapHostile, InterleavedPartsOfOneStoredTensorAreCheckedExactly) {
+  // A fused [q; k; v] per group, 4 groups of (2 + 1 + 1) rows: "qv" is q and v of every group.
+  const json qv = one_rule({{"hf", "qv"},
+                            {"concat",
+                             {{{"from", "w"}, {"rows", "(g p) -> (g p[0:2])"}},
+                              {{"from", "w"}, {"rows", "(g p) -> (g p[3:4])"}}}},
+                            {"let", {{"g", 4}}}});
+  std::vector<Stored> stored = {st("w", {16, 3})};
+  auto ok = compile(qv, json::object(), stored);
+  ASSERT_TRUE(ok.ck->valid()) << problems(*ok.ck);
+  EXPECT_EQ(tensor_bytes(ok, "qv"), rows_of(stored[0].data, 3 * 4, {0, 1, 4, 5, 8, 9, 12, 13}) +
+                                        rows_of(stored[0].data, 3 * 4, {3, 7, 11, 15}));
+  // q and "k and v" overlap in one row of every group: refused, naming the elements.
+  auto twice = compile(one_rule({{"hf", "qkv"},
+                                 {"concat",
+                                  {{{"from", "w"}, {"rows", "(g p) -> (g p[0:3])"}},
+                                   {{"from", "w"}, {"rows", "(g p) -> (g p[2:4])"}}}},
+                                 {"let", {{"g", 4}}}}),
+                       json::object(), {st("w", {16, 3})});
+  EXPECT_PROBLEM(twice, "w", "rule 1 ('qkv')", "'qkv' reads elements 6..8 twice");
+  // Interleaved beyond the cap: refused by name, never expanded.
+  const uint64_t g = layout::kMaxOverlapBlocks / 2 + 1;
+  auto cap = compile(one_rule({{"hf", "ab"},
+                               {"concat",
+                                {{{"from", "w"}, {"rows", "(g p) -> (g p[0:1])"}},
+                                 {{"from", "w"}, {"rows", "(g p) -> (g p[1:2])"}}}},
+                               {"let", {{"p", 2}}}}),
+                     json::object(), {st("w", {2 * g, 1}, DType::U8)});
+  EXPECT_PROBLEM(cap, "w", "rule 1 ('ab')", "interleave",
+                 fmt::format("more than {} blocks", layout::kMaxOverlapBlocks));
+}
+
+// A tensor that needs more runs than the map may have is refused once it passes what is left
+// of kMaxRunsTotal; its runs never grew to the per-tensor cap first (they did: 3 x 2^23 runs,
+// 1.2 GB, before "25165824 runs (at most 16777216)").
+TEST(MapHostile, ATensorNeedingMoreRunsThanTheMapMayHaveStopsAtTheBudget) {
+  const uint64_t rows = layout::kMaxRunsTotal * 4;  // (a b) -> (b a), a = 2: a run per 2 rows
+  json parts = json::array();
+  std::vector<layout::Tensor> stored;
+  for (int i = 0; i < 3; ++i) {
+    parts.push_back({{"from", fmt::format("w{}", i)}, {"rows", "(a b) -> (b a)"}});
+    stored.push_back(described(fmt::format("w{}", i), {rows, 1}));
+  }
+  const auto map = map_of(one_rule({{"hf", "many"}, {"concat", parts}, {"let", {{"a", 2}}}}));
+  auto child = [&]() -> int {
+    ::alarm(120);  // a hang guard
+    auto c = layout::compile_map(*map, json::object(), "config.json", stored);
+    const std::string want = fmt::format("needs more than {} runs", layout::kMaxRunsTotal);
+    const bool ok = c.tensors.empty() && c.problems.size() == 1 && c.problems[0].tensor == "many" &&
+                    c.problems[0].message.find(want) != std::string::npos;
+    if (!ok) std::cerr << (c.problems.empty() ? "no problem" : c.problems[0].to_string());
+    return ok ? 0 : 1;
+  };
+  EXPECT_EXIT(std::_Exit(child()), ::testing::ExitedWithCode(0), "");
+}
+
+// An HF name a map makes is a tensor name like any other: not `__metadata__` (the safetensors
+// header's own field), valid UTF-8 (it is written into the JSON header), not empty.
+TEST(MapHostile, HfNamesThatCannotNameATensorAreRefusedNamingTheRule) {
+  auto meta = compile(map_with(json::array({{{"hf", "model.norm.weight"}, {"from", "a"}},
+                                            {{"hf", "__metadata__"}, {"from", "b"}}})),
+                      json::object(), {st("a", {2}), st("b", {2})});
+  EXPECT_PROBLEM(meta, "__metadata__", "map 't'", "rule 2 ('__metadata__')",
+                 "a tensor named '__metadata__'");
+  // The map's JSON cannot hold invalid UTF-8 (the parser refuses it): a map made another way
+  // is checked all the same.
+  auto m = format::parse_model_map(one_rule({{"hf", "x.{L}.y"}, {"from", "w.{L}"}}).dump(), "m");
+  ASSERT_TRUE(m) << m.error().message;
+  for (auto& piece : m->rules[0].hf.pieces) {
+    if (piece.kind == format::MapPattern::Piece::Lit && piece.text == "x.")
+      piece.text = "\xff\xfe.";
+  }
+  layout::BuildOptions opts;
+  opts.map = std::make_shared<const format::ModelMap>(std::move(m).value());
+  opts.hf_config = "{}";
+  std::mt19937_64 rng(3);
+  std::vector<Stored> stored = {st("w.0", {2}), st("w.1", {2})};
+  auto bad = build_view(stored, opts, rng);
+  EXPECT_PROBLEM(bad, "", "rule 1 ('x.{L}.y')", "not valid UTF-8", "\\xff\\xfe.0.y");
 }
 
 // =========================================================================================

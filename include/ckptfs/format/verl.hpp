@@ -59,7 +59,8 @@ struct RankStateDict {
   std::vector<std::string> not_tensors;  // keys whose values are not tensors (never served)
 };
 
-// Parses a rank's data.pkl. `what` names the file in messages.
+// Parses a rank's data.pkl. `what` names the file in messages. Every key must be a name a
+// tensor may have (format::check_tensor_name: not empty, valid UTF-8, not `__metadata__`).
 Result<RankStateDict> parse_rank_state_dict(std::string_view bytes, std::string_view what);
 
 }  // namespace ckptfs::format

@@ -25,6 +25,9 @@ inline constexpr uint64_t kMaxForCount = uint64_t{1} << 20;
 // rows enumerated (a real model's maps need a few million).
 inline constexpr uint64_t kMaxBindingsTotal = uint64_t{1} << 20;
 inline constexpr uint64_t kMaxRowsTotal = uint64_t{1} << 27;
+// Parts of one HF tensor that read one stored tensor with overlapping element ranges are
+// checked block by block: at most this many blocks (16 bytes each), else the tensor is refused.
+inline constexpr uint64_t kMaxOverlapBlocks = uint64_t{1} << 18;
 
 struct MappedTensor {
   std::string name;

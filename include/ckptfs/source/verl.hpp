@@ -24,7 +24,12 @@ bool is_verl_dir(const std::vector<DirEntry>& entries);
 
 // Fills `in` (dir set by the caller) with the checkpoint's chunks, or with the problems that
 // keep it from being served. Reads fsdp_config.json and each model rank file's zip directory
-// and data.pkl.
+// and data.pkl, one rank at a time: rank 0 is kept whole (the reference); every other rank is
+// checked against it (keys, dtypes, global sizes, placements) and dropped, keeping per tensor
+// only its mesh coordinate, local size and bytes' offset. So memory is two ranks' parses plus a
+// few numbers per (rank, tensor), not W parses. Two ranks that are one file (hard links; verl
+// never writes them) are refused from the listing, before any rank is read; the first rank
+// with a problem ends the reading.
 void read_verl_input(int dirfd, const std::vector<DirEntry>& entries, layout::BuildInput& in);
 
 }  // namespace ckptfs::source
