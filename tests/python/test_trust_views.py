@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest import BIN, Mount, requires_fuse, wait_for
-from test_trust import as_user, errno_of, mount, users, world  # noqa: F401  (fixtures)
+from test_trust import as_user, errno_of, users, world  # noqa: F401  (fixtures)
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -40,6 +40,12 @@ def dcp_save(d: pathlib.Path, seed: int, rows: int = 64, cols: int = 64) -> dict
     d.mkdir(parents=True, exist_ok=True)
     dcp.save(sd, checkpoint_id=str(d))
     return sd
+
+
+def mount(world, *opts) -> Mount:
+    """A daemon for `with`: it starts on entering and is stopped (and checked) on leaving."""
+    return Mount(world / "src", world / "mnt", opts=["allow_other", *opts],
+                 log=str(world / "mnt.log"))
 
 
 def model_files(d: pathlib.Path) -> list[str]:
