@@ -20,9 +20,10 @@ run).
                 (-o prefetch=off, the mount's page cache dropped, SRC on tmpfs: the daemon's
                 fastest case, where a check costs most), binaries alternating, GB/s medians
 
-Usage: sudo tools/bench_trust.py [--bin build/src/ckptfs] [--baseline BIN] [--dir DIR]
-                                 [--verl-links 512] [--rounds 5]
-                                 [--only inspect,fds,stall,read]
+Usage (as root, with the venv of tools/setup.sh):
+       $VENV/bin/python tools/bench_trust.py [--bin build/src/ckptfs] [--baseline BIN]
+           [--dir /dev/shm/ckptfs-bench-trust] [--verl-links 512] [--rounds 5]
+           [--only inspect,fds,stall,read]
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import zipfile
 import pytest
 
 from conftest import requires_fuse
-from hostile_util import Prober, mounts, prober, wait_for  # noqa: F401  (fixtures)
+from hostile_util import Prober, cli, mounts, prober, wait_for  # noqa: F401  (fixtures)
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -193,6 +193,14 @@ def test_names_that_cannot_be_served_refuse_their_directory(tmp_path, mounts, pr
     # Another directory is served meanwhile, and still is.
     assert torch.equal(served(prober, root / "good")["w"], t)
     assert m.alive()
+    # The CLI says so too, naming the file, and never aborts (inspect, consolidate and load
+    # died of an uncaught JSON exception before).
+    for args in (["inspect"], ["verify"], ["consolidate"], ["load"]):
+        d = src / "not-utf8"
+        extra = [tmp_path / f"out-{args[0]}"] if args[0] == "consolidate" else []
+        r = cli(*args, d, *extra, timeout=120)
+        assert not r.timed_out and r.rc > 0, f"{args[0]}: {r!r}"
+        assert ".metadata" in r.out and "UTF-8" in r.out, f"{args[0]}: {r!r}"
 
 
 # (c) ----------------------------------------------------------------------------------------
