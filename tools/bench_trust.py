@@ -6,7 +6,7 @@ run).
   inspect rows  `ckptfs inspect DIR` of each hostile input: wall time and peak RSS (ru_maxrss)
     chunks60k   a DCP .metadata of 60,000 chunks of one tensor over 512 files (8 MB)
     members65k  300 chunks that all point at one torch.save archive of 65,536 members (7 MB)
-    dupbomb     a 240 MiB .metadata of one list grown by DUP and APPENDS
+    dupbomb     a 240 MiB .metadata of one list appended to itself (DUP, APPEND) 120 Mi times
     verl-links  a verl checkpoint whose --verl-links ranks are hard links of one rank file of
                 4096 tensors (torch.save of DTensors, as verl's checkpoint manager saves them)
     megatron    Megatron-Core GPT torch_dist under the built-in map, config of 2^24 query groups
@@ -147,15 +147,16 @@ def make_inputs(work: str, links: int) -> None:
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"making the inputs failed:\n{r.stderr[-3000:]}")
-    # dupbomb: PROTO 4, [], MARK, None, then DUPs, APPENDS, STOP: one list of 240 Mi Nones.
+    # dupbomb: PROTO 4, [], then DUP APPEND pairs (the list appended to itself), STOP: 240 MiB
+    # whose every 2 bytes add a reference to the list.
     d = os.path.join(work, "dupbomb")
     os.makedirs(d)
     with open(os.path.join(d, ".metadata"), "wb") as f:
-        f.write(b"\x80\x04](N")
-        chunk = b"2" * (16 << 20)
+        f.write(b"\x80\x04]")
+        chunk = b"2a" * (8 << 20)
         for _ in range(15):
             f.write(chunk)
-        f.write(b"e.")
+        f.write(b".")
     open(os.path.join(d, "__0_0.distcp"), "wb").write(b"\0" * 64)
     # stall: 4 shards of 600,000 one-element tensors each (about 60 MB of header), and a small one
     for name, shards, tensors in (("slow", 4, 600_000), ("quick", 2, 4)):
