@@ -11,19 +11,18 @@
 
 namespace ckptfs::fs {
 
-BuildPool::BuildPool(unsigned threads) {
-  for (unsigned i = 0; i < threads; ++i) {
-    if (auto st = threads_.spawn([this] { run(); }); !st) {
-      spdlog::warn("view builds: {} builder thread(s) of {}: {}", i, threads, st.error().message);
-      break;
-    }
-  }
-}
-
 bool BuildPool::submit(std::function<void()> job) {
   {
     std::lock_guard lock(mu_);
-    if (stopping_ || threads_.size() == 0) return false;
+    if (stopping_) return false;
+    if (idle_ <= queue_.size() && threads_.size() < max_) {
+      // Every thread is busy (or already has a job coming): one more, if one can be started.
+      if (auto st = threads_.spawn([this] { run(); }); !st) {
+        spdlog::warn("view builds: {} builder thread(s) of {}: {}", threads_.size(), max_,
+                     st.error().message);
+      }
+    }
+    if (threads_.size() == 0) return false;
     queue_.push_back(std::move(job));
   }
   cv_.notify_one();
@@ -45,7 +44,9 @@ void BuildPool::run() {
     std::function<void()> job;
     {
       std::unique_lock lock(mu_);
+      ++idle_;
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      --idle_;
       if (stopping_) return;
       job = std::move(queue_.front());
       queue_.pop_front();

@@ -11,11 +11,14 @@
 
 namespace ckptfs::fs {
 
-// A fixed set of threads running jobs in the order they were queued. A job must not throw (an
-// exception it lets out is logged and dropped).
+// Up to `threads` threads running jobs in the order they were queued, started on demand: a
+// job queued while every thread is busy starts another. One build after another then runs on
+// one thread (its malloc arena keeps what one large header parse leaves, not one per thread),
+// and only builds that overlap use more. A job must not throw (an exception it lets out is
+// logged and dropped).
 class BuildPool {
  public:
-  explicit BuildPool(unsigned threads);
+  explicit BuildPool(unsigned threads) : max_(threads) {}
   ~BuildPool() { stop(); }
   BuildPool(const BuildPool&) = delete;
   BuildPool& operator=(const BuildPool&) = delete;
@@ -29,11 +32,13 @@ class BuildPool {
  private:
   void run();
 
-  std::mutex mu_;  // guards queue_ and stopping_
+  const unsigned max_;
+  std::mutex mu_;  // guards queue_, stopping_, idle_ and threads_ (their start)
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
-  JoinedThreads threads_;  // started by the constructor; joined by stop()
+  unsigned idle_ = 0;      // threads waiting for a job
+  JoinedThreads threads_;  // started by submit(), at most max_; joined by stop()
 };
 
 }  // namespace ckptfs::fs
