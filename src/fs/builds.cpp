@@ -120,8 +120,9 @@ bool Filesystem::Impl::when_ready(Ino dir_ino, std::string_view name,
                                   const std::function<void()>& resume_fn) {
   start();
   if (!builders) return true;
-  // Only consolidated names and listings need the current view (namespace.cpp).
-  if (!name.empty() && !format::is_model_output_name(name)) return true;
+  // Only consolidated names, config.json (which the view may supply) and listings need the
+  // current view (namespace.cpp).
+  if (!name.empty() && !format::is_model_output_name(name) && name != kConfigName) return true;
   auto n = nodes.get(dir_ino);
   if (!n || n->kind != Kind::Dir) return true;
   auto dst = stat_beneath(root.get(), n->rel);

@@ -331,9 +331,14 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
       return lookup_real(lifted, dir.ino, name);
     }
   }
-  // A mapped checkpoint without a config.json of its own shows -o hf_config's.
-  if (name == kConfigName && v->complete && !v->ckpt->config_json.empty()) {
-    return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kConfigFile, name);
+  // A checkpoint without a config.json of its own shows -o hf_config's (or the one its map
+  // made): the first lookup after mounting may come before anything read the shards, so this
+  // name, like a consolidated one, needs the current view.
+  if (name == kConfigName) {
+    v = wait_settled(dir, view_of(dir.rel, dst, dir.ino, Need::Current));
+    if (v && v->complete && !v->ckpt->config_json.empty()) {
+      return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kConfigFile, name);
+    }
   }
   return real;
 }

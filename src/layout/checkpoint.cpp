@@ -55,6 +55,13 @@ class Builder {
     for (auto& tb : order_) finish_tensor(*tb);
     if (ck_->problems.empty()) apply_dtypes();
     if (ck_->problems.empty()) apply_map();
+    // -o hf_config in every layout: a checkpoint with no config.json of its own (a mapped one
+    // gets it from apply_map; accelerate's save_state writes none) shows it. A real or lifted
+    // config.json in the directory is found first (fs/namespace.cpp).
+    if (ck_->config_json.empty() && in_.config.empty() && !opts_.hf_config.empty() &&
+        ck_->map_note.empty()) {
+      ck_->config_json = opts_.hf_config;
+    }
     if (ck_->problems.empty()) assign_outputs();
     if (ck_->problems.empty()) synthesize();
     if (!ck_->problems.empty()) {
