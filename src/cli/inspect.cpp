@@ -123,6 +123,9 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
   j["left_out"] = c.left_out;
   j["map"] = c.map;
   if (!c.map_note.empty()) j["map_note"] = c.map_note;
+  if (c.unmapped_native()) {
+    j["unmapped_native"] = {{"name", c.native_name}, {"maps_tried", c.map_trials}};
+  }
   J stored = J::array();
   for (const auto& t : c.stored) stored.push_back({{"name", t.name}, {"shape", t.shape}});
   j["stored"] = std::move(stored);
@@ -141,6 +144,15 @@ void print_text(const layout::Checkpoint& c) {
                c.config_json.empty() ? "" : " (config.json from hf_config)");
   }
   if (!c.map_note.empty()) fmt::print("  model map: {}\n", printable(c.map_note));
+  if (c.unmapped_native()) {
+    fmt::print(
+        "  model map: none fits, and the stored names are a trainer's own ('{}'): served under "
+        "them, with no config.json (from_pretrained would build a model of random weights).\n"
+        "  Give -o map=PATH (a map of your own, docs/maps.md; --map here) and, if it needs one, "
+        "-o hf_config=PATH. The built-in maps:\n",
+        printable(c.native_name));
+    for (const auto& t : c.map_trials) fmt::print("    {}\n", printable(t));
+  }
   fmt::print("  {} shard files, {} tensors, {} bytes of tensor data\n", c.shards.size(),
              c.tensors.size(), c.total_bytes());
   if (!c.outputs.empty()) {

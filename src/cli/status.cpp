@@ -89,7 +89,15 @@ void print_human(const nlohmann::json& j) {
       line += fmt::format("  ({} files, {} tensors, {})", num(c, "files"), num(c, "tensors"),
                           bytes_str(num(c, "bytes")));
     }
+    if (c.contains("map") && c["map"].is_string()) line += "  map " + str(c, "map");
     fmt::print("{}\n", line);
+    if (const json u = c.value("unmapped_native", json::object()); !u.empty()) {
+      fmt::print("      under a trainer's own names ('{}'), no config.json: no model map fits\n",
+                 printable(str(u, "name")));
+      for (const auto& t : u.value("maps_tried", json::array())) {
+        if (t.is_string()) fmt::print("        {}\n", printable(t.get<std::string>()));
+      }
+    }
     for (const auto& p : c.value("problems", json::array())) {
       if (p.is_string()) fmt::print("      {}\n", printable(p.get<std::string>()));
     }

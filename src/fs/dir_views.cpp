@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/format/names.hpp"
@@ -183,6 +184,15 @@ void Filesystem::Impl::log_build(const std::string& rel, const layout::Checkpoin
   }
   for (const auto& note : ck.notes) {
     if (auto v = logs.allow("note:" + rel); v.log) spdlog::warn("{}", note);
+  }
+  if (ck.unmapped_native()) {
+    if (auto v = logs.allow("unmapped:" + rel); v.log) {
+      spdlog::warn(
+          "{}: served under its stored names, a trainer's own ('{}'), with no config.json: no "
+          "model map fits ({}); give -o map=PATH (docs/maps.md) and, if it needs one, "
+          "-o hf_config=PATH",
+          source_path(rel), ck.native_name, fmt::join(ck.map_trials, "; "));
+    }
   }
 }
 

@@ -283,10 +283,18 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     if (real.ok()) real->uncached = true;
     if (real.ok() || real.error().code != ENOENT) return real;
   }
-  const bool consolidated_name = is_model_output_name(name);
+  // config.json too may be the view's (-o hf_config, a map's), and it is hidden beside a
+  // trainer's own names that no map serves: both need the current view.
+  const bool consolidated_name = is_model_output_name(name) || name == kConfigName;
   auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
   if (consolidated_name) v = wait_settled(dir, std::move(v));
   if (!v) return lookup_real(rel, dir.ino, name);
+  if (name == kConfigName && v->complete && v->ckpt->unmapped_native()) {
+    return make_error(ENOENT,
+                      "{}: hidden: the stored names are a trainer's own ('{}') and no model map "
+                      "serves them (ckptfs inspect says why)",
+                      rel, v->ckpt->native_name);
+  }
   if (name == names::kPending && v->settling) {
     return lookup_virtual(v, dir.rel, dir.ino, Kind::Pending, 0, name);
   }
@@ -332,13 +340,9 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     }
   }
   // A checkpoint without a config.json of its own shows -o hf_config's (or the one its map
-  // made): the first lookup after mounting may come before anything read the shards, so this
-  // name, like a consolidated one, needs the current view.
-  if (name == kConfigName) {
-    v = wait_settled(dir, view_of(dir.rel, dst, dir.ino, Need::Current));
-    if (v && v->complete && !v->ckpt->config_json.empty()) {
-      return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kConfigFile, name);
-    }
+  // made); the view is current here (above), also on the first lookup after mounting.
+  if (name == kConfigName && v->complete && !v->ckpt->config_json.empty()) {
+    return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kConfigFile, name);
   }
   return real;
 }
@@ -392,9 +396,13 @@ Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const C
   }
   // A directory written through the view shows its own index file, and none synthesized.
   const bool written = v->complete && v->ckpt->written;
+  // Beside a trainer's own names that no map serves, no config.json (namespace: lookup).
+  const bool no_config = v->complete && v->ckpt->unmapped_native();
   std::set<std::string> listed;
+  if (no_config) listed.insert(std::string(kConfigName));  // never listed, real or lifted
   for (const auto& e : entries) {
     if (names::is_state(e.name)) continue;
+    if (no_config && e.name == kConfigName) continue;
     if (names::hidden_in_listing(e.name, opts.show_shards) &&
         !(written && e.name == format::kIndexFileName && S_ISREG(e.st.st_mode))) {
       continue;
@@ -430,7 +438,7 @@ Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const C
           std::string(format::kIndexFileName),
           virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
     }
-    if (!ck.config_json.empty() && !listed.count(std::string(kConfigName))) {
+    if (!ck.config_json.empty() && !listed.count(std::string(kConfigName)) && !no_config) {
       out.push_back(DirEntryOut{std::string(kConfigName),
                                 virtual_ino(v->dir_dev, v->dir_ino, v->generation, kConfigName),
                                 S_IFREG});

@@ -92,6 +92,11 @@ std::string Filesystem::Impl::status_json() const {
     std::string state = v->complete ? "serving" : v->settling ? "settling" : "refused";
     if (state == "refused" && unread) state = "unread";  // shards' headers not read (yet)
     c["state"] = state;
+    if (!v->ckpt->map.empty()) c["map"] = v->ckpt->map;
+    if (v->ckpt->unmapped_native()) {
+      // Served under a trainer's own names: why no built-in map fits (no config.json shown).
+      c["unmapped_native"] = {{"name", v->ckpt->native_name}, {"maps_tried", v->ckpt->map_trials}};
+    }
     if (state == "serving") {
       c["files"] = v->ckpt->outputs.size();
       c["tensors"] = v->ckpt->tensors.size();

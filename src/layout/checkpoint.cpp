@@ -2,6 +2,7 @@
 // thing: the builder's passes over one set of chunks).
 #include "ckptfs/layout/checkpoint.hpp"
 
+#include "ckptfs/layout/map_report.hpp"
 #include "ckptfs/layout/model_map.hpp"
 
 #include <algorithm>
@@ -59,7 +60,7 @@ class Builder {
     // gets it from apply_map; accelerate's save_state writes none) shows it. A real or lifted
     // config.json in the directory is found first (fs/namespace.cpp).
     if (ck_->config_json.empty() && in_.config.empty() && !opts_.hf_config.empty() &&
-        ck_->map_note.empty()) {
+        ck_->map_note.empty() && ck_->native_name.empty()) {
       ck_->config_json = opts_.hf_config;
     }
     if (ck_->problems.empty()) assign_outputs();
@@ -627,7 +628,16 @@ class Builder {
   // tensors, packed in rule order into outputs of at most kMaxOutputBytes.
   void apply_map() {
     if (opts_.no_map || !in_.overrides.empty() || ck_->tensors.empty()) return;
-    if (!apply_model_map(in_, opts_, *ck_, tensor_k_)) return;
+    if (!apply_model_map(in_, opts_, *ck_, tensor_k_)) {
+      // Served under its stored names: say so where they are a trainer's own (never a
+      // silently wrong model).
+      if (ck_->problems.empty()) {
+        auto report = explain_unmapped(ck_->tensors, ck_->format);
+        ck_->native_name = std::move(report.native);
+        if (!ck_->native_name.empty()) ck_->map_trials = std::move(report.trials);
+      }
+      return;
+    }
     tensor_index_.clear();
     for (uint32_t i = 0; i < ck_->tensors.size(); ++i)
       tensor_index_.emplace(ck_->tensors[i].name, i);

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from conftest import Mount, have, requires_fuse
+from conftest import BIN, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -89,3 +89,51 @@ def test_hf_config_is_shown_in_every_layout_from_the_first_lookup(accelerate_sav
             assert os.listdir(d).count("config.json") == 1
     finally:
         (src / CK / "config.json").unlink()
+
+
+# --- never a silently wrong model -----------------------------------------------------------
+
+MEGATRON_GPT2 = {  # Megatron-Core GPT with learned absolute positions (GPT-2's): no map serves it
+    "embedding.word_embeddings.weight": (128, 64), "embedding.position_embeddings.weight": (64, 64),
+    "decoder.layers.self_attention.linear_qkv.weight": (2, 192, 64),
+    "decoder.layers.self_attention.linear_proj.weight": (2, 64, 64),
+    "decoder.layers.mlp.linear_fc1.weight": (2, 256, 64), "decoder.layers.mlp.linear_fc2.weight": (2, 64, 128),
+    "decoder.final_layernorm.weight": (64,), "output_layer.weight": (128, 64),
+}
+
+
+def test_a_trainers_names_no_map_serves_never_load_as_random_weights(tmp_path):
+    """A torch DCP checkpoint under Megatron-Core's names (learned absolute positions, which no
+    built-in map serves) beside a hand-written HF config.json: before, from_pretrained built a
+    LlamaForCausalLM of random weights and only warned. Now the view shows no config.json, so it
+    fails; the log, `ckptfs status` and `ckptfs inspect` name each built-in map and why it does
+    not fit, and say what to give."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "src"
+    d = src / "iter_0000010"
+    g = torch.Generator().manual_seed(0)
+    dcp.save({k: torch.randn(*s, generator=g) for k, s in MEGATRON_GPT2.items()}, checkpoint_id=str(d),
+             no_dist=True)
+    # What megatron-core's torch_dist backend writes beside its DCP files.
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (d / "config.json").write_text(json.dumps(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        architectures=["LlamaForCausalLM"]).to_dict()))
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        mnt = pathlib.Path(m.mnt) / "iter_0000010"
+        names = os.listdir(mnt)
+        assert "config.json" not in names and any(n.startswith("model") for n in names), names
+        assert not (mnt / "config.json").exists()
+        with pytest.raises((OSError, ValueError)):  # no config.json: "Unrecognized model"
+            transformers.AutoModelForCausalLM.from_pretrained(str(mnt))
+        r = subprocess.run([BIN, "status", "--json", m.mnt], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        entry = [c for c in json.loads(r.stdout)["checkpoints"]["list"] if c["path"].endswith("iter_0000010")]
+        assert entry and "unmapped_native" in entry[0], entry
+        tried = entry[0]["unmapped_native"]["maps_tried"]
+        assert any(t.startswith("megatron-gpt: ") and "embedding.position_embeddings.weight" in t for t in tried), tried
+        log = pathlib.Path(m.log).read_text()
+        assert "no model map fits" in log and "-o map=PATH" in log, log[-2000:]
+    r = subprocess.run([BIN, "inspect", str(d)], capture_output=True, text=True)
+    assert "none fits" in r.stdout and "megatron-gpt: " in r.stdout and "-o map=PATH" in r.stdout, r.stdout

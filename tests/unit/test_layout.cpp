@@ -7,9 +7,11 @@
 
 #include <fmt/format.h>
 
+#include "ckptfs/format/model_map.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/layout/extent_map.hpp"
+#include "ckptfs/layout/map_report.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "fixture.hpp"
 
@@ -511,4 +513,61 @@ TEST(ExtentMap, ColumnShardedRangeAllocatesNothingPerRun) {
   EXPECT_EQ(segs.data(), before);
   EXPECT_EQ(segs.size(), 1024u);
   for (const auto& s : segs) EXPECT_EQ(s.len, 1024u);
+}
+
+// --- never a silently wrong model (issue 33): why no built-in map serves a trainer's names ---
+
+namespace {
+std::vector<Tensor> named(std::initializer_list<const char*> names) {
+  std::vector<Tensor> out;
+  for (const char* n : names) {
+    Tensor t;
+    t.name = n;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+}  // namespace
+
+TEST(MapReport, ATrainersOwnNamesAreToldApartAndEachMapSaysWhy) {
+  // Megatron-Core GPT with learned absolute position embeddings (GPT-2's): megatron-gpt's
+  // detect clause refuses it by name, the others find nothing of theirs.
+  auto stored =
+      named({"embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+             "decoder.layers.self_attention.linear_qkv.weight",
+             "decoder.layers.self_attention.linear_proj.weight",
+             "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight",
+             "decoder.final_layernorm.weight", "output_layer.weight"});
+  auto r =
+      explain_unmapped(stored, "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)");
+  EXPECT_FALSE(r.native.empty());
+  EXPECT_TRUE(r.native.starts_with("embedding.") || r.native.starts_with("decoder.") ||
+              r.native.starts_with("output_layer."))
+      << r.native;
+  ASSERT_EQ(r.trials.size(), format::builtin_maps().size());
+  auto trial = [&](std::string_view map) {
+    for (const auto& t : r.trials) {
+      if (t.starts_with(std::string(map) + ": ")) return t;
+    }
+    return std::string();
+  };
+  EXPECT_NE(trial("megatron-gpt").find("embedding.position_embeddings.weight"), std::string::npos)
+      << trial("megatron-gpt");
+  EXPECT_NE(trial("torchtitan-llama3").find("no stored name like 'tok_embeddings.weight'"),
+            std::string::npos)
+      << trial("torchtitan-llama3");
+}
+
+TEST(MapReport, HfNamesAreNotATrainersOwn) {
+  // An HF checkpoint, lm_head included (which torchtitan's maps read as it is).
+  auto stored =
+      named({"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.0.mlp.gate_proj.weight", "model.norm.weight", "lm_head.weight"});
+  auto r = explain_unmapped(stored, "torch DCP (.metadata, *.distcp)");
+  EXPECT_TRUE(r.native.empty()) << r.native << " " << r.trials.size();
+  // torchtitan: its own names, which an HF checkpoint lacks.
+  stored = named(
+      {"tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"});
+  r = explain_unmapped(stored, "torch DCP (.metadata, *.distcp)");
+  EXPECT_FALSE(r.native.empty());
 }

@@ -173,6 +173,13 @@ struct Checkpoint {
   std::string map;
   std::vector<Tensor> stored;
   std::string map_note;
+  // No map applied, and a stored name is a trainer's own (`native_name`, one a built-in map
+  // reads: layout/map_report.hpp): `map_trials` says, per built-in map, why it does not apply.
+  // The view then shows no config.json, so from_pretrained fails instead of building a model
+  // of random weights.
+  std::string native_name;
+  std::vector<std::string> map_trials;
+  [[nodiscard]] bool unmapped_native() const { return map.empty() && !native_name.empty(); }
   // config.json as the view shows it when it came from BuildOptions::hf_config (the directory
   // has none of its own); empty otherwise.
   std::string config_json;
