@@ -57,8 +57,9 @@ Result<nlohmann::json> parse_megatron_args_pickle(std::string&& bytes, std::stri
   CKPTFS_TRY(auto top, w.pairs(p.root(), "the saved object"));
   auto args = w.field(top, "args");
   if (!args) {
-    return make_error(ENOENT, "{}: no 'args' in the saved dict (Megatron-LM saves them; "
-                              "megatron-core's dist_checkpointing.save alone does not)",
+    return make_error(ENOENT,
+                      "{}: no 'args' in the saved dict (Megatron-LM saves them; "
+                      "megatron-core's dist_checkpointing.save alone does not)",
                       what);
   }
   CKPTFS_TRY(auto fields, w.object_state(*args, "argparse", "Namespace", "'args'"));

@@ -347,8 +347,8 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
     const std::string at = fmt::format("hf_config '{}': '{}'", where, as_written(k));
     if (k == "$int") {
       ++kinds;
-      if (!v.is_string()) return make_error(EINVAL, "{} is {}, not an expression", at,
-                                            detail::describe(v));
+      if (!v.is_string())
+        return make_error(EINVAL, "{} is {}, not an expression", at, detail::describe(v));
       auto e = parse_expr(v.get<std::string>());
       if (!e) return std::move(e).error().context(at);
     } else if (k == "$bool") {
@@ -370,14 +370,16 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
     } else if (is_arithmetic(k)) {
       return make_error(EINVAL, "{} needs arithmetic on values the template does not do", at);
     } else {
-      return make_error(EINVAL, "{}: unknown key (a computed value has one of $int, $bool, "
-                                "$copy, and 'if', 'else')",
+      return make_error(EINVAL,
+                        "{}: unknown key (a computed value has one of $int, $bool, "
+                        "$copy, and 'if', 'else')",
                         at);
     }
   }
   if (kinds != 1) {
-    return make_error(EINVAL, "hf_config '{}': a computed value has exactly one of $int, $bool, "
-                              "$copy",
+    return make_error(EINVAL,
+                      "hf_config '{}': a computed value has exactly one of $int, $bool, "
+                      "$copy",
                       where);
   }
   return {};
@@ -405,11 +407,10 @@ Result<ModelMap> parse_model_map(std::string_view text, std::string_view what) {
   CKPTFS_TRY(json j, detail::parse_json_strict(text, what, "model map"));
   auto fail = [&](Error e) { return std::move(e).context(what); };
   if (!j.is_object()) return make_error(EINVAL, "{}: a model map is a JSON object", what);
-  if (auto s = refuse_unknown(
-          j,
-          {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop",
-           "hf_config", "hf_config_requires"},
-          "map");
+  if (auto s = refuse_unknown(j,
+                              {"ckptfs_map", "name", "about", "detect", "prefixes", "axes",
+                               "tensors", "drop", "hf_config", "hf_config_requires"},
+                              "map");
       !s) {
     return fail(std::move(s).error());
   }

@@ -463,10 +463,10 @@ class Compiler {
     }
     const auto& rows = *p.rows;
     if (rows.lhs.size() != lead.size()) {
-      return fail("", fmt::format("'rows' {} describes {} axes; the tensor of shape {} has {} "
-                                  "leading axes (and {} naming the last one too)",
-                                  rows.text, rows.lhs.size(), dims(rest), lead.size(),
-                                  rest.size()));
+      return fail("",
+                  fmt::format("'rows' {} describes {} axes; the tensor of shape {} has {} "
+                              "leading axes (and {} naming the last one too)",
+                              rows.text, rows.lhs.size(), dims(rest), lead.size(), rest.size()));
     }
     // What makes the rows distinct, checked where it is relied on: each name once after '->'.
     std::vector<uint32_t> used(rows.names.size(), 0);
@@ -814,7 +814,8 @@ class Renderer {
     if (auto e = t.find("$int"); e != t.end()) {
       auto expr = format::parse_map_expr(e->get<std::string>());
       if (!expr) return std::move(expr).error().context(fmt::format("hf_config '{}'", where));
-      auto v = format::eval_expr(*expr, [this](std::string_view n) { return config_value(native_, n); });
+      auto v =
+          format::eval_expr(*expr, [this](std::string_view n) { return config_value(native_, n); });
       if (!v) {
         if (v.error().code == ENOENT) return otherwise(v.error().message);
         return std::move(v).error().context(fmt::format("hf_config '{}' ({})", where, what_));
@@ -827,8 +828,8 @@ class Renderer {
       const auto key = std::string_view(s).substr(neg ? 1 : 0);
       const auto* f = native_field(native_, key);
       if (!f || !(f->is_boolean() || f->is_number_integer())) {
-        return otherwise(fmt::format("'{}' is {}, not a boolean", key,
-                                     f ? f->type_name() : "missing"));
+        return otherwise(
+            fmt::format("'{}' is {}, not a boolean", key, f ? f->type_name() : "missing"));
       }
       const bool v = f->is_boolean() ? f->get<bool>() : f->get<int64_t>() != 0;
       return std::optional<nlohmann::json>(v != neg);
@@ -851,7 +852,8 @@ class Renderer {
  private:
   bool holds(const std::string& cond) const {
     const bool neg = cond.starts_with('!');
-    const bool v = config_value(native_, std::string_view(cond).substr(neg ? 1 : 0)).value_or(0) != 0;
+    const bool v =
+        config_value(native_, std::string_view(cond).substr(neg ? 1 : 0)).value_or(0) != 0;
     return v != neg;
   }
 

@@ -57,12 +57,23 @@ def gen(tmp_path_factory):
     out (no config.json anywhere), gen/ref/<case>/ the original and mbridge's export."""
     root = tmp_path_factory.mktemp("megatron-families")
     src, ref = root / "src", root / "ref"
+    # CKPTFS_MEGATRON_FAMILIES_REUSE=DIR: a previous run's src/ and ref/ (DIR/out.json beside them),
+    # copied instead of written again: for checking that a test fails when the code is broken.
+    reuse = os.environ.get("CKPTFS_MEGATRON_FAMILIES_REUSE")
+    if reuse and (pathlib.Path(reuse) / "out.json").exists():
+        shutil.copytree(pathlib.Path(reuse) / "src", src)
+        shutil.copytree(pathlib.Path(reuse) / "ref", ref)
+        return {"src": src, "ref": ref, "root": root}
     args = [f"{n}:{f}:{tp}:{pp}:{ep}:{int(t)}:{dt}" for n, (f, tp, pp, ep, t, dt, _) in CASES.items()]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, str(WRITERS / "megatron_families_save.py"), str(src), str(ref), *args],
                        capture_output=True, text=True, timeout=420, env=env, cwd=str(root))
     assert r.returncode == 0, f"megatron_families_save: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
     result = json.loads(r.stdout.strip().splitlines()[-1])
+    if reuse:
+        shutil.copytree(src, pathlib.Path(reuse) / "src")
+        shutil.copytree(ref, pathlib.Path(reuse) / "ref")
+        (pathlib.Path(reuse) / "out.json").write_text(json.dumps(result))
     for name, (_, _, pp, *_rest) in CASES.items():
         files = result[name]["files"]
         assert f"{ITER}/common.pt" in files and f"{ITER}/.metadata" in files, files

@@ -2185,13 +2185,25 @@ TEST(MapProperty, RandomMapsMatchANaiveReference) {
 
 TEST(MapCompile, RowsNamingEveryAxisSplitABiasLikeItsWeight) {
   // A stacked fused bias [L=2, groups 2 x part 6]: q is part[0:4], k part[4:5], v part[5:6].
-  const json map = map_with(json::array(
-      {{{"hf", "q.{L}"}, {"from", "b"}, {"for", {{"L", 2}}}, {"index", {"L"}},
-        {"rows", "(g part) -> (g part[0:4])"}, {"let", {{"g", 2}}}, {"shape", {8}}},
-       {{"hf", "k.{L}"}, {"from", "b"}, {"for", {{"L", 2}}}, {"index", {"L"}},
-        {"rows", "(g part) -> (g part[4:5])"}, {"let", {{"g", 2}}}},
-       {{"hf", "v.{L}"}, {"from", "b"}, {"for", {{"L", 2}}}, {"index", {"L"}},
-        {"rows", "(g part) -> (g part[5:6])"}, {"let", {{"g", 2}}}}}));
+  const json map = map_with(json::array({{{"hf", "q.{L}"},
+                                          {"from", "b"},
+                                          {"for", {{"L", 2}}},
+                                          {"index", {"L"}},
+                                          {"rows", "(g part) -> (g part[0:4])"},
+                                          {"let", {{"g", 2}}},
+                                          {"shape", {8}}},
+                                         {{"hf", "k.{L}"},
+                                          {"from", "b"},
+                                          {"for", {{"L", 2}}},
+                                          {"index", {"L"}},
+                                          {"rows", "(g part) -> (g part[4:5])"},
+                                          {"let", {{"g", 2}}}},
+                                         {{"hf", "v.{L}"},
+                                          {"from", "b"},
+                                          {"for", {{"L", 2}}},
+                                          {"index", {"L"}},
+                                          {"rows", "(g part) -> (g part[5:6])"},
+                                          {"let", {{"g", 2}}}}}));
   std::vector<Stored> stored = {st("b", {2, 12}, DType::BF16)};
   auto v = compile(map, json::object(), stored);
   ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
@@ -2209,9 +2221,9 @@ TEST(MapCompile, RowsNamingEveryAxisSplitABiasLikeItsWeight) {
     EXPECT_EQ(find_tensor(*v.ck, fmt::format("k.{}", l))->shape, std::vector<uint64_t>{2});
   }
   // One name short of every axis is a leading-axes rearrangement, which a 1-D tensor has none of.
-  auto bad = compile(one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "(g part) -> (g part)"},
-                               {"let", {{"g", 2}}}}),
-                     json::object(), {st("b", {12})});
+  auto bad = compile(
+      one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "(g part) -> (g part)"}, {"let", {{"g", 2}}}}),
+      json::object(), {st("b", {12})});
   ASSERT_TRUE(bad.ck->valid()) << problems(*bad.ck);  // every axis: allowed
   auto bad2 = compile(one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "a -> a"}}), json::object(),
                       {st("b", {2, 3, 4})});
@@ -2253,47 +2265,55 @@ TEST(MapParse, HfConfigTemplatesAreChecked) {
 
 // A tiny Megatron GPT's stored tensors and a map reading its sizes from a template.
 std::vector<Stored> meg_tiny() {
-  return {st("embedding.word_embeddings.weight", {12, 8}), st("decoder.final_layernorm.weight", {8}),
+  return {st("embedding.word_embeddings.weight", {12, 8}),
+          st("decoder.final_layernorm.weight", {8}),
           st("decoder.layers.mlp.linear_fc2.weight", {2, 8, 6})};
 }
 json meg_template_map() {
-  return map_with(
-      json::array({{{"hf", "model.embed_tokens.weight"},
-                    {"from", "embedding.word_embeddings.weight"},
-                    {"rows", "v -> v[0:vocab_size]"}},
-                   {{"hf", "model.norm.weight"}, {"from", "decoder.final_layernorm.weight"},
-                    {"shape", {"hidden_size"}}},
-                   {{"hf", "model.layers.{L}.mlp.down_proj.weight"},
-                    {"from", "decoder.layers.mlp.linear_fc2.weight"},
-                    {"for", {{"L", "num_hidden_layers"}}},
-                    {"index", {"L"}},
-                    {"shape", {"hidden_size", "intermediate_size"}}}}),
-      {{"detect", {{"all", {"embedding.word_embeddings.weight"}}}},
-       {"hf_config",
-        {{"architectures", {"LlamaForCausalLM"}},
-         {"hidden_size", {{"$int", "hidden_size"}}},
-         {"intermediate_size", {{"$int", "ffn_hidden_size"}}},
-         {"num_hidden_layers", {{"$int", "num_layers"}}},
-         {"num_key_value_heads",
-          {{"$int", "num_query_groups"},
-           {"if", "group_query_attention"},
-           {"else", {{"$int", "num_attention_heads"}}}}},
-         {"vocab_size", {{"$int", "padded_vocab_size | vocab_size"}}},
-         {"rms_norm_eps", {{"$copy", "norm_epsilon | layernorm_epsilon"}}},
-         {"tie_word_embeddings", {{"$bool", "!untie_embeddings_and_output_weights"}}},
-         {"rope_theta", {{"$copy", "rotary_base"}, {"else", 10000}}},
-         {"moe", {{"$int", "num_experts"}, {"if", "num_experts"}}},
-         {"dtype", {{"$copy", "params_dtype"}}}}},
-       {"hf_config_requires", {{"swiglu", true}, {"rotary_percent", 1.0}}}});
+  return map_with(json::array({{{"hf", "model.embed_tokens.weight"},
+                                {"from", "embedding.word_embeddings.weight"},
+                                {"rows", "v -> v[0:vocab_size]"}},
+                               {{"hf", "model.norm.weight"},
+                                {"from", "decoder.final_layernorm.weight"},
+                                {"shape", {"hidden_size"}}},
+                               {{"hf", "model.layers.{L}.mlp.down_proj.weight"},
+                                {"from", "decoder.layers.mlp.linear_fc2.weight"},
+                                {"for", {{"L", "num_hidden_layers"}}},
+                                {"index", {"L"}},
+                                {"shape", {"hidden_size", "intermediate_size"}}}}),
+                  {{"detect", {{"all", {"embedding.word_embeddings.weight"}}}},
+                   {"hf_config",
+                    {{"architectures", {"LlamaForCausalLM"}},
+                     {"hidden_size", {{"$int", "hidden_size"}}},
+                     {"intermediate_size", {{"$int", "ffn_hidden_size"}}},
+                     {"num_hidden_layers", {{"$int", "num_layers"}}},
+                     {"num_key_value_heads",
+                      {{"$int", "num_query_groups"},
+                       {"if", "group_query_attention"},
+                       {"else", {{"$int", "num_attention_heads"}}}}},
+                     {"vocab_size", {{"$int", "padded_vocab_size | vocab_size"}}},
+                     {"rms_norm_eps", {{"$copy", "norm_epsilon | layernorm_epsilon"}}},
+                     {"tie_word_embeddings", {{"$bool", "!untie_embeddings_and_output_weights"}}},
+                     {"rope_theta", {{"$copy", "rotary_base"}, {"else", 10000}}},
+                     {"moe", {{"$int", "num_experts"}, {"if", "num_experts"}}},
+                     {"dtype", {{"$copy", "params_dtype"}}}}},
+                   {"hf_config_requires", {{"swiglu", true}, {"rotary_percent", 1.0}}}});
 }
 json meg_args() {
-  return {{"num_layers", 2},        {"hidden_size", 8},
-          {"ffn_hidden_size", 6},   {"num_attention_heads", 4},
-          {"num_query_groups", 1},  {"group_query_attention", false},
-          {"vocab_size", nullptr},  {"padded_vocab_size", 12},
-          {"layernorm_epsilon", 1e-5}, {"untie_embeddings_and_output_weights", true},
-          {"swiglu", true},         {"rotary_percent", 1},
-          {"num_experts", nullptr}, {"params_dtype", "bfloat16"}};
+  return {{"num_layers", 2},
+          {"hidden_size", 8},
+          {"ffn_hidden_size", 6},
+          {"num_attention_heads", 4},
+          {"num_query_groups", 1},
+          {"group_query_attention", false},
+          {"vocab_size", nullptr},
+          {"padded_vocab_size", 12},
+          {"layernorm_epsilon", 1e-5},
+          {"untie_embeddings_and_output_weights", true},
+          {"swiglu", true},
+          {"rotary_percent", 1},
+          {"num_experts", nullptr},
+          {"params_dtype", "bfloat16"}};
 }
 
 View build_native(const json& map, const json& native, bool named, std::string own = {},
@@ -2303,7 +2323,8 @@ View build_native(const json& map, const json& native, bool named, std::string o
   layout::BuildOptions opts;
   if (named) opts.map = map_of(map);
   opts.hf_config = std::move(hf_config);
-  return build_view(stored, opts, rng, 2, "Megatron-Core torch_dist", std::move(own), native.dump());
+  return build_view(stored, opts, rng, 2, "Megatron-Core torch_dist", std::move(own),
+                    native.dump());
 }
 
 TEST(MapNative, TheTemplateMakesConfigJsonFromTheNativeConfigAndSizesTheMap) {
@@ -2319,7 +2340,7 @@ TEST(MapNative, TheTemplateMakesConfigJsonFromTheNativeConfigAndSizesTheMap) {
                      {"vocab_size", 12},          // the padded vocabulary
                      {"rms_norm_eps", 1e-5},
                      {"tie_word_embeddings", false},
-                     {"rope_theta", 10000},  // absent: the else
+                     {"rope_theta", 10000},   // absent: the else
                      {"dtype", "bfloat16"}};  // "moe": its `if` does not hold, left out
   EXPECT_EQ(c, want) << c.dump();
   // With GQA the groups; a field present wins over the else; a directory's own config.json and
@@ -2335,8 +2356,8 @@ TEST(MapNative, TheTemplateMakesConfigJsonFromTheNativeConfigAndSizesTheMap) {
   EXPECT_EQ(gc["num_key_value_heads"], 2);
   EXPECT_EQ(gc["rope_theta"], 500000);
   EXPECT_EQ(gc["moe"], 8);
-  const json own = {{"hidden_size", 8}, {"intermediate_size", 6}, {"num_hidden_layers", 2},
-                    {"vocab_size", 10}};
+  const json own = {
+      {"hidden_size", 8}, {"intermediate_size", 6}, {"num_hidden_layers", 2}, {"vocab_size", 10}};
   auto o = build_native(meg_template_map(), meg_args(), true, own.dump());
   ASSERT_TRUE(o.ck->valid()) << problems(*o.ck);
   EXPECT_TRUE(o.ck->config_json.empty());
@@ -2420,8 +2441,8 @@ TEST(MegatronArgs, HostileOrForeignCommonPtIsRefusedNamingTheFile) {
     return pkl("}" + str("args") + "cargparse\nNamespace\n)\x81}(" + fields + "ubs.");
   };
   auto ok = format::parse_megatron_args_pickle(
-      ns(str("num_layers") + "K\x03" + str("params_dtype") + "ctorch\nbfloat16\n" +
-         str("x") + "N" + str("num_layers") + "K\x04"),
+      ns(str("num_layers") + "K\x03" + str("params_dtype") + "ctorch\nbfloat16\n" + str("x") + "N" +
+         str("num_layers") + "K\x04"),
       "common.pt");
   ASSERT_TRUE(ok) << ok.error().message;
   EXPECT_EQ((*ok)["num_layers"], 4);  // set twice: the last wins
@@ -2445,19 +2466,23 @@ TEST(MegatronArgs, HostileOrForeignCommonPtIsRefusedNamingTheFile) {
   for (const auto& c : cases) {
     auto r = format::parse_megatron_args_pickle(std::string(c.bytes), "common.pt");
     ASSERT_FALSE(r) << c.says.front();
-    for (auto s : c.says) EXPECT_NE(r.error().message.find(s), std::string::npos) << r.error().message;
+    for (auto s : c.says)
+      EXPECT_NE(r.error().message.find(s), std::string::npos) << r.error().message;
   }
   // Not a zip, a truncated one, one without data.pkl: refused naming the file.
-  for (std::string bad : {std::string("\x80\x02}."), args_seed("megatron-lm-core_v0.16.1-args.pt").substr(0, 4000),
-                          std::string(40, 'P')}) {
+  for (std::string bad :
+       {std::string("\x80\x02}."), args_seed("megatron-lm-core_v0.16.1-args.pt").substr(0, 4000),
+        std::string(40, 'P')}) {
     auto r = format::read_megatron_args(bad, "iter_0000010/common.pt");
     ASSERT_FALSE(r);
-    EXPECT_NE(r.error().message.find("iter_0000010/common.pt"), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find("iter_0000010/common.pt"), std::string::npos)
+        << r.error().message;
   }
   // Many fields: capped.
   std::string many;
   for (int i = 0; i < 5000; ++i) many += str(fmt::format("f{}", i)) + "K\x01";
   auto m = format::parse_megatron_args_pickle(ns(many), "common.pt");
   ASSERT_FALSE(m);
-  EXPECT_NE(m.error().message.find("more than 4096 fields"), std::string::npos) << m.error().message;
+  EXPECT_NE(m.error().message.find("more than 4096 fields"), std::string::npos)
+      << m.error().message;
 }

@@ -24,7 +24,7 @@
 namespace ckptfs::format {
 
 inline constexpr std::string_view kMegatronCommonName = "common.pt";
-inline constexpr uint64_t kMaxMegatronCommonBytes = 64ull << 20;       // common.pt, read whole
+inline constexpr uint64_t kMaxMegatronCommonBytes = 64ull << 20;        // common.pt, read whole
 inline constexpr uint64_t kMaxMegatronCommonPickleBytes = 16ull << 20;  // its data.pkl
 inline constexpr size_t kMaxNativeConfigFields = 4096;
 inline constexpr size_t kMaxNativeFieldChars = 4096;
