@@ -229,6 +229,7 @@ def test_hf_config_option_wins(gen, tmp_path):
     shutil.copytree(gen["src"] / name, src / name)
     with Mount(src, tmp_path / "mnt", opts=[f"hf_config={path}"], log=str(tmp_path / "mnt.log")) as m:
         d = pathlib.Path(m.mnt) / name / ITER
+        assert "config.json" in os.listdir(d)
         assert json.loads((d / "config.json").read_text()) == cfg
         assert_equal(served(d), load(gen["ref"] / name / "model.safetensors"), "with -o hf_config")
 
