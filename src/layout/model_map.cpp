@@ -446,9 +446,9 @@ class Compiler {
       plan.hi = base + 1;
       return true;
     }
-    // `rows` naming every axis (the last too) moves single elements: a bias split like its
-    // weight. Otherwise a row is the last axis.
-    const bool every_axis = p.rows && p.rows->lhs.size() == rest.size();
+    // `rows` naming the only axis of a 1-D tensor moves single elements: a bias split like its
+    // weight. Otherwise a row is the last axis, never rearranged (no transpose in runs of one).
+    const bool every_axis = p.rows && rest.size() == 1 && p.rows->lhs.size() == 1;
     const uint64_t inner = every_axis ? 1 : rest.back();  // elements per row
     const std::vector<uint64_t> lead(rest.begin(), every_axis ? rest.end() : rest.end() - 1);
     if (!p.rows) {
@@ -465,7 +465,7 @@ class Compiler {
     if (rows.lhs.size() != lead.size()) {
       return fail("",
                   fmt::format("'rows' {} describes {} axes; the tensor of shape {} has {} "
-                              "leading axes (and {} naming the last one too)",
+                              "leading axes (a 1-D tensor's one axis may be named)",
                               rows.text, rows.lhs.size(), dims(rest), lead.size(), rest.size()));
     }
     // What makes the rows distinct, checked where it is relied on: each name once after '->'.

@@ -411,10 +411,10 @@ def parse_rows(text):
 
 
 def apply_rows(t, text, env, what):
-    """The rearrangement of every axis but the last of t (of every axis, when the left-hand side
-    names them all: single elements moved, a bias split like its weight); the new tensor."""
+    """The rearrangement of every axis but the last of t (of the one axis of a 1-D t, when the
+    left-hand side names it: single elements moved, a bias split like its weight); the new tensor."""
     lhs, rhs = parse_rows(text)
-    if len(lhs) == t.dim():
+    if len(lhs) == t.dim() == 1:
         return apply_rows(t.unsqueeze(-1), text, env, what).squeeze(-1)
     lead = list(t.shape[:-1])
     if len(lhs) != len(lead):
@@ -591,7 +591,7 @@ def apply(m, stored, config, *, check_coverage=True):
                                        f"{t.shape[0]} in {src!r}: the rest would be lost")
                     t, rid = t[v], rid[v]
                 if "rows" in p:
-                    if len(parse_rows(p["rows"])[0]) == t.dim():  # elements moved: ids per element
+                    if len(parse_rows(p["rows"])[0]) == t.dim() == 1:  # elements moved: ids per element
                         rid = rid * t.shape[-1] + torch.arange(t.shape[-1])
                     t = apply_rows(t, p["rows"], penv, f"{what}: tensor {src!r}")
                     rid = apply_rows(rid, p["rows"], penv, f"{what}: tensor {src!r}")

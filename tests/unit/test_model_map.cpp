@@ -1252,10 +1252,10 @@ TEST(MapHostile, OutOfRangeIndexSlicesAndAxes) {
   EXPECT_PROBLEM(s3, "w", "v: ", "negative");
   auto r1 = compile(one_rule({{"hf", "o"}, {"from", "w"}, {"rows", "a b -> b a"}}), none,
                     {st("w", {10, 4})});
-  EXPECT_PROBLEM(r1, "w", "describes 2 leading axes", "has 1");
-  auto r2 =
-      compile(one_rule({{"hf", "o"}, {"from", "w"}, {"rows", "a -> a"}}), none, {st("w", {10})});
-  EXPECT_PROBLEM(r2, "w", "describes 1 leading axes", "has 0");
+  EXPECT_PROBLEM(r1, "w", "describes 2 axes", "has 1 leading");  // no transpose
+  auto r2 = compile(one_rule({{"hf", "o"}, {"from", "w"}, {"rows", "a b -> b a"}}), none,
+                    {st("w", {10})});
+  EXPECT_PROBLEM(r2, "w", "describes 2 axes", "has 0 leading");
   auto r3 = compile(one_rule({{"hf", "o"}, {"from", "w"}, {"index", {1}}, {"rows", "a -> a"}}),
                     none, {st("w", {10})});
   EXPECT_PROBLEM(r3, "w", "'rows' on a tensor with no axes left");
@@ -2220,14 +2220,18 @@ TEST(MapCompile, RowsNamingEveryAxisSplitABiasLikeItsWeight) {
     EXPECT_EQ(tensor_bytes(v, fmt::format("v.{}", l)), rows_of(d, 2, vv));
     EXPECT_EQ(find_tensor(*v.ck, fmt::format("k.{}", l))->shape, std::vector<uint64_t>{2});
   }
-  // One name short of every axis is a leading-axes rearrangement, which a 1-D tensor has none of.
+  // A 1-D tensor's one axis named: allowed.
   auto bad = compile(
       one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "(g part) -> (g part)"}, {"let", {{"g", 2}}}}),
       json::object(), {st("b", {12})});
   ASSERT_TRUE(bad.ck->valid()) << problems(*bad.ck);  // every axis: allowed
   auto bad2 = compile(one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "a -> a"}}), json::object(),
                       {st("b", {2, 3, 4})});
-  EXPECT_PROBLEM(bad2, "b", "describes 1 axes", "has 2 leading axes", "3 naming the last");
+  EXPECT_PROBLEM(bad2, "b", "describes 1 axes", "has 2 leading axes", "1-D tensor's one axis");
+  // Naming every axis of a 2-D tensor would be a transpose in runs of one element: refused.
+  auto tr = compile(one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "a b -> b a"}}), json::object(),
+                    {st("b", {3, 4})});
+  EXPECT_PROBLEM(tr, "b", "describes 2 axes", "has 1 leading axes");
 }
 
 TEST(MapParse, HfConfigTemplatesAreChecked) {

@@ -72,8 +72,8 @@ std::optional<std::vector<uint64_t>> match_pattern(const MapPattern& p, std::str
 std::string expand_pattern(const MapPattern& p,
                            const std::vector<std::pair<std::string, uint64_t>>& values);
 
-// `LHS -> RHS` over the leading axes (every axis but the last), or over every axis when the LHS
-// names them all (a tensor whose rows are single elements: a bias split like its weight).
+// `LHS -> RHS` over the leading axes (every axis but the last), or over the one axis of a 1-D
+// tensor when the LHS names it (its elements are then its rows: a bias split like its weight).
 struct MapRows {
   struct Out {
     uint32_t axis = 0;              // index into names
