@@ -59,7 +59,7 @@ step "fuzzing (${CKPTFS_FUZZ_SECONDS:-40}s per target)"
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
 flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint \
-  tests/fuzz_side_files tests/fuzz_torch tests/fuzz_model_map
+  tests/fuzz_side_files tests/fuzz_torch tests/fuzz_model_map tests/fuzz_megatron_args
 fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
@@ -72,6 +72,7 @@ fuzz fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers
 fuzz fuzz_side_files tests/fuzz/seeds-json
 fuzz fuzz_torch tests/fuzz/seeds-torch
 fuzz fuzz_model_map tests/fuzz/seeds-maps
+fuzz fuzz_megatron_args tests/fuzz/seeds-args
 
 # Steps 6 and 7: meson's mount and mpi suites (tests/meson.build), pytest over real mounts of
 # the ckptfs the build made; --verbose streams pytest's output (its progress, and on a failure

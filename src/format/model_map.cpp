@@ -285,6 +285,119 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   return r;
 }
 
+// ---- hf_config: the config.json template -----------------------------------------------
+
+constexpr size_t kMaxTemplateNodes = 4096;
+
+bool is_key_path(std::string_view s) {
+  return !s.empty() && s.size() <= 128 && is_ident_start(s[0]) &&
+         std::all_of(s.begin(), s.end(), [](char c) { return is_ident_char(c) || c == '.'; }) &&
+         s.back() != '.' && s.find("..") == std::string_view::npos;
+}
+
+// `KEY` or `!KEY`.
+bool is_condition(std::string_view s) { return is_key_path(s.starts_with('!') ? s.substr(1) : s); }
+
+// `KEY | KEY | ...`: field copies, first present wins.
+bool is_copy_list(std::string_view s) {
+  size_t n = 0;
+  for (size_t b = 0;; ++n) {
+    const size_t bar = s.find('|', b);
+    std::string_view alt = s.substr(b, bar == std::string_view::npos ? s.npos : bar - b);
+    while (!alt.empty() && alt.front() == ' ') alt.remove_prefix(1);
+    while (!alt.empty() && alt.back() == ' ') alt.remove_suffix(1);
+    if (!is_key_path(alt) || n >= kMaxExprNames) return false;
+    if (bar == std::string_view::npos) return true;
+    b = bar + 1;
+  }
+}
+
+bool is_computed(const json& j) {
+  if (!j.is_object()) return false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key().starts_with('$')) return true;
+  }
+  return false;
+}
+
+// A template value: a JSON literal, or a computed value `{"$int": EXPR}`, `{"$bool": "KEY" |
+// "!KEY"}`, `{"$copy": "KEY | KEY"}`, each with an optional "if" (a condition) and "else" (a
+// template value). Objects and lists are walked.
+Status check_template(const json& j, const std::string& where, size_t& nodes) {
+  if (++nodes > kMaxTemplateNodes) {
+    return make_error(EINVAL, "hf_config: more than {} values", kMaxTemplateNodes);
+  }
+  if (j.is_array()) {
+    for (size_t i = 0; i < j.size(); ++i) {
+      CKPTFS_CHECK(check_template(j[i], fmt::format("{}[{}]", where, i), nodes));
+    }
+    return {};
+  }
+  if (!j.is_object()) return {};
+  if (!is_computed(j)) {
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      CKPTFS_CHECK(check_template(it.value(), where + "." + as_written(it.key()), nodes));
+    }
+    return {};
+  }
+  int kinds = 0;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const auto& k = it.key();
+    const auto& v = it.value();
+    const std::string at = fmt::format("hf_config '{}': '{}'", where, as_written(k));
+    if (k == "$int") {
+      ++kinds;
+      if (!v.is_string())
+        return make_error(EINVAL, "{} is {}, not an expression", at, detail::describe(v));
+      auto e = parse_expr(v.get<std::string>());
+      if (!e) return std::move(e).error().context(at);
+    } else if (k == "$bool") {
+      ++kinds;
+      if (!v.is_string() || !is_condition(v.get<std::string>())) {
+        return make_error(EINVAL, "{} is not a field or '!field'", at);
+      }
+    } else if (k == "$copy") {
+      ++kinds;
+      if (!v.is_string() || !is_copy_list(v.get<std::string>())) {
+        return make_error(EINVAL, "{} is not 'field | field ...'", at);
+      }
+    } else if (k == "if") {
+      if (!v.is_string() || !is_condition(v.get<std::string>())) {
+        return make_error(EINVAL, "{} is not a field or '!field'", at);
+      }
+    } else if (k == "else") {
+      CKPTFS_CHECK(check_template(v, where, nodes));
+    } else if (is_arithmetic(k)) {
+      return make_error(EINVAL, "{} needs arithmetic on values the template does not do", at);
+    } else {
+      return make_error(EINVAL,
+                        "{}: unknown key (a computed value has one of $int, $bool, "
+                        "$copy, and 'if', 'else')",
+                        at);
+    }
+  }
+  if (kinds != 1) {
+    return make_error(EINVAL,
+                      "hf_config '{}': a computed value has exactly one of $int, $bool, "
+                      "$copy",
+                      where);
+  }
+  return {};
+}
+
+Status check_hf_config(const json& j) {
+  if (!j.is_object() || is_computed(j)) {
+    return make_error(EINVAL, "'hf_config' is {}, not an object of config.json keys",
+                      detail::describe(j));
+  }
+  size_t nodes = 0;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key().empty()) return make_error(EINVAL, "hf_config: an empty key");
+    CKPTFS_CHECK(check_template(it.value(), as_written(it.key()), nodes));
+  }
+  return {};
+}
+
 }  // namespace
 
 Result<ModelMap> parse_model_map(std::string_view text, std::string_view what) {
@@ -294,9 +407,10 @@ Result<ModelMap> parse_model_map(std::string_view text, std::string_view what) {
   CKPTFS_TRY(json j, detail::parse_json_strict(text, what, "model map"));
   auto fail = [&](Error e) { return std::move(e).context(what); };
   if (!j.is_object()) return make_error(EINVAL, "{}: a model map is a JSON object", what);
-  if (auto s = refuse_unknown(
-          j, {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop"},
-          "map");
+  if (auto s = refuse_unknown(j,
+                              {"ckptfs_map", "name", "about", "detect", "prefixes", "axes",
+                               "tensors", "drop", "hf_config", "hf_config_requires"},
+                              "map");
       !s) {
     return fail(std::move(s).error());
   }
@@ -369,9 +483,30 @@ Result<ModelMap> parse_model_map(std::string_view text, std::string_view what) {
     if (!ps) return fail(std::move(ps).error());
     m.drop = std::move(ps).value();
   }
+  if (auto h = j.find("hf_config"); h != j.end()) {
+    if (auto st = check_hf_config(*h); !st) return fail(std::move(st).error());
+    m.hf_config = *h;
+  }
+  if (auto q = j.find("hf_config_requires"); q != j.end()) {
+    if (!q->is_object() || q->size() > kMaxExprNames || !m.hf_config.is_object()) {
+      return make_error(EINVAL,
+                        "{}: 'hf_config_requires' is not an object of at most {} fields beside an "
+                        "'hf_config'",
+                        what, kMaxExprNames);
+    }
+    for (auto it = q->begin(); it != q->end(); ++it) {
+      if (!is_key_path(it.key()) || it.value().is_structured() || it.value().is_null()) {
+        return make_error(EINVAL, "{}: 'hf_config_requires' '{}': not a field and a scalar value",
+                          what, as_written(it.key()));
+      }
+    }
+    m.hf_config_requires = *q;
+  }
   m.origin = std::string(what);
   return m;
 }
+
+Result<MapExpr> parse_map_expr(std::string_view text) { return parse_expr(text); }
 
 Result<nlohmann::json> parse_map_config(std::string_view text, std::string_view what) {
   if (text.size() > kMaxConfigBytes) {

@@ -446,8 +446,11 @@ class Compiler {
       plan.hi = base + 1;
       return true;
     }
-    const uint64_t inner = rest.back();  // elements per row: the last axis
-    const std::vector<uint64_t> lead(rest.begin(), rest.end() - 1);
+    // `rows` naming the only axis of a 1-D tensor moves single elements: a bias split like its
+    // weight. Otherwise a row is the last axis, never rearranged (no transpose in runs of one).
+    const bool every_axis = p.rows && rest.size() == 1 && p.rows->lhs.size() == 1;
+    const uint64_t inner = every_axis ? 1 : rest.back();  // elements per row
+    const std::vector<uint64_t> lead(rest.begin(), every_axis ? rest.end() : rest.end() - 1);
     if (!p.rows) {
       plan.shape = rest;
       uint64_t n = 1;
@@ -460,9 +463,10 @@ class Compiler {
     }
     const auto& rows = *p.rows;
     if (rows.lhs.size() != lead.size()) {
-      return fail("", fmt::format("'rows' {} describes {} leading axes; the tensor of shape {} "
-                                  "has {} (the last axis is never named)",
-                                  rows.text, rows.lhs.size(), dims(rest), lead.size()));
+      return fail("",
+                  fmt::format("'rows' {} describes {} axes; the tensor of shape {} has {} "
+                              "leading axes (a 1-D tensor's one axis may be named)",
+                              rows.text, rows.lhs.size(), dims(rest), lead.size(), rest.size()));
     }
     // What makes the rows distinct, checked where it is relied on: each name once after '->'.
     std::vector<uint32_t> used(rows.names.size(), 0);
@@ -545,7 +549,7 @@ class Compiler {
       }
       plan.shape.push_back(gs);
     }
-    plan.shape.push_back(inner);
+    if (!every_axis) plan.shape.push_back(inner);
     uint64_t nrows = 1;
     for (const auto& a : plan.axes) nrows *= a.n;
     if (nrows > kMaxRowsPerPart) {
@@ -756,7 +760,139 @@ class Compiler {
   CompiledMap out_;
 };
 
+// ---- hf_config: a map's config.json template over a native config ------------------------
+
+// A native field by key or dotted path, as it is; null when absent.
+const nlohmann::json* native_field(const nlohmann::json& native, std::string_view key) {
+  const nlohmann::json* j = &native;
+  size_t b = 0;
+  for (;;) {
+    const size_t dot = key.find('.', b);
+    const std::string part(key.substr(b, dot == std::string_view::npos ? key.npos : dot - b));
+    if (!j->is_object()) return nullptr;
+    auto it = j->find(part);
+    if (it == j->end()) return nullptr;
+    j = &*it;
+    if (dot == std::string_view::npos) break;
+    b = dot + 1;
+  }
+  return j->is_null() ? nullptr : j;
+}
+
+class Renderer {
+ public:
+  Renderer(const nlohmann::json& native, std::string_view what) : native_(native), what_(what) {}
+
+  // The value of template node `t` at `where`; nullopt: left out (an `if` that does not hold,
+  // with no `else`).
+  Result<std::optional<nlohmann::json>> value(const nlohmann::json& t, const std::string& where) {
+    if (t.is_array()) {
+      nlohmann::json out = nlohmann::json::array();
+      for (size_t i = 0; i < t.size(); ++i) {
+        CKPTFS_TRY(auto v, value(t[i], fmt::format("{}[{}]", where, i)));
+        if (v) out.push_back(std::move(*v));
+      }
+      return std::optional<nlohmann::json>(std::move(out));
+    }
+    if (!t.is_object()) return std::optional<nlohmann::json>(t);
+    bool computed = false;
+    for (auto it = t.begin(); it != t.end(); ++it) computed = computed || it.key().starts_with('$');
+    if (!computed) {
+      nlohmann::json out = nlohmann::json::object();
+      for (auto it = t.begin(); it != t.end(); ++it) {
+        CKPTFS_TRY(auto v, value(it.value(), where + "." + it.key()));
+        if (v) out[it.key()] = std::move(*v);
+      }
+      return std::optional<nlohmann::json>(std::move(out));
+    }
+    const auto otherwise = [&](std::string why) -> Result<std::optional<nlohmann::json>> {
+      if (auto e = t.find("else"); e != t.end()) return value(*e, where);
+      if (why.empty()) return std::optional<nlohmann::json>();  // an `if` that does not hold
+      return make_error(EINVAL, "hf_config '{}': {} in {}", where, why, what_);
+    };
+    if (auto c = t.find("if"); c != t.end() && !holds(c->get<std::string>())) return otherwise("");
+    if (auto e = t.find("$int"); e != t.end()) {
+      auto expr = format::parse_map_expr(e->get<std::string>());
+      if (!expr) return std::move(expr).error().context(fmt::format("hf_config '{}'", where));
+      auto v =
+          format::eval_expr(*expr, [this](std::string_view n) { return config_value(native_, n); });
+      if (!v) {
+        if (v.error().code == ENOENT) return otherwise(v.error().message);
+        return std::move(v).error().context(fmt::format("hf_config '{}' ({})", where, what_));
+      }
+      return std::optional<nlohmann::json>(*v);
+    }
+    if (auto e = t.find("$bool"); e != t.end()) {
+      const auto s = e->get<std::string>();
+      const bool neg = s.starts_with('!');
+      const auto key = std::string_view(s).substr(neg ? 1 : 0);
+      const auto* f = native_field(native_, key);
+      if (!f || !(f->is_boolean() || f->is_number_integer())) {
+        return otherwise(
+            fmt::format("'{}' is {}, not a boolean", key, f ? f->type_name() : "missing"));
+      }
+      const bool v = f->is_boolean() ? f->get<bool>() : f->get<int64_t>() != 0;
+      return std::optional<nlohmann::json>(v != neg);
+    }
+    const auto list = t.at("$copy").get<std::string>();
+    std::vector<std::string> tried;
+    for (size_t b = 0;;) {
+      const size_t bar = list.find('|', b);
+      std::string alt = list.substr(b, bar == std::string::npos ? std::string::npos : bar - b);
+      alt.erase(0, alt.find_first_not_of(' '));
+      alt.erase(alt.find_last_not_of(' ') + 1);
+      if (const auto* f = native_field(native_, alt)) return std::optional<nlohmann::json>(*f);
+      tried.push_back(alt);
+      if (bar == std::string::npos) break;
+      b = bar + 1;
+    }
+    return otherwise(fmt::format("no value for {}", fmt::join(tried, ", ")));
+  }
+
+ private:
+  bool holds(const std::string& cond) const {
+    const bool neg = cond.starts_with('!');
+    const bool v =
+        config_value(native_, std::string_view(cond).substr(neg ? 1 : 0)).value_or(0) != 0;
+    return v != neg;
+  }
+
+  const nlohmann::json& native_;
+  std::string_view what_;
+};
+
 }  // namespace
+
+Result<nlohmann::json> render_hf_config(const format::ModelMap& map, const nlohmann::json& native,
+                                        std::string_view native_what) {
+  if (!map.hf_config.is_object()) {
+    return make_error(ENOENT, "map '{}' has no 'hf_config' template", map.name);
+  }
+  if (map.hf_config_requires.is_object()) {
+    for (auto it = map.hf_config_requires.begin(); it != map.hf_config_requires.end(); ++it) {
+      const auto* f = native_field(native, it.key());
+      if (!f) continue;  // older args lack newer fields: their default is the one required
+      const auto& want = it.value();
+      const bool same = (f->is_number() && want.is_number())
+                            ? f->get<double>() == want.get<double>()
+                            : *f == want;
+      if (!same) {
+        return make_error(EINVAL,
+                          "map '{}' reads only models with {} = {} (hf_config_requires); {} has "
+                          "{}: the HF architecture it names would compute another model",
+                          map.name, it.key(), want.dump(), native_what, f->dump());
+      }
+    }
+  }
+  Renderer r(native, native_what);
+  nlohmann::json out = nlohmann::json::object();
+  for (auto it = map.hf_config.begin(); it != map.hf_config.end(); ++it) {
+    auto v = r.value(it.value(), it.key());
+    if (!v) return std::move(v).error().context(fmt::format("map '{}'", map.name));
+    if (*v) out[it.key()] = std::move(**v);
+  }
+  return out;
+}
 
 std::string_view map_stored_name(const format::ModelMap& map, std::string_view name) {
   for (const auto& p : map.prefixes) {
@@ -798,23 +934,43 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
   }
   if (!m) return false;
   std::string text, what;
+  // Why the checkpoint's own config (common.pt's args) made none: said with the refusal.
+  std::string native_why;
   if (!in.config.empty()) {
     text = in.config;
     what = "config.json";
   } else if (!opts.hf_config.empty()) {
     text = opts.hf_config;
     what = opts.hf_config_what.empty() ? std::string("hf_config") : opts.hf_config_what;
-  } else if (named) {
-    problem("config.json", "",
-            fmt::format("map '{}' needs the model's config.json: the directory has none; give "
-                        "one with -o hf_config=PATH (--hf-config PATH)",
-                        m->name));
-    return false;
-  } else {
-    ck.map_note = fmt::format(
-        "looks like map '{}' ({}); served under its stored names, because it needs the "
-        "model's config.json: give one with -o hf_config=PATH (--hf-config PATH)",
-        m->name, m->about.empty() ? m->origin : m->about);
+  } else if (!in.native_problem.empty()) {
+    native_why = in.native_problem;
+  } else if (!in.native_config.empty() && !m->hf_config.is_object()) {
+    native_why = fmt::format("map '{}' has no 'hf_config' template to read {} with", m->name,
+                             in.native_what);
+  } else if (!in.native_config.empty()) {
+    auto native = format::parse_map_config(in.native_config, in.native_what);
+    auto made = native ? render_hf_config(*m, *native, in.native_what)
+                       : Result<nlohmann::json>(std::move(native).error());
+    if (made) {
+      text = made->dump(2) + "\n";
+      what = fmt::format("config.json made by map '{}' from {}", m->name, in.native_what);
+    } else {
+      native_why = made.error().message;
+    }
+  }
+  if (text.empty()) {
+    const std::string why = native_why.empty() ? std::string() : "; " + native_why;
+    if (named) {
+      problem(native_why.empty() ? "config.json" : in.native_what, "",
+              fmt::format("map '{}' needs the model's config.json: the directory has none; give "
+                          "one with -o hf_config=PATH (--hf-config PATH){}",
+                          m->name, why));
+    } else {
+      ck.map_note = fmt::format(
+          "looks like map '{}' ({}); served under its stored names, because it needs the "
+          "model's config.json: give one with -o hf_config=PATH (--hf-config PATH){}",
+          m->name, m->about.empty() ? m->origin : m->about, why);
+    }
     return false;
   }
   auto config = format::parse_map_config(text, what);

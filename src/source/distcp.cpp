@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "ckptfs/format/distcp.hpp"
+#include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/zip.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -96,6 +97,32 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
   return c.offset + at;  // in range of the chunk (zip::members checked the member)
 }
 
+// Megatron-LM's args in common.pt: the model config a map's hf_config template reads. A
+// common.pt without args (megatron-core's own saves) gives none; one that cannot be read is
+// said (naming it) where a map would have used it, never served from.
+void read_megatron_common(int dirfd, layout::BuildInput& in, const std::string& pre) {
+  const std::string name(format::kMegatronCommonName);
+  struct stat st {};
+  auto fd = open_regular_at(dirfd, name, name, &st);
+  if (!fd) {
+    if (fd.error().code != ENOENT) in.native_problem = fd.error().message;
+    in.native_what = pre + name;
+    return;
+  }
+  in.native_what = pre + name + " (Megatron-LM's args)";
+  auto bytes = read_whole(*fd, st, pre + name, format::kMaxMegatronCommonBytes);
+  if (!bytes) {
+    in.native_problem = bytes.error().message;
+    return;
+  }
+  auto args = format::read_megatron_args(*bytes, pre + name);
+  if (!args) {
+    if (args.error().code != ENOENT) in.native_problem = args.error().message;
+    return;
+  }
+  in.native_config = args->dump();
+}
+
 }  // namespace
 
 namespace {
@@ -143,6 +170,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefi
   if (auto mj = read_small_file_beneath(dirfd, format::kMegatronMetadataName, 64 << 10);
       mj.ok() && format::is_megatron_torch_dist(*mj)) {
     in.declared->format = "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)";
+    read_megatron_common(dirfd, in, pre);
   }
   struct stat mst {};
   std::string text;

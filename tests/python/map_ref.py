@@ -37,7 +37,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAPS = ROOT / "maps"
 
 ARITHMETIC = ("transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast", "dtype", "reshape", "view")
-TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop"}
+TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop", "hf_config",
+            "hf_config_requires"}
 RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "when", "optional"}
 PART_KEYS = {"from", "index", "rows", "let"}
 DETECT_KEYS = {"all", "any", "none", "format"}
@@ -410,8 +411,11 @@ def parse_rows(text):
 
 
 def apply_rows(t, text, env, what):
-    """The rearrangement of every axis but the last of t; returns the new tensor."""
+    """The rearrangement of every axis but the last of t (of the one axis of a 1-D t, when the
+    left-hand side names it: single elements moved, a bias split like its weight); the new tensor."""
     lhs, rhs = parse_rows(text)
+    if len(lhs) == t.dim() == 1:
+        return apply_rows(t.unsqueeze(-1), text, env, what).squeeze(-1)
     lead = list(t.shape[:-1])
     if len(lhs) != len(lead):
         raise MapError(f"{what}: rows {text!r} names {len(lhs)} leading axes; the tensor has {len(lead)} "
@@ -587,6 +591,8 @@ def apply(m, stored, config, *, check_coverage=True):
                                        f"{t.shape[0]} in {src!r}: the rest would be lost")
                     t, rid = t[v], rid[v]
                 if "rows" in p:
+                    if len(parse_rows(p["rows"])[0]) == t.dim() == 1:  # elements moved: ids per element
+                        rid = rid * t.shape[-1] + torch.arange(t.shape[-1])
                     t = apply_rows(t, p["rows"], penv, f"{what}: tensor {src!r}")
                     rid = apply_rows(rid, p["rows"], penv, f"{what}: tensor {src!r}")
                 pieces.append(t)
@@ -619,3 +625,111 @@ def apply(m, stored, config, *, check_coverage=True):
             if n not in read and n not in skipped and s not in dropped:
                 raise MapError(f"stored tensor {n!r} is neither mapped nor dropped by map {m['name']!r}")
     return hf, sources
+
+
+# --- hf_config: the config.json a map makes of a native config -------------------------------
+
+def _native(native, key):
+    v = native
+    for part in key.split("."):
+        if not isinstance(v, dict) or part not in v:
+            return None
+        v = v[part]
+    return v
+
+
+def _native_int(native, key):
+    v = _native(native, key)
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int) and v >= 0:
+        return v
+    return None
+
+
+def _holds(native, cond):
+    neg = cond.startswith("!")
+    v = _native_int(native, cond.lstrip("!"))
+    return bool(v) != neg
+
+
+_OMIT = object()
+
+
+class _NativeEnv(Env):
+    """Expressions over a native config's fields (no axes, no lets)."""
+
+    def __init__(self, native):
+        super().__init__({})
+        self.native = native
+
+    def lookup(self, name):
+        v = _native_int(self.native, name)
+        if v is None:
+            raise _Unresolved(name)
+        return v
+
+
+def _render(t, native, where, what):
+    if isinstance(t, list):
+        return [x for x in (_render(e, native, f"{where}[{i}]", what) for i, e in enumerate(t)) if x is not _OMIT]
+    if not isinstance(t, dict):
+        return t
+    if not any(k.startswith("$") for k in t):
+        out = {}
+        for k, v in t.items():
+            x = _render(v, native, f"{where}.{k}", what)
+            if x is not _OMIT:
+                out[k] = x
+        return out
+    kinds = [k for k in t if k in ("$int", "$bool", "$copy")]
+    if len(kinds) != 1 or set(t) - {"$int", "$bool", "$copy", "if", "else"}:
+        raise MapError(f"hf_config {where!r}: a computed value has exactly one of $int, $bool, $copy, and 'if', 'else'")
+
+    def otherwise(why):
+        if "else" in t:
+            return _render(t["else"], native, where, what)
+        if why is None:
+            return _OMIT
+        raise MapError(f"hf_config {where!r}: {why} in {what}")
+
+    if "if" in t and not _holds(native, t["if"]):
+        return otherwise(None)
+    if "$int" in t:
+        env = _NativeEnv(native)
+        try:
+            return env.eval(t["$int"])
+        except MapError as e:
+            if "not in config.json" in str(e):
+                return otherwise(str(e))
+            raise
+    if "$bool" in t:
+        key = t["$bool"].lstrip("!")
+        v = _native(native, key)
+        if not isinstance(v, (bool, int)):
+            return otherwise(f"{key!r} is not a boolean")
+        return bool(v) != t["$bool"].startswith("!")
+    for alt in (a.strip() for a in t["$copy"].split("|")):
+        v = _native(native, alt)
+        if v is not None:
+            return v
+    return otherwise(f"no value for {t['$copy']!r}")
+
+
+def hf_config(m, native, what="the native config"):
+    """The config.json the map's `hf_config` template makes of `native` (a dict: Megatron-LM's
+    args), after `hf_config_requires`; MapError naming the key or field otherwise."""
+    m = load(m)
+    if not isinstance(m.get("hf_config"), dict):
+        raise MapError(f"map {m['name']!r} has no 'hf_config' template")
+    for k, want in m.get("hf_config_requires", {}).items():
+        v = _native(native, k)
+        if v is not None and v != want:
+            raise MapError(f"map {m['name']!r} reads only models with {k} = {want!r} (hf_config_requires); "
+                           f"{what} has {v!r}")
+    out = {}
+    for k, v in m["hf_config"].items():
+        x = _render(v, native, k, what)
+        if x is not _OMIT:
+            out[k] = x
+    return out

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/format/cast.hpp"
+#include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/model_map.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/layout/extent_map.hpp"
@@ -99,12 +100,16 @@ struct View {
 // `nshards` files at random offsets (BuildInput::declared, as the DCP source hands them over).
 View build_view(std::vector<Stored>& stored, const layout::BuildOptions& opts, std::mt19937_64& rng,
                 int nshards = 2, std::string format = "torch DCP (.metadata, *.distcp)",
-                std::string own_config = {}) {
+                std::string own_config = {}, std::string native = {}) {
   View v;
   v.shards.assign(static_cast<size_t>(nshards), std::string());
   layout::BuildInput in;
   in.dir = "ckpt";
   in.config = std::move(own_config);
+  if (!native.empty()) {
+    in.native_config = std::move(native);
+    in.native_what = "common.pt (Megatron-LM's args)";
+  }
   layout::Declared d;
   d.format = std::move(format);
   for (auto& s : stored) {
@@ -1247,10 +1252,10 @@ TEST(MapHostile, OutOfRangeIndexSlicesAndAxes) {
   EXPECT_PROBLEM(s3, "w", "v: ", "negative");
   auto r1 = compile(one_rule({{"hf", "o"}, {"from", "w"}, {"rows", "a b -> b a"}}), none,
                     {st("w", {10, 4})});
-  EXPECT_PROBLEM(r1, "w", "describes 2 leading axes", "has 1");
-  auto r2 =
-      compile(one_rule({{"hf", "o"}, {"from", "w"}, {"rows", "a -> a"}}), none, {st("w", {10})});
-  EXPECT_PROBLEM(r2, "w", "describes 1 leading axes", "has 0");
+  EXPECT_PROBLEM(r1, "w", "describes 2 axes", "has 1 leading");  // no transpose
+  auto r2 = compile(one_rule({{"hf", "o"}, {"from", "w"}, {"rows", "a b -> b a"}}), none,
+                    {st("w", {10})});
+  EXPECT_PROBLEM(r2, "w", "describes 2 axes", "has 0 leading");
   auto r3 = compile(one_rule({{"hf", "o"}, {"from", "w"}, {"index", {1}}, {"rows", "a -> a"}}),
                     none, {st("w", {10})});
   EXPECT_PROBLEM(r3, "w", "'rows' on a tensor with no axes left");
@@ -2173,3 +2178,315 @@ TEST(MapProperty, RandomMapsMatchANaiveReference) {
 }
 
 }  // namespace
+
+// =========================================================================================
+// Rows naming every axis; the hf_config template; Megatron-LM's args in common.pt
+// =========================================================================================
+
+TEST(MapCompile, RowsNamingEveryAxisSplitABiasLikeItsWeight) {
+  // A stacked fused bias [L=2, groups 2 x part 6]: q is part[0:4], k part[4:5], v part[5:6].
+  const json map = map_with(json::array({{{"hf", "q.{L}"},
+                                          {"from", "b"},
+                                          {"for", {{"L", 2}}},
+                                          {"index", {"L"}},
+                                          {"rows", "(g part) -> (g part[0:4])"},
+                                          {"let", {{"g", 2}}},
+                                          {"shape", {8}}},
+                                         {{"hf", "k.{L}"},
+                                          {"from", "b"},
+                                          {"for", {{"L", 2}}},
+                                          {"index", {"L"}},
+                                          {"rows", "(g part) -> (g part[4:5])"},
+                                          {"let", {{"g", 2}}}},
+                                         {{"hf", "v.{L}"},
+                                          {"from", "b"},
+                                          {"for", {{"L", 2}}},
+                                          {"index", {"L"}},
+                                          {"rows", "(g part) -> (g part[5:6])"},
+                                          {"let", {{"g", 2}}}}}));
+  std::vector<Stored> stored = {st("b", {2, 12}, DType::BF16)};
+  auto v = compile(map, json::object(), stored);
+  ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+  const auto& d = stored[0].data;
+  for (uint64_t l = 0; l < 2; ++l) {
+    std::vector<uint64_t> q, k, vv;
+    for (uint64_t g = 0; g < 2; ++g) {
+      for (uint64_t j = 0; j < 4; ++j) q.push_back(l * 12 + g * 6 + j);
+      k.push_back(l * 12 + g * 6 + 4);
+      vv.push_back(l * 12 + g * 6 + 5);
+    }
+    EXPECT_EQ(tensor_bytes(v, fmt::format("q.{}", l)), rows_of(d, 2, q));
+    EXPECT_EQ(tensor_bytes(v, fmt::format("k.{}", l)), rows_of(d, 2, k));
+    EXPECT_EQ(tensor_bytes(v, fmt::format("v.{}", l)), rows_of(d, 2, vv));
+    EXPECT_EQ(find_tensor(*v.ck, fmt::format("k.{}", l))->shape, std::vector<uint64_t>{2});
+  }
+  // A 1-D tensor's one axis named: allowed.
+  auto bad = compile(
+      one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "(g part) -> (g part)"}, {"let", {{"g", 2}}}}),
+      json::object(), {st("b", {12})});
+  ASSERT_TRUE(bad.ck->valid()) << problems(*bad.ck);  // every axis: allowed
+  auto bad2 = compile(one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "a -> a"}}), json::object(),
+                      {st("b", {2, 3, 4})});
+  EXPECT_PROBLEM(bad2, "b", "describes 1 axes", "has 2 leading axes", "1-D tensor's one axis");
+  // Naming every axis of a 2-D tensor would be a transpose in runs of one element: refused.
+  auto tr = compile(one_rule({{"hf", "x"}, {"from", "b"}, {"rows", "a b -> b a"}}), json::object(),
+                    {st("b", {3, 4})});
+  EXPECT_PROBLEM(tr, "b", "describes 2 axes", "has 1 leading axes");
+}
+
+TEST(MapParse, HfConfigTemplatesAreChecked) {
+  const json rule = {{"hf", "a"}, {"from", "a"}};
+  auto with = [&](json h, json extra = json::object()) {
+    json m = one_rule(rule, extra);
+    m["hf_config"] = std::move(h);
+    return m;
+  };
+  EXPECT_EQ(refusal(with({{"model_type", "llama"},
+                          {"n", {{"$int", "a | b / 2"}}},
+                          {"t", {{"$bool", "!x.y"}, {"else", true}}},
+                          {"e", {{"$copy", "eps | layernorm_epsilon"}}},
+                          {"k", {{"$int", "g"}, {"if", "gqa"}, {"else", {{"$int", "h"}}}}},
+                          {"nested", {{"list", {1, {{"$copy", "x"}}}}}}},
+                         {{"hf_config_requires", {{"swiglu", true}, {"norm", "RMSNorm"}}}})),
+            "");
+  expect_refused(with(json::array()), {"'hf_config' is", "not an object"});
+  expect_refused(with({{"$int", "a"}}), {"'hf_config' is"});
+  expect_refused(with({{"n", {{"$int", "a +"}}}}), {"hf_config 'n'", "expression"});
+  expect_refused(with({{"n", {{"$int", "a"}, {"$copy", "b"}}}}), {"exactly one of"});
+  expect_refused(with({{"n", {{"$bool", "a b"}}}}), {"'$bool'", "not a field"});
+  expect_refused(with({{"n", {{"$copy", "a | | b"}}}}), {"'$copy'", "field | field"});
+  expect_refused(with({{"n", {{"$copy", "a"}, {"if", "!"}}}}), {"'if'"});
+  expect_refused(with({{"n", {{"$copy", "a"}, {"unless", "b"}}}}), {"'unless'", "unknown key"});
+  expect_refused(with({{"n", {{"$copy", "a"}, {"else", {{"$int", "("}}}}}}), {"expression"});
+  expect_refused(one_rule(rule, {{"hf_config_requires", {{"a", 1}}}}), {"hf_config_requires"});
+  expect_refused(with({{"n", 1}}, {{"hf_config_requires", {{"a", json::array()}}}}),
+                 {"hf_config_requires", "'a'"});
+  // Deep templates are bounded by the strict JSON's depth; wide ones by a count.
+  json wide = json::object();
+  for (int i = 0; i < 5000; ++i) wide[fmt::format("k{}", i)] = i;
+  expect_refused(with(wide), {"more than 4096 values"});
+}
+
+// A tiny Megatron GPT's stored tensors and a map reading its sizes from a template.
+std::vector<Stored> meg_tiny() {
+  return {st("embedding.word_embeddings.weight", {12, 8}),
+          st("decoder.final_layernorm.weight", {8}),
+          st("decoder.layers.mlp.linear_fc2.weight", {2, 8, 6})};
+}
+json meg_template_map() {
+  return map_with(json::array({{{"hf", "model.embed_tokens.weight"},
+                                {"from", "embedding.word_embeddings.weight"},
+                                {"rows", "v -> v[0:vocab_size]"}},
+                               {{"hf", "model.norm.weight"},
+                                {"from", "decoder.final_layernorm.weight"},
+                                {"shape", {"hidden_size"}}},
+                               {{"hf", "model.layers.{L}.mlp.down_proj.weight"},
+                                {"from", "decoder.layers.mlp.linear_fc2.weight"},
+                                {"for", {{"L", "num_hidden_layers"}}},
+                                {"index", {"L"}},
+                                {"shape", {"hidden_size", "intermediate_size"}}}}),
+                  {{"detect", {{"all", {"embedding.word_embeddings.weight"}}}},
+                   {"hf_config",
+                    {{"architectures", {"LlamaForCausalLM"}},
+                     {"hidden_size", {{"$int", "hidden_size"}}},
+                     {"intermediate_size", {{"$int", "ffn_hidden_size"}}},
+                     {"num_hidden_layers", {{"$int", "num_layers"}}},
+                     {"num_key_value_heads",
+                      {{"$int", "num_query_groups"},
+                       {"if", "group_query_attention"},
+                       {"else", {{"$int", "num_attention_heads"}}}}},
+                     {"vocab_size", {{"$int", "padded_vocab_size | vocab_size"}}},
+                     {"rms_norm_eps", {{"$copy", "norm_epsilon | layernorm_epsilon"}}},
+                     {"tie_word_embeddings", {{"$bool", "!untie_embeddings_and_output_weights"}}},
+                     {"rope_theta", {{"$copy", "rotary_base"}, {"else", 10000}}},
+                     {"moe", {{"$int", "num_experts"}, {"if", "num_experts"}}},
+                     {"dtype", {{"$copy", "params_dtype"}}}}},
+                   {"hf_config_requires", {{"swiglu", true}, {"rotary_percent", 1.0}}}});
+}
+json meg_args() {
+  return {{"num_layers", 2},
+          {"hidden_size", 8},
+          {"ffn_hidden_size", 6},
+          {"num_attention_heads", 4},
+          {"num_query_groups", 1},
+          {"group_query_attention", false},
+          {"vocab_size", nullptr},
+          {"padded_vocab_size", 12},
+          {"layernorm_epsilon", 1e-5},
+          {"untie_embeddings_and_output_weights", true},
+          {"swiglu", true},
+          {"rotary_percent", 1},
+          {"num_experts", nullptr},
+          {"params_dtype", "bfloat16"}};
+}
+
+View build_native(const json& map, const json& native, bool named, std::string own = {},
+                  std::string hf_config = {}) {
+  std::mt19937_64 rng(3);
+  std::vector<Stored> stored = meg_tiny();
+  layout::BuildOptions opts;
+  if (named) opts.map = map_of(map);
+  opts.hf_config = std::move(hf_config);
+  return build_view(stored, opts, rng, 2, "Megatron-Core torch_dist", std::move(own),
+                    native.dump());
+}
+
+TEST(MapNative, TheTemplateMakesConfigJsonFromTheNativeConfigAndSizesTheMap) {
+  auto v = build_native(meg_template_map(), meg_args(), true);
+  ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+  EXPECT_EQ(v.ck->tensors.size(), 4u);
+  const json c = json::parse(v.ck->config_json);
+  const json want = {{"architectures", {"LlamaForCausalLM"}},
+                     {"hidden_size", 8},
+                     {"intermediate_size", 6},
+                     {"num_hidden_layers", 2},
+                     {"num_key_value_heads", 4},  // no GQA: the heads, not num_query_groups
+                     {"vocab_size", 12},          // the padded vocabulary
+                     {"rms_norm_eps", 1e-5},
+                     {"tie_word_embeddings", false},
+                     {"rope_theta", 10000},   // absent: the else
+                     {"dtype", "bfloat16"}};  // "moe": its `if` does not hold, left out
+  EXPECT_EQ(c, want) << c.dump();
+  // With GQA the groups; a field present wins over the else; a directory's own config.json and
+  // -o hf_config win over the template (and the view shows no made config.json).
+  json a = meg_args();
+  a["group_query_attention"] = true;
+  a["num_query_groups"] = 2;
+  a["rotary_base"] = 500000;
+  a["num_experts"] = 8;
+  auto g = build_native(meg_template_map(), a, true);
+  ASSERT_TRUE(g.ck->valid()) << problems(*g.ck);
+  const json gc = json::parse(g.ck->config_json);
+  EXPECT_EQ(gc["num_key_value_heads"], 2);
+  EXPECT_EQ(gc["rope_theta"], 500000);
+  EXPECT_EQ(gc["moe"], 8);
+  const json own = {
+      {"hidden_size", 8}, {"intermediate_size", 6}, {"num_hidden_layers", 2}, {"vocab_size", 10}};
+  auto o = build_native(meg_template_map(), meg_args(), true, own.dump());
+  ASSERT_TRUE(o.ck->valid()) << problems(*o.ck);
+  EXPECT_TRUE(o.ck->config_json.empty());
+  EXPECT_EQ(find_tensor(*o.ck, "model.embed_tokens.weight")->shape[0], 10u);
+  auto h = build_native(meg_template_map(), meg_args(), true, {}, own.dump());
+  ASSERT_TRUE(h.ck->valid()) << problems(*h.ck);
+  EXPECT_EQ(json::parse(h.ck->config_json), own);
+  // Detected (not named): the same, from the detect clause.
+  auto d = build_native(meg_template_map(), meg_args(), false);
+  (void)d;  // the built-ins are detected, not this map: covered through the mount
+}
+
+TEST(MapNative, WhatTheTemplateCannotMakeIsRefusedNamingTheFieldAndTheFile) {
+  json a = meg_args();
+  a["swiglu"] = false;
+  auto r = build_native(meg_template_map(), a, true);
+  EXPECT_PROBLEM(r, "", "common.pt (Megatron-LM's args)", "hf_config_requires", "swiglu");
+  json b = meg_args();
+  b.erase("num_layers");
+  auto m = build_native(meg_template_map(), b, true);
+  EXPECT_PROBLEM(m, "", "hf_config 'num_hidden_layers'", "num_layers", "common.pt");
+  json c = meg_args();
+  c["untie_embeddings_and_output_weights"] = "yes";
+  auto t = build_native(meg_template_map(), c, true);
+  EXPECT_PROBLEM(t, "", "tie_word_embeddings", "not a boolean");
+  // Sizes that disagree with the stored shapes: the rule and the tensor.
+  json d = meg_args();
+  d["ffn_hidden_size"] = 5;
+  auto s = build_native(meg_template_map(), d, true);
+  EXPECT_PROBLEM(s, "decoder.layers.mlp.linear_fc2.weight", "rule 3", "intermediate_size");
+  // No template: the native config sizes nothing.
+  json plain = meg_template_map();
+  plain.erase("hf_config");
+  plain.erase("hf_config_requires");
+  auto n = build_native(plain, meg_args(), true);
+  EXPECT_PROBLEM(n, "", "has no 'hf_config' template");
+}
+
+// ---- Megatron-LM's args in common.pt ----------------------------------------------------
+
+std::string args_seed(const std::string& name) {
+  const char* d = std::getenv("CKPTFS_ARGS_SEEDS");
+  const std::filesystem::path dir = d ? d : std::filesystem::path("tests/fuzz/seeds-args");
+  std::ifstream f(dir / name, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+TEST(MegatronArgs, ReadsTheArgsMegatronLmSaves) {
+  // Megatron-LM core_v0.16.1's parse_args (655 fields, with AttnBackend, signal.Signals and
+  // torch dtypes in them), torch.save'd as its save_checkpoint does.
+  const auto bytes = args_seed("megatron-lm-core_v0.16.1-args.pt");
+  ASSERT_FALSE(bytes.empty()) << "set CKPTFS_ARGS_SEEDS";
+  auto a = format::read_megatron_args(bytes, "iter_0000010/common.pt");
+  ASSERT_TRUE(a) << a.error().message;
+  EXPECT_EQ((*a)["num_layers"], 2);
+  EXPECT_EQ((*a)["num_query_groups"], 2);
+  EXPECT_EQ((*a)["group_query_attention"], true);
+  EXPECT_EQ((*a)["layernorm_epsilon"], 1e-5);
+  EXPECT_EQ((*a)["params_dtype"], "bfloat16");
+  EXPECT_EQ((*a)["normalization"], "RMSNorm");
+  EXPECT_EQ((*a)["vocab_size"], 200);
+  EXPECT_TRUE((*a)["padded_vocab_size"].is_null());
+  EXPECT_FALSE(a->contains("attention_backend"));  // an enum: left out
+  EXPECT_FALSE(a->contains("cuda_graph_scope"));   // a list: left out
+  EXPECT_GT(a->size(), 500u);
+  // The data.pkl alone reads the same.
+  auto p = format::parse_megatron_args_pickle(args_seed("megatron-lm-core_v0.16.1-args.pkl"), "p");
+  ASSERT_TRUE(p) << p.error().message;
+  EXPECT_EQ(*p, *a);
+}
+
+std::string pkl(std::string_view body) { return std::string("\x80\x02", 2) + std::string(body); }
+std::string str(std::string_view s) {
+  return "X" + std::string{static_cast<char>(s.size()), 0, 0, 0} + std::string(s);
+}
+
+TEST(MegatronArgs, HostileOrForeignCommonPtIsRefusedNamingTheFile) {
+  const auto ns = [](std::string fields) {
+    return pkl("}" + str("args") + "cargparse\nNamespace\n)\x81}(" + fields + "ubs.");
+  };
+  auto ok = format::parse_megatron_args_pickle(
+      ns(str("num_layers") + "K\x03" + str("params_dtype") + "ctorch\nbfloat16\n" + str("x") + "N" +
+         str("num_layers") + "K\x04"),
+      "common.pt");
+  ASSERT_TRUE(ok) << ok.error().message;
+  EXPECT_EQ((*ok)["num_layers"], 4);  // set twice: the last wins
+  EXPECT_EQ((*ok)["params_dtype"], "bfloat16");
+  EXPECT_TRUE((*ok)["x"].is_null());
+  struct Case {
+    std::string bytes;
+    std::vector<std::string_view> says;
+  };
+  const std::vector<Case> cases = {
+      {pkl("}" + str("args") + "cposix\nsystem\n" + str("true") + "\x85Rs."),
+       {"common.pt", "posix.system", "not one this reader allows"}},
+      {pkl("}" + str("args") + "cbuiltins\neval\n)\x81s."), {"builtins.eval"}},
+      {pkl("}" + str("iteration") + "K\x0as."), {"no 'args'"}},
+      {pkl("}" + str("args") + "K\x01s."), {"'args'", "argparse.Namespace"}},
+      {pkl("]."), {"a dict"}},
+      {pkl("}" + str("args") + "cargparse\nNamespace\n)\x81}(K\x01K\x02ubs."), {"a str"}},
+      {ns(str("bad") + std::string("X\x02\x00\x00\x00\xff\xfe", 7)), {"not valid UTF-8"}},
+      {pkl("}("), {"without STOP"}},
+  };
+  for (const auto& c : cases) {
+    auto r = format::parse_megatron_args_pickle(std::string(c.bytes), "common.pt");
+    ASSERT_FALSE(r) << c.says.front();
+    for (auto s : c.says)
+      EXPECT_NE(r.error().message.find(s), std::string::npos) << r.error().message;
+  }
+  // Not a zip, a truncated one, one without data.pkl: refused naming the file.
+  for (std::string bad :
+       {std::string("\x80\x02}."), args_seed("megatron-lm-core_v0.16.1-args.pt").substr(0, 4000),
+        std::string(40, 'P')}) {
+    auto r = format::read_megatron_args(bad, "iter_0000010/common.pt");
+    ASSERT_FALSE(r);
+    EXPECT_NE(r.error().message.find("iter_0000010/common.pt"), std::string::npos)
+        << r.error().message;
+  }
+  // Many fields: capped.
+  std::string many;
+  for (int i = 0; i < 5000; ++i) many += str(fmt::format("f{}", i)) + "K\x01";
+  auto m = format::parse_megatron_args_pickle(ns(many), "common.pt");
+  ASSERT_FALSE(m);
+  EXPECT_NE(m.error().message.find("more than 4096 fields"), std::string::npos)
+      << m.error().message;
+}

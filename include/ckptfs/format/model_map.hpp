@@ -46,6 +46,9 @@ struct MapExpr {
 // What a name is worth: nullopt when unknown (the alternative is then skipped).
 using MapLookup = std::function<std::optional<uint64_t>(std::string_view)>;
 
+// Parses an expression (docs/maps.md): capped, nesting at most 32.
+Result<MapExpr> parse_map_expr(std::string_view text);
+
 // Evaluates an expression: overflow, a negative result, division by zero or an inexact
 // division are errors naming the expression.
 Result<uint64_t> eval_expr(const MapExpr& e, const MapLookup& lookup);
@@ -69,7 +72,8 @@ std::optional<std::vector<uint64_t>> match_pattern(const MapPattern& p, std::str
 std::string expand_pattern(const MapPattern& p,
                            const std::vector<std::pair<std::string, uint64_t>>& values);
 
-// `LHS -> RHS` over the leading axes (every axis but the last).
+// `LHS -> RHS` over the leading axes (every axis but the last), or over the one axis of a 1-D
+// tensor when the LHS names it (its elements are then its rows: a bias split like its weight).
 struct MapRows {
   struct Out {
     uint32_t axis = 0;              // index into names
@@ -124,6 +128,11 @@ struct ModelMap {
   std::vector<std::pair<std::string, MapExpr>> axes;
   std::vector<MapRule> rules;
   std::vector<MapPattern> drop;
+  // `hf_config`: the config.json template (docs/maps.md), checked; null when the map has none.
+  nlohmann::json hf_config;
+  // `hf_config_requires`: native field -> the scalar it must hold for the template to apply
+  // (a field the native config lacks passes); null when none.
+  nlohmann::json hf_config_requires;
 };
 
 // Parses a map. `what` names it in errors (a path, or "built-in map 'x'").

@@ -270,6 +270,13 @@ struct BuildInput {
   std::optional<Declared> declared;  // set: a checkpoint-wide index declares the chunks
   // The directory's own config.json (for model maps), read by the source; empty when none.
   std::string config;
+  // A model config the checkpoint carries in its own format (Megatron-LM's `args` in common.pt),
+  // as a JSON object's text, for a map's `hf_config` template; empty when none. `native_what`
+  // names it ("common.pt (Megatron-LM's args)"); `native_problem` says why one that is there
+  // could not be read (it then sizes nothing).
+  std::string native_config;
+  std::string native_what;
+  std::string native_problem;
 };
 
 // save_pretrained's "5GB": the most bytes the native sources and the maps put in one output.

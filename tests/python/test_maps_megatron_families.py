@@ -1,0 +1,283 @@
+"""Every Megatron-Core family the built-in maps serve (docs/maps.md: megatron-gpt, -qwen2, -qwen3,
+-mixtral, -qwen3-moe), in Megatron-LM's own layout (CKPT/latest_checkpointed_iteration.txt,
+CKPT/iter_0000010/ with common.pt holding `args`), served with NO options: the map is detected
+from the stored names and the format, and config.json is made by the map's hf_config template
+from Megatron-LM's args, so from_pretrained(MNT/CKPT/iter_0000010) gives back the model.
+
+One writer run (tests/python/writers/megatron_families_save.py, module-scoped) makes every case
+with megatron-core's own dist_checkpointing.save on 2 gloo ranks: TP 2, PP 2 and EP 2, tied and
+untied, float32 and bfloat16. Each case is checked against two references: the original HF model
+(save_pretrained) and mbridge 0.15.1's export mapping applied to what megatron-core saved (an
+independent conversion, the names and splits of another project).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from conftest import BIN, Mount, requires_fuse
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+transformers = pytest.importorskip("transformers")
+for mod in ("megatron.core", "mbridge", "einops"):
+    if importlib.util.find_spec(mod.split(".")[0]) is None or importlib.util.find_spec(mod) is None:
+        pytest.skip(f"{mod} not installed (tools/requirements-frameworks.txt)", allow_module_level=True)
+
+import map_ref  # noqa: E402
+
+WRITERS = pathlib.Path(__file__).parent / "writers"
+ITER = "iter_0000010"
+FORMAT = "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)"
+
+# name: (family, TP, PP, EP, tied, dtype, the map that must be detected)
+CASES = {
+    "llama-pp2": ("llama", 1, 2, 1, False, "float32", "megatron-gpt"),
+    "qwen2-tp2": ("qwen2", 2, 1, 1, False, "bfloat16", "megatron-qwen2"),
+    "qwen3-pp2-tied": ("qwen3", 1, 2, 1, True, "float32", "megatron-qwen3"),
+    "mixtral-tp2": ("mixtral", 2, 1, 1, False, "bfloat16", "megatron-mixtral"),
+    "qwen3moe-ep2-tied": ("qwen3_moe", 1, 1, 2, True, "float32", "megatron-qwen3-moe"),
+}
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    """gen/src/<case>/{latest_checkpointed_iteration.txt, iter_0000010/} as Megatron-LM lays them
+    out (no config.json anywhere), gen/ref/<case>/ the original and mbridge's export."""
+    root = tmp_path_factory.mktemp("megatron-families")
+    src, ref = root / "src", root / "ref"
+    # CKPTFS_MEGATRON_FAMILIES_REUSE=DIR: a previous run's src/ and ref/ (DIR/out.json beside them),
+    # copied instead of written again: for checking that a test fails when the code is broken.
+    reuse = os.environ.get("CKPTFS_MEGATRON_FAMILIES_REUSE")
+    if reuse and (pathlib.Path(reuse) / "out.json").exists():
+        shutil.copytree(pathlib.Path(reuse) / "src", src)
+        shutil.copytree(pathlib.Path(reuse) / "ref", ref)
+        return {"src": src, "ref": ref, "root": root}
+    args = [f"{n}:{f}:{tp}:{pp}:{ep}:{int(t)}:{dt}" for n, (f, tp, pp, ep, t, dt, _) in CASES.items()]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(WRITERS / "megatron_families_save.py"), str(src), str(ref), *args],
+                       capture_output=True, text=True, timeout=420, env=env, cwd=str(root))
+    assert r.returncode == 0, f"megatron_families_save: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    if reuse:
+        shutil.copytree(src, pathlib.Path(reuse) / "src")
+        shutil.copytree(ref, pathlib.Path(reuse) / "ref")
+        (pathlib.Path(reuse) / "out.json").write_text(json.dumps(result))
+    for name, (_, _, pp, *_rest) in CASES.items():
+        files = result[name]["files"]
+        assert f"{ITER}/common.pt" in files and f"{ITER}/.metadata" in files, files
+        assert "latest_checkpointed_iteration.txt" in files and not any(f.endswith("config.json") for f in files)
+        if pp == 1:  # megatron-core's forward on the converted weights is HF's
+            assert result[name]["max_logit_diff"] < 2e-3, (name, result[name])
+    return {"src": src, "ref": ref, "root": root}
+
+
+def load(path) -> dict:
+    return {k: v.clone() for k, v in safetensors_torch.load_file(str(path)).items()}
+
+
+def stored(d: pathlib.Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(d)).read_metadata()
+    sd = {k: torch.zeros(tuple(v.size), dtype=v.properties.dtype)
+          for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    dcp.load(sd, checkpoint_id=str(d), no_dist=True)
+    return sd
+
+
+def native_args(d: pathlib.Path) -> dict:
+    """common.pt's args as the C++ reader gives them: the scalar fields, dtypes by name."""
+    args = torch.load(str(d / "common.pt"), weights_only=False)["args"]
+    out = {}
+    for k, v in vars(args).items():
+        if isinstance(v, torch.dtype):
+            out[k] = str(v).removeprefix("torch.")
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = v
+    return out
+
+
+def assert_equal(got: dict, want: dict, what: str):
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    bad = [(k, str(got[k].dtype), list(got[k].shape)) for k in want
+           if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape or not torch.equal(got[k], want[k])]
+    assert not bad, f"{what}: tensors differ: {bad}"
+
+
+def served(d: pathlib.Path) -> dict:
+    out = {}
+    for p in sorted(d.glob("model*.safetensors")):
+        out.update(load(p))
+    return out
+
+
+def inspect(*args) -> str:
+    r = subprocess.run([BIN, "inspect", *map(str, args)], capture_output=True, text=True, timeout=60)
+    return r.stdout + r.stderr
+
+
+# --- the maps alone, applied in Python --------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_map_ref_matches_both_references(gen, name):
+    """The one built-in map whose detect clause holds, with the config.json its hf_config
+    template makes of common.pt's args, applied by map_ref to what megatron-core saved: the
+    original HF tensors bit for bit, and mbridge's export of the same checkpoint bit for bit."""
+    *_, dtype, want_map = CASES[name]
+    d = gen["src"] / name / ITER
+    sd = stored(d)
+    assert [m["name"] for m in map_ref.builtin_maps() if map_ref.detect(m, sd, FORMAT)] == [want_map]
+    m = map_ref.load(map_ref.MAPS / f"{want_map}.json")
+    config = map_ref.hf_config(m, native_args(d), "common.pt")
+    ref_config = json.loads((gen["ref"] / name / "config.json").read_text())
+    for k in ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "dtype"):
+        assert config.get(k) == ref_config.get(k), (k, config.get(k), ref_config.get(k))
+    hf, _ = map_ref.apply(m, sd, config)
+    assert_equal(hf, load(gen["ref"] / name / "model.safetensors"), f"map_ref({name}) vs the original")
+    assert_equal(hf, load(gen["ref"] / name / "mbridge.safetensors"), f"map_ref({name}) vs mbridge")
+
+
+def test_hf_config_refusals_name_the_field():
+    """The template refuses what the architecture it names cannot compute (hf_config_requires),
+    and a computed value with no field and no 'else', naming the key and the fields."""
+    m = map_ref.load(map_ref.MAPS / "megatron-gpt.json")
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "group_query_attention": False,
+            "ffn_hidden_size": 96, "max_position_embeddings": 64, "layernorm_epsilon": 1e-5,
+            "padded_vocab_size": 256, "untie_embeddings_and_output_weights": True, "params_dtype": "bfloat16",
+            "normalization": "RMSNorm", "swiglu": True}
+    c = map_ref.hf_config(m, base)
+    assert c["num_key_value_heads"] == 4 and c["head_dim"] == 16 and c["rope_theta"] == 10000  # else branches
+    with pytest.raises(map_ref.MapError, match="swiglu"):
+        map_ref.hf_config(m, {**base, "swiglu": False})
+    with pytest.raises(map_ref.MapError, match="num_hidden_layers"):
+        map_ref.hf_config(m, {k: v for k, v in base.items() if k != "num_layers"})
+
+
+# --- through the mount, with no options -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mounted(gen, tmp_path_factory):
+    if not (os.geteuid() == 0 and os.path.exists("/dev/fuse") and shutil.which("fusermount3")):
+        pytest.skip("needs root, /dev/fuse and fusermount3")
+    t = tmp_path_factory.mktemp("megatron-families-mnt")
+    m = Mount(gen["src"], t / "mnt", log=str(t / "mnt.log"))
+    try:
+        m.start()
+        yield pathlib.Path(m.mnt)
+        import gc
+
+        gc.collect()
+        assert m.alive(), m.log_tail()
+    finally:
+        m.stop()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(torch.tensor([[3, 17, 5, 99, 42, 7, 150, 1]])).logits.float()
+
+
+@requires_fuse
+@pytest.mark.parametrize("name", list(CASES))
+def test_from_pretrained_with_no_options(gen, mounted, name):
+    """MNT/<case>/iter_0000010 shows config.json (made from common.pt's args by the detected
+    map), model-*.safetensors holding exactly the original tensors and mbridge's export, and
+    from_pretrained of it computes the original model's logits."""
+    *_, tied, dtype, want_map = CASES[name]
+    d = mounted / name / ITER
+    names = set(os.listdir(d))
+    assert {"config.json", "model.safetensors.index.json", "common.pt", ".metadata"} <= names, names
+    config = json.loads((d / "config.json").read_text())
+    ref_config = json.loads((gen["ref"] / name / "config.json").read_text())
+    assert config["architectures"] == ref_config["architectures"] and config["dtype"] == dtype, config
+    got = served(d)
+    assert_equal(got, load(gen["ref"] / name / "model.safetensors"), f"{name}: the consolidated files")
+    assert_equal(got, load(gen["ref"] / name / "mbridge.safetensors"), f"{name}: vs mbridge's export")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(gen["ref"] / name), dtype=torch.float32)
+    assert type(model) is type(ref)
+    assert torch.equal(logits(model), logits(ref)), f"{name}: another model's logits"
+    if tied:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    del model, ref, got
+    assert want_map in inspect(gen["src"] / name / ITER)
+
+
+@requires_fuse
+def test_hf_config_option_wins(gen, tmp_path):
+    """-o hf_config=PATH is what the view shows and what sizes the map, over common.pt's args."""
+    name = "qwen2-tp2"
+    cfg = json.loads((gen["ref"] / name / "config.json").read_text())
+    cfg["ckptfs_test_marker"] = 1
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    src = tmp_path / "src"
+    shutil.copytree(gen["src"] / name, src / name)
+    with Mount(src, tmp_path / "mnt", opts=[f"hf_config={path}"], log=str(tmp_path / "mnt.log")) as m:
+        d = pathlib.Path(m.mnt) / name / ITER
+        assert "config.json" in os.listdir(d)
+        assert json.loads((d / "config.json").read_text()) == cfg
+        assert_equal(served(d), load(gen["ref"] / name / "model.safetensors"), "with -o hf_config")
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def rewrite_common(d: pathlib.Path, **changes):
+    """common.pt saved again with `args` fields changed, or with extra top-level values."""
+    sd = torch.load(str(d / "common.pt"), weights_only=False)
+    extra = changes.pop("extra", {})
+    for k, v in changes.items():
+        setattr(sd["args"], k, v)
+    sd.update(extra)
+    torch.save(sd, str(d / "common.pt"))
+
+
+@requires_fuse
+def test_refusals_name_the_file_the_map_and_the_rule(gen, tmp_path):
+    """Nothing is served under HF names where the model could be wrong, and inspect says why:
+    a common.pt holding a global outside the list (names the file and the global), args the
+    architecture cannot compute (names the map, hf_config_requires and the field), args that
+    disagree with the stored shapes (names the map, the rule and the tensor), a common.pt that is
+    not a zip; a map named for another family names the rule and the stored tensor."""
+    src = tmp_path / "src"
+    base = gen["src"] / "qwen2-tp2" / ITER
+    cases = {
+        "evil": ({"extra": {"evil": Evil()}}, ["common.pt", "posix.system", "not one this reader allows"]),
+        "no-swiglu": ({"swiglu": False}, ["megatron-qwen2", "hf_config_requires", "swiglu"]),
+        "groups": ({"num_query_groups": 1}, ["megatron-qwen2", "rule", "decoder.layers.self_attention.linear_qkv"]),
+    }
+    for case, (change, _) in cases.items():
+        shutil.copytree(base, src / case)
+        rewrite_common(src / case, **change)
+    shutil.copytree(base, src / "not-a-zip")
+    (src / "not-a-zip" / "common.pt").write_bytes(b"\x80\x04not a zip")
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        for case, (_, says) in [*cases.items(), ("not-a-zip", (None, ["common.pt"]))]:
+            names = os.listdir(pathlib.Path(m.mnt) / case)
+            assert "config.json" not in names, (case, names)
+            index = json.loads((pathlib.Path(m.mnt) / case / "model.safetensors.index.json").read_text()) \
+                if "model.safetensors.index.json" in names else {"weight_map": {}}
+            assert not any(k.startswith("model.layers.") for k in index["weight_map"]), (case, index)
+            text = inspect(src / case)
+            assert all(s in text for s in says), f"{case}: {says}\n{text}"
+        assert m.proc.poll() is None
+    text = inspect("--map", "megatron-qwen2", "--hf-config", gen["ref"] / "llama-pp2" / "config.json",
+                   gen["src"] / "llama-pp2" / ITER)
+    assert "megatron-qwen2" in text and "rule" in text and "linear_qkv.bias" in text, text

@@ -1,0 +1,433 @@
+#!/usr/bin/env python3
+"""Megatron-LM-style checkpoints of every Megatron-Core family the built-in maps serve: an HF
+model converted to Megatron-Core's layout, loaded into a real megatron-core GPTModel with its
+tensor, pipeline or expert parallelism, and saved as Megatron-LM's save_checkpoint does: the state
+dict of generate_state_dict (`args`, `checkpoint_version`, `iteration`, `model`) through
+megatron-core's own dist_checkpointing.save (torch_dist), on 2 gloo ranks (CPU), into
+OUT/NAME/iter_0000010/ with latest_checkpointed_iteration.txt beside it.
+
+    python megatron_families_save.py OUT_DIR REF_DIR CASE [CASE ...]
+
+CASE is NAME:FAMILY:TP:PP:EP:TIED:DTYPE, e.g. `qwen2:qwen2:2:1:1:0:bfloat16`. FAMILY is llama,
+qwen2 (QKV bias), qwen3 (qk_layernorm), mixtral or qwen3_moe (router, SequentialMLP experts).
+
+`args` is an argparse.Namespace holding the fields Megatron-LM's parse_args gives such a model
+(megatron.training is not part of megatron-core, so its parser cannot run here; the fields and
+the kinds of values are those measured with Megatron-LM core_v0.16.1's parse_args: ints, floats,
+strs, bools, None, lists, torch dtypes, the AttnBackend enum and signal.SIGTERM). Megatron-LM
+pads the vocabulary (padded_vocab_size, a multiple of 128 x TP) and with a Hugging Face tokenizer
+keeps no vocab_size: the HF model here has the padded vocabulary, so the reference is exact.
+The optimizer, scheduler and RNG state Megatron-LM also saves are left out (a model-only save).
+
+Per case REF_DIR/NAME/ holds the original (save_pretrained) and REF_DIR/NAME/mbridge.safetensors
+the HF tensors mbridge 0.15.1's export mapping (`Bridge._weight_to_hf_format`: its per-family
+names, QKV and gate/up splits, vocabulary padding) makes of the tensors megatron-core saved,
+read back with torch DCP: an independent conversion. Where PP is 1 every rank first runs the
+GPTModel forward on a fixed prompt: its logits must match the HF model's (max_logit_diff).
+The last stdout line is JSON: {case: {"files": [...], "max_logit_diff": float or null}}.
+"""
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+
+from ranks import TIMEOUT, files_under, spawn
+
+ITER = 10
+DIVISIBLE_BY = 128
+PROMPT = [[3, 17, 5, 99, 42, 7, 150, 1, 64, 12, 33, 8]]
+LAYERS = 2
+
+
+def parse_case(s):
+    name, family, tp, pp, ep, tied, dtype = s.split(":")
+    assert family in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"), s
+    return {"name": name, "family": family, "tp": int(tp), "pp": int(pp), "ep": int(ep),
+            "tied": tied == "1", "dtype": dtype}
+
+
+def moe(case):
+    return case["family"] in ("mixtral", "qwen3_moe")
+
+
+def hf_model(case, vocab):
+    """The original: a tiny HF model of the family (4 heads in 2 query groups), every parameter
+    random (norms too: all-ones norms could not tell two apart)."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  tie_word_embeddings=case["tied"], rope_theta=1000000.0)
+    f = case["family"]
+    if f == "llama":
+        cfg = tf.LlamaConfig(intermediate_size=96, **common)
+    elif f == "qwen2":
+        cfg = tf.Qwen2Config(intermediate_size=96, **common)
+    elif f == "qwen3":
+        cfg = tf.Qwen3Config(intermediate_size=96, head_dim=16, **common)
+    elif f == "mixtral":
+        cfg = tf.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **common)
+    else:
+        cfg = tf.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                head_dim=16, norm_topk_prob=True, **common)
+    torch.manual_seed(4321 + len(case["name"]))
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def hf_tensors(model):
+    """name -> tensor under the HF hub's names (per-expert, as the checkpoints on the hub and the
+    maps name them; transformers 5 fuses experts in memory)."""
+    import torch
+
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    out = {}
+    for k, v in sd.items():
+        if ".mlp.experts.gate_up_proj" in k or ".mlp.experts.down_proj" in k:
+            base = k.split(".mlp.experts.")[0] + ".mlp.experts."
+            for e in range(v.shape[0]):
+                if k.endswith("gate_up_proj"):
+                    g, u = v[e].chunk(2, dim=0)
+                    out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = g, u
+                else:
+                    out[f"{base}{e}.down_proj.weight"] = v[e]
+        else:
+            out[k] = v
+    assert all(isinstance(v, torch.Tensor) for v in out.values())
+    return out
+
+
+def to_megatron(sd, cfg, family):
+    """HF tensors -> Megatron-Core's full (unsharded) tensors, per layer (and expert)."""
+    import torch
+
+    heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    full = {"emb": sd["model.embed_tokens.weight"], "final": sd["model.norm.weight"]}
+    full["out"] = sd.get("lm_head.weight", full["emb"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = sd[p + "self_attn.q_proj.weight"].view(groups, heads // groups * hd, -1)
+        k = sd[p + "self_attn.k_proj.weight"].view(groups, hd, -1)
+        v = sd[p + "self_attn.v_proj.weight"].view(groups, hd, -1)
+        full[(i, "qkv")] = torch.cat([q, k, v], dim=1).reshape(-1, cfg.hidden_size)
+        if family == "qwen2":
+            qb = sd[p + "self_attn.q_proj.bias"].view(groups, -1)
+            kb = sd[p + "self_attn.k_proj.bias"].view(groups, -1)
+            vb = sd[p + "self_attn.v_proj.bias"].view(groups, -1)
+            full[(i, "qkv_bias")] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
+        if family in ("qwen3", "qwen3_moe"):
+            full[(i, "q_norm")] = sd[p + "self_attn.q_norm.weight"]
+            full[(i, "k_norm")] = sd[p + "self_attn.k_norm.weight"]
+        full[(i, "proj")] = sd[p + "self_attn.o_proj.weight"]
+        full[(i, "ln1")] = sd[p + "input_layernorm.weight"]
+        full[(i, "ln2")] = sd[p + "post_attention_layernorm.weight"]
+        if family == "mixtral":
+            full[(i, "router")] = sd[p + "block_sparse_moe.gate.weight"] if p + "block_sparse_moe.gate.weight" in sd \
+                else sd[p + "mlp.gate.weight"]
+        elif family == "qwen3_moe":
+            full[(i, "router")] = sd[p + "mlp.gate.weight"]
+        if family in ("mixtral", "qwen3_moe"):
+            e = 0
+            while f"{p}mlp.experts.{e}.gate_proj.weight" in sd:
+                full[(i, "gate", e)] = sd[f"{p}mlp.experts.{e}.gate_proj.weight"]
+                full[(i, "up", e)] = sd[f"{p}mlp.experts.{e}.up_proj.weight"]
+                full[(i, "fc2", e)] = sd[f"{p}mlp.experts.{e}.down_proj.weight"]
+                e += 1
+        else:
+            full[(i, "gate")] = sd[p + "mlp.gate_proj.weight"]
+            full[(i, "up")] = sd[p + "mlp.up_proj.weight"]
+            full[(i, "fc2")] = sd[p + "mlp.down_proj.weight"]
+    return full
+
+
+def rank_state_dict(full, case, tp_rank, pp_rank, ep_rank, etp_rank, experts):
+    """This rank's slices under GPTModel's own state_dict names (local layer and expert indices)."""
+    import torch
+
+    tp, pp, ep = case["tp"], case["pp"], case["ep"]
+    rows = lambda t: t.chunk(tp, dim=0)[tp_rank]  # noqa: E731
+    cols = lambda t: t.chunk(tp, dim=1)[tp_rank]  # noqa: E731
+    per_stage = LAYERS // pp
+    sd = {}
+    if pp_rank == 0:
+        sd["embedding.word_embeddings.weight"] = rows(full["emb"])
+    if pp_rank == pp - 1:
+        sd["decoder.final_layernorm.weight"] = full["final"]
+        if not case["tied"] or pp > 1:  # the last stage of a tied model keeps its own copy
+            sd["output_layer.weight"] = rows(full["out"])
+    for local in range(per_stage):
+        i = pp_rank * per_stage + local
+        p = f"decoder.layers.{local}."
+        sd[p + "self_attention.linear_qkv.weight"] = rows(full[(i, "qkv")])
+        if (i, "qkv_bias") in full:
+            sd[p + "self_attention.linear_qkv.bias"] = rows(full[(i, "qkv_bias")])
+        if (i, "q_norm") in full:
+            sd[p + "self_attention.q_layernorm.weight"] = full[(i, "q_norm")]
+            sd[p + "self_attention.k_layernorm.weight"] = full[(i, "k_norm")]
+        sd[p + "self_attention.linear_proj.weight"] = cols(full[(i, "proj")])
+        sd[p + "input_layernorm.weight"] = full[(i, "ln1")]
+        sd[p + "pre_mlp_layernorm.weight"] = full[(i, "ln2")]
+        if moe(case):
+            sd[p + "mlp.router.weight"] = full[(i, "router")]
+            local_n = experts // ep
+            for j in range(local_n):
+                e = ep_rank * local_n + j
+                q = f"{p}mlp.experts.local_experts.{j}."
+                # expert tensor parallelism is TP's size by default (megatron-core 0.16.1)
+                erows = lambda t: t.chunk(tp, dim=0)[etp_rank]  # noqa: E731
+                sd[q + "linear_fc1.weight"] = torch.cat([erows(full[(i, "gate", e)]), erows(full[(i, "up", e)])])
+                sd[q + "linear_fc2.weight"] = full[(i, "fc2", e)].chunk(tp, dim=1)[etp_rank]
+        else:
+            sd[p + "mlp.linear_fc1.weight"] = torch.cat([rows(full[(i, "gate")]), rows(full[(i, "up")])])
+            sd[p + "mlp.linear_fc2.weight"] = cols(full[(i, "fc2")])
+    return {k: v.clone().contiguous() for k, v in sd.items()}
+
+
+def megatron_args(case, hf):
+    """The argparse.Namespace Megatron-LM's parse_args (core_v0.16.1) gives this model: the fields
+    an HF config needs, and values of each kind its real args hold."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    c = hf
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    a = argparse.Namespace(
+        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        ffn_hidden_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        group_query_attention=True, num_query_groups=c.num_key_value_heads, kv_channels=hd,
+        max_position_embeddings=c.max_position_embeddings, position_embedding_type="rope",
+        rotary_base=int(c.rope_parameters["rope_theta"]), rotary_percent=1.0, rotary_interleaved=False,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, swiglu=True,
+        untie_embeddings_and_output_weights=not case["tied"], add_qkv_bias=case["family"] == "qwen2",
+        add_bias_linear=False, qk_layernorm=case["family"] in ("qwen3", "qwen3_moe"),
+        apply_residual_connection_post_layernorm=False, layernorm_zero_centered_gamma=False,
+        multi_latent_attention=False, num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None,
+        moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+        moe_aux_loss_coeff=0.0, padded_vocab_size=c.vocab_size, vocab_size=None,
+        make_vocab_size_divisible_by=DIVISIBLE_BY, tokenizer_type="HuggingFaceTokenizer",
+        tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
+        expert_model_parallel_size=case["ep"], ckpt_format="torch_dist", bf16=case["dtype"] == "bfloat16",
+        params_dtype=getattr(torch, case["dtype"]), main_grads_dtype=torch.float32,
+        attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, cuda_graph_scope=["full"],
+        data_path=None, save="/checkpoints/run", iteration=ITER)
+    if moe(case):
+        a.num_experts = getattr(c, "num_local_experts", None) or c.num_experts
+        a.moe_ffn_hidden_size = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        if case["family"] == "mixtral":
+            a.ffn_hidden_size = c.intermediate_size
+    return a
+
+
+def mbridge_export(case, hf_cfg, stored):
+    """mbridge 0.15.1's HF export of the stored (whole) tensors: layers unstacked and experts
+    named as GPTModel's state dict with grouped GEMM names them (`...experts.linear_fc1.weightE`,
+    what mbridge reads), each through Bridge._weight_to_hf_format."""
+    from mbridge import AutoBridge
+
+    if getattr(hf_cfg, "head_dim", None) is None:  # transformers 5 writes null; mbridge reads the attribute
+        hf_cfg.head_dim = hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    bridge = AutoBridge.from_config(hf_cfg)
+    bridge.make_vocab_size_divisible_by = DIVISIBLE_BY * case["tp"]
+    bridge.vocab_size = hf_cfg.vocab_size
+    bridge.padded_vocab_size = stored["embedding.word_embeddings.weight"].shape[0]
+    out = {}
+    for key, t in stored.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            for i in range(t.shape[0]):
+                if rest.startswith("mlp.experts.experts."):
+                    w = rest[len("mlp.experts.experts."):]  # linear_fc1.weight
+                    for e in range(t.shape[1]):
+                        names = [(f"decoder.layers.{i}.mlp.experts.{w}{e}", t[i, e])]
+                        _convert(bridge, names, out)
+                else:
+                    if moe(case) and rest == "mlp.linear_fc1.layer_norm_weight":
+                        # a MoE layer's pre-MLP norm: its module name, which mbridge maps (the
+                        # local spec's keys map saves it under the dense fused name)
+                        rest = "pre_mlp_layernorm.weight"
+                    _convert(bridge, [(f"decoder.layers.{i}.{rest}", t[i])], out)
+        else:
+            _convert(bridge, [(key, t)], out)
+    if case["tied"]:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _convert(bridge, items, out):
+    import torch
+
+    for name, t in items:
+        names, ts = bridge._weight_to_hf_format(name, t)
+        for n, x in zip(names, ts):
+            assert n not in out or torch.equal(out[n], x), f"mbridge made {n} twice, differently"
+            out[n] = x.clone().contiguous()
+
+
+def stored_tensors(d):
+    """The checkpoint's tensors, whole, as torch's own DCP reader reshards them."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(d).read_metadata()
+    sd = {k: torch.zeros(tuple(v.size), dtype=v.properties.dtype)
+          for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    dcp.load(sd, checkpoint_id=d, no_dist=True)
+    return sd
+
+
+def worker(rank, world, init_file, work, out_dir, cases):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    # A tied model under PP moves the last stage's output layer to the GPU to all-reduce it with
+    # the first stage's embedding (language_module.setup_embeddings_and_output_layer): on CPU.
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    try:
+        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        # megatron-core 0.16.1's router gating reads te_general_gemm, defined only with
+        # Transformer Engine installed: None is what it means without it.
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+
+        result = {}
+        for case in cases:
+            saved = torch.load(os.path.join(work, case["name"] + ".pt"), weights_only=False)
+            hf, full, want_logits, args = saved["config"], saved["full"], saved["logits"], saved["args"]
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=case["tp"],
+                                                     pipeline_model_parallel_size=case["pp"],
+                                                     expert_model_parallel_size=case["ep"])
+            tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+            kw = {}
+            if moe(case):
+                kw = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                          moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=False,
+                          moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+                          moe_aux_loss_coeff=0.0)
+            cfg = TransformerConfig(
+                num_layers=LAYERS, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+                ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=args.layernorm_epsilon,
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
+                qk_layernorm=args.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+                bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
+                params_dtype=torch.float32, pipeline_dtype=torch.float32,
+                tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
+                expert_model_parallel_size=case["ep"], sequence_parallel=False, **kw)
+            spec = get_gpt_layer_local_spec(num_experts=args.num_experts, qk_layernorm=args.qk_layernorm,
+                                            normalization="RMSNorm")
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                             max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                             rotary_base=args.rotary_base, parallel_output=False,
+                             share_embeddings_and_output_weights=case["tied"],
+                             pre_process=pp_rank == 0, post_process=pp_rank == case["pp"] - 1).eval()
+            local = rank_state_dict(full, case, parallel_state.get_tensor_model_parallel_rank(), pp_rank,
+                                    parallel_state.get_expert_model_parallel_rank(),
+                                    parallel_state.get_expert_tensor_parallel_rank(), args.num_experts or 0)
+            missing, unexpected = model.load_state_dict(local, strict=False)
+            assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+            diff = None
+            if case["pp"] == 1:
+                ids = torch.tensor(PROMPT)
+                pos = torch.arange(ids.shape[1]).unsqueeze(0)
+                mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
+                with torch.no_grad():
+                    logits = model(ids, pos, attention_mask=mask).float()
+                diff = (logits - want_logits).abs().max().item()
+            model.to(getattr(torch, case["dtype"]))
+            out = os.path.join(out_dir, case["name"], f"iter_{ITER:07d}")
+            os.makedirs(out, exist_ok=True)
+            # Megatron-LM's generate_state_dict, less optimizer, scheduler and RNG state.
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": ITER,
+                     "model": model.sharded_state_dict()}
+            dist.barrier()
+            dist_checkpointing.save(state, out)
+            dist.barrier()
+            if rank == 0:
+                with open(os.path.join(out_dir, case["name"], "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(ITER))
+            result[case["name"]] = diff
+            parallel_state.destroy_model_parallel()
+        if rank == 0:
+            with open(os.path.join(work, "result.json"), "w") as f:
+                json.dump(result, f)
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("ref_dir")
+    ap.add_argument("cases", nargs="+")
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    cases = [parse_case(c) for c in a.cases]
+    out_dir, ref_dir = os.path.abspath(a.out_dir), os.path.abspath(a.ref_dir)
+    work = tempfile.mkdtemp(prefix="megatron-families-work-")
+    try:
+        for case in cases:
+            vocab = DIVISIBLE_BY * case["tp"] * 2  # Megatron-LM's padded size: the HF model's too
+            model = hf_model(case, vocab)
+            with torch.no_grad():
+                logits = model(torch.tensor(PROMPT)).logits.float()
+            sd = hf_tensors(model)
+            model.to(getattr(torch, case["dtype"])).save_pretrained(os.path.join(ref_dir, case["name"]))
+            torch.save({"config": None, "full": to_megatron(sd, model.config, case["family"]), "logits": logits,
+                        "args": megatron_args(case, model.config)}, os.path.join(work, case["name"] + ".pt"))
+        spawn(worker, 2, "megatron-families-save-",
+              lambda scratch: (2, os.path.join(scratch, "rdzv"), work, out_dir, cases))
+        with open(os.path.join(work, "result.json")) as f:
+            diff = json.load(f)
+        # The independent reference: mbridge's export of what megatron-core saved.
+        import safetensors.torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from transformers import AutoConfig
+
+        torch.cuda.current_device = lambda: "cpu"
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(work, 'rdzv-mb')}", rank=0,
+                                world_size=1)
+        try:
+            parallel_state.initialize_model_parallel()
+            for case in cases:
+                d = os.path.join(out_dir, case["name"], f"iter_{ITER:07d}")
+                hf_cfg = AutoConfig.from_pretrained(os.path.join(ref_dir, case["name"]))
+                exported = mbridge_export(case, hf_cfg, stored_tensors(d))
+                safetensors.torch.save_file(exported, os.path.join(ref_dir, case["name"], "mbridge.safetensors"))
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({c["name"]: {"files": files_under(os.path.join(out_dir, c["name"])),
+                                  "max_logit_diff": diff[c["name"]]} for c in cases}))
+
+
+if __name__ == "__main__":
+    main()
