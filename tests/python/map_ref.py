@@ -16,8 +16,9 @@ means config.json's value, so `"head_dim": "head_dim | hidden_size / num_attenti
 works), patterns with {NAME} captures (decimal, no leading zero) and `*` in `drop`,
 `prefixes`, `axes`, rules (numbered from 1) with `from` or a `concat` list of parts, `index`,
 `rows` (einops-style `LHS -> RHS` over the leading axes with `name[a:b]` slices), `let`,
-`for`, `shape`, `when` (`key` / `!key`), `optional`, `drop`, and `detect` (`all`, `any`,
-`none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
+`for`, `shape`, `split_last` (the last axis written as several, row-major), `when` (`key` /
+`!key`), `optional`, `drop`, `refuse` (stored tensors the map cannot serve, and why), and
+`detect` (`all`, `any`, `none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
 made once, every index and slice is within its axis, an `index` by a `for` capture counts
 exactly the axis it selects from (no expert silently lost), the `rows` sizes match the stored
 axes, no output reads a stored row twice (a pass over row ids), and every stored tensor is
@@ -37,8 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAPS = ROOT / "maps"
 
 ARITHMETIC = ("transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast", "dtype", "reshape", "view")
-TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop"}
-RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "when", "optional"}
+TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop", "refuse"}
+RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "split_last", "when", "optional"}
 PART_KEYS = {"from", "index", "rows", "let"}
 DETECT_KEYS = {"all", "any", "none", "format"}
 NAME_RE = re.compile(r"[a-z0-9._-]{1,64}")
@@ -76,6 +77,14 @@ def _str_list(v, what):
     return v
 
 
+def _size_list(v, what):
+    """A list of sizes: expressions, or bare non-negative integers (docs/maps.md)."""
+    ok = lambda s: isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)  # noqa: E731
+    if not isinstance(v, list) or not all(ok(s) for s in v):
+        raise MapError(f"{what}: not a list of sizes")
+    return v
+
+
 def _str_dict(v, what):
     # Values are expressions; a bare non-negative integer (`{"two": 2}`) is taken as its literal.
     ok = lambda s: isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)  # noqa: E731
@@ -109,6 +118,12 @@ def load(src) -> dict:
     _str_list(m.get("prefixes", []), "prefixes")
     _str_dict(m.get("axes", {}), "axes")
     _str_list(m.get("drop", []), "drop")
+    if not isinstance(m.get("refuse", []), list):
+        raise MapError("map: 'refuse' is not a list")
+    for i, r in enumerate(m.get("refuse", []), 1):
+        _check_keys(r, {"from", "why"}, f"refuse {i}")
+        if not isinstance(r.get("from"), str) or not isinstance(r.get("why"), str) or not r["why"]:
+            raise MapError(f"refuse {i}: needs 'from' (a pattern) and 'why' (one line)")
     if not isinstance(m.get("tensors"), list) or not m["tensors"]:
         raise MapError("map: 'tensors' must be a non-empty list")
     for i, r in enumerate(m["tensors"], 1):
@@ -122,7 +137,9 @@ def load(src) -> dict:
         if "for" in r:
             _str_dict(r["for"], f"{what}: for")
         if "shape" in r:
-            _str_list(r["shape"], f"{what}: shape")
+            _size_list(r["shape"], f"{what}: shape")
+        if "split_last" in r and (not _size_list(r["split_last"], f"{what}: split_last") or len(r["split_last"]) > 16):
+            raise MapError(f"{what}: 'split_last' must be a list of 1 to 16 sizes")
         if "when" in r and (not isinstance(r["when"], str) or not r["when"].lstrip("!")):
             raise MapError(f"{what}: 'when' must be a config key or its negation")
         if "optional" in r and not isinstance(r["optional"], bool):
@@ -169,8 +186,11 @@ def _check_part(p, what):
 
 
 def builtin_maps() -> list[dict]:
-    """Every maps/*.json of the repository, loaded (sorted by file name)."""
-    return [load(p) for p in sorted(MAPS.glob("*.json"))]
+    """Every maps/*.json of the repository, loaded, in the detection order of maps/meson.build
+    (the order the C++ side tries them in); files it does not list come last, by name."""
+    listed = re.findall(r"'([^']+\.json)'", (MAPS / "meson.build").read_text())
+    files = [MAPS / n for n in listed] + [p for p in sorted(MAPS.glob("*.json")) if p.name not in listed]
+    return [load(p) for p in files]
 
 
 # --- expressions -----------------------------------------------------------------------------
@@ -488,11 +508,21 @@ def detect(m, names, fmt=""):
         return False
     names = list(strip_prefixes(m, names).values())
 
-    def hit(p):
-        return bool(matches(p, names))
+    def hit(p):  # `*` matches any run of characters in detect too (docs/maps.md)
+        return bool(matches(p, names, wildcard=True))
 
     return (all(hit(p) for p in d.get("all", [])) and (not d.get("any") or any(hit(p) for p in d["any"]))
             and not any(hit(p) for p in d.get("none", [])) and d.get("format", "") in fmt)
+
+
+def refused(m, names):
+    """(stored name, why) for the first stored tensor a `refuse` pattern of the map matches, or None.
+    A detected map that refuses leaves the checkpoint under its stored names; a named one is refused."""
+    for n, s in strip_prefixes(m, names).items():
+        for r in m.get("refuse", []):
+            if matches(r["from"], [s], wildcard=True):
+                return n, r["why"]
+    return None
 
 
 def choose(maps, names, fmt=""):
@@ -546,6 +576,9 @@ def apply(m, stored, config, *, check_coverage=True):
     import torch
 
     m = load(m)
+    r = refused(m, stored)
+    if r is not None:
+        raise MapError(f"map {m['name']!r} cannot serve stored tensor {r[0]!r}: {r[1]}")
     env = Env(config, m.get("axes", {}))
     to_local = strip_prefixes(m, stored)
     local = {s: n for n, s in to_local.items()}  # stripped name -> stored name
@@ -604,6 +637,16 @@ def apply(m, stored, config, *, check_coverage=True):
             allid = torch.cat(ids)
             if allid.unique().numel() != allid.numel():
                 raise MapError(f"{what}: HF tensor {name!r} reads a stored row twice")
+            if "split_last" in rule:
+                benv = env.child(let=rule.get("let", {}), extra=b)
+                split = [benv.eval(e) for e in rule["split_last"]]
+                prod = 1
+                for v in split:
+                    prod *= v
+                if t.dim() == 0 or prod != t.shape[-1]:
+                    raise MapError(f"{what}: the last axis of {name!r} ({list(t.shape)}) is not 'split_last' "
+                                   f"{rule['split_last']} = {split}")
+                t = t.reshape(*t.shape[:-1], *split)
             if "shape" in rule:
                 benv = env.child(let=rule.get("let", {}), extra=b)
                 want = [benv.eval(e) for e in rule["shape"]]

@@ -101,6 +101,9 @@ struct MapRule {
   std::vector<std::pair<std::string, MapExpr>> let;
   std::vector<std::pair<std::string, MapExpr>> for_;  // capture -> count
   std::optional<std::vector<MapExpr>> shape;
+  // `split_last`: the HF tensor's last axis written as these axes, row-major (their product is
+  // the stored last axis): the same bytes in the same order, only the shape differs.
+  std::optional<std::vector<MapExpr>> split_last;
   std::string when;  // a config key, "" when absent
   bool when_not = false;
   bool optional = false;
@@ -115,6 +118,13 @@ struct MapDetect {
   }
 };
 
+// `refuse`: stored tensors the map knows it cannot serve (they would need arithmetic on the
+// bytes, or a target no map can make), and why, in the map's own words.
+struct MapRefusal {
+  MapPattern from;
+  std::string why;
+};
+
 struct ModelMap {
   std::string name;
   std::string about;
@@ -124,6 +134,7 @@ struct ModelMap {
   std::vector<std::pair<std::string, MapExpr>> axes;
   std::vector<MapRule> rules;
   std::vector<MapPattern> drop;
+  std::vector<MapRefusal> refuse;
 };
 
 // Parses a map. `what` names it in errors (a path, or "built-in map 'x'").
