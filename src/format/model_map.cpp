@@ -158,7 +158,7 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   }
   CKPTFS_CHECK(refuse_unknown(j,
                               {"hf", "from", "concat", "index", "rows", "let", "for", "shape",
-                               "split_last", "when", "optional"},
+                               "split_last", "offset", "when", "optional"},
                               where));
   MapRule r;
   r.number = number;
@@ -201,6 +201,9 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   }
   if (auto it = j.find("for"); it != j.end()) {
     CKPTFS_TRY(r.for_, get_sizes(*it, "for", where));
+  }
+  if (auto it = j.find("offset"); it != j.end()) {
+    CKPTFS_TRY(r.offset, get_sizes(*it, "offset", where));
   }
   if (auto it = j.find("shape"); it != j.end()) {
     if (!it->is_array() || it->size() > 16) {
@@ -280,6 +283,11 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
       return make_error(EINVAL, "{}: 'for' capture '{}' is not in 'hf'", where, c);
     }
   }
+  for (const auto& [c, e] : r.offset) {
+    if (std::find(hcaps.begin(), hcaps.end(), c) == hcaps.end()) {
+      return make_error(EINVAL, "{}: 'offset' capture '{}' is not in 'hf'", where, c);
+    }
+  }
 
   // One line for inspect.
   std::string text;
@@ -294,6 +302,7 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
     }
     if (p.rows) text += " rows " + p.rows->text;
   }
+  for (const auto& [c, e] : r.offset) text += fmt::format(" ({{{}}} + {} in hf)", c, e.text);
   if (r.split_last) {
     std::vector<std::string> ax;
     for (const auto& e : *r.split_last) ax.push_back(e.text);

@@ -358,7 +358,28 @@ class Compiler {
         return;
       }
       MappedTensor t;
-      t.name = format::expand_pattern(r.hf, b);
+      Binding hb = b;  // the HF name's captures: `offset` added
+      if (!r.offset.empty()) {
+        sizes_.scope(&r.let, nullptr, &b);
+        for (const auto& [cap, e] : r.offset) {
+          auto v = sizes_.eval(e);
+          if (!v) {
+            problem(r.hf.text,
+                    fmt::format("{}: 'offset' {}: {}", rule_where(r), cap, v.error().message));
+            return;
+          }
+          for (auto& [k, x] : hb) {
+            if (k != cap) continue;
+            auto sum = checked_add(x, *v);
+            if (!sum) {
+              problem(r.hf.text, fmt::format("{}: 'offset' {} overflows", rule_where(r), cap));
+              return;
+            }
+            x = *sum;
+          }
+        }
+      }
+      t.name = format::expand_pattern(r.hf, hb);
       if (auto named = format::check_tensor_name(t.name, rule_where(r)); !named) {
         problem(t.name, named.error().message);
         return;

@@ -16,7 +16,8 @@ means config.json's value, so `"head_dim": "head_dim | hidden_size / num_attenti
 works), patterns with {NAME} captures (decimal, no leading zero) and `*` in `drop`,
 `prefixes`, `axes`, rules (numbered from 1) with `from` or a `concat` list of parts, `index`,
 `rows` (einops-style `LHS -> RHS` over the leading axes with `name[a:b]` slices), `let`,
-`for`, `shape`, `split_last` (the last axis written as several, row-major), `when` (`key` /
+`for`, `offset` (a size added to a capture where `hf` writes it), `shape`, `split_last` (the
+last axis written as several, row-major), `when` (`key` /
 `!key`), `optional`, `drop`, `refuse` (stored tensors the map cannot serve, and why), and
 `detect` (`all`, `any`, `none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
 made once, every index and slice is within its axis, an `index` by a `for` capture counts
@@ -39,7 +40,8 @@ MAPS = ROOT / "maps"
 
 ARITHMETIC = ("transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast", "dtype", "reshape", "view")
 TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop", "refuse"}
-RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "split_last", "when", "optional"}
+RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "offset", "shape", "split_last", "when",
+             "optional"}
 PART_KEYS = {"from", "index", "rows", "let"}
 DETECT_KEYS = {"all", "any", "none", "format"}
 NAME_RE = re.compile(r"[a-z0-9._-]{1,64}")
@@ -152,6 +154,11 @@ def load(src) -> dict:
         for c in r.get("for", {}):
             if c not in hf_caps:
                 raise MapError(f"{what}: 'for' capture {c!r} does not appear in 'hf'")
+        if "offset" in r:
+            _str_dict(r["offset"], f"{what}: offset")
+        for c in r.get("offset", {}):
+            if c not in hf_caps:
+                raise MapError(f"{what}: 'offset' capture {c!r} does not appear in 'hf'")
         for c in CAPTURE_RE.findall(parts[0]["from"]):
             if c in r.get("for", {}):
                 raise MapError(f"{what}: capture {c!r} is both matched and in 'for'")
@@ -598,7 +605,9 @@ def apply(m, stored, config, *, check_coverage=True):
                 continue
             raise MapError(f"{what}: no stored tensor matches {[p['from'] for p in parts]}")
         for b in bindings:
-            name = substitute(rule["hf"], b)
+            oenv = env.child(let=rule.get("let", {}), extra=b)
+            name = substitute(rule["hf"], {k: v + (oenv.eval(rule["offset"][k]) if k in rule.get("offset", {}) else 0)
+                                           for k, v in b.items()})
             if name in hf:
                 raise MapError(f"{what}: HF tensor {name!r} is made twice")
             pieces, ids, srcs = [], [], []

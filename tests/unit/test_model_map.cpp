@@ -1277,6 +1277,43 @@ TEST(MapCompile, SplitLastWritesTheLastAxisAsSeveralWithTheSameBytes) {
   EXPECT_PROBLEM(unknown, "conv", "'split_last' zz");
 }
 
+TEST(MapCompile, OffsetWritesACaptureShiftedInTheHfName) {
+  // torchtitan's mtp_layers.{M} after the model's layers.{L}: HF's model.layers.{layers + M}.
+  const json map = map_with(json::array({{{"hf", "model.layers.{L}.w"}, {"from", "layers.{L}.w"}},
+                                         {{"hf", "model.layers.{M}.w"},
+                                          {"from", "mtp_layers.{M}.w"},
+                                          {"offset", {{"M", "num_hidden_layers"}}}},
+                                         {{"hf", "e.{M}.x{E}"},
+                                          {"from", "mtp_layers.{M}.e"},
+                                          {"for", {{"E", 2}}},
+                                          {"index", {"E"}},
+                                          {"offset", {{"E", "10"}, {"M", "1"}}}}}));
+  std::vector<Stored> stored = {st("layers.0.w", {2}), st("layers.1.w", {2}),
+                                st("mtp_layers.0.w", {2}), st("mtp_layers.1.w", {2}),
+                                st("mtp_layers.0.e", {2, 3})};
+  auto v = compile(map, {{"num_hidden_layers", 2}}, stored);
+  ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+  std::vector<std::string> names;
+  for (const auto& t : v.ck->tensors) names.push_back(t.name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"model.layers.0.w", "model.layers.1.w", "model.layers.2.w",
+                                      "model.layers.3.w", "e.1.x10", "e.1.x11"}));
+  EXPECT_EQ(tensor_bytes(v, "model.layers.3.w"), stored[3].data);
+  EXPECT_EQ(tensor_bytes(v, "e.1.x11"), stored[4].data.substr(3 * 4));
+  EXPECT_NE(find_tensor(*v.ck, "model.layers.2.w")->origin.find("{M} + num_hidden_layers in hf"),
+            std::string::npos)
+      << find_tensor(*v.ck, "model.layers.2.w")->origin;
+  // A config whose offset lands on a name another rule made is refused, naming it.
+  auto clash = compile(map, {{"num_hidden_layers", 1}}, stored);
+  EXPECT_PROBLEM(clash, "model.layers.1.w", "rule 2", "the HF name is made twice");
+  auto unknown = compile(map, json::object(), stored);
+  EXPECT_PROBLEM(unknown, "model.layers.{M}.w", "'offset' M");
+  expect_refused(one_rule({{"hf", "a.{L}"}, {"from", "b.{L}"}, {"offset", {{"K", 1}}}}),
+                 {"'offset' capture 'K' is not in 'hf'"});
+  expect_refused(one_rule({{"hf", "a.{L}"}, {"from", "b.{L}"}, {"offset", {{"L", "x +"}}}}),
+                 {"rule 1"});
+}
+
 TEST(MapCompile, RefuseNamesTheStoredTensorAndWhy) {
   const json map = one_rule({{"hf", "a"}, {"from", "a"}},
                             {{"refuse",

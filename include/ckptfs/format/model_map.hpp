@@ -100,6 +100,9 @@ struct MapRule {
   bool concat = false;
   std::vector<std::pair<std::string, MapExpr>> let;
   std::vector<std::pair<std::string, MapExpr>> for_;  // capture -> count
+  // `offset`: capture -> a size added to its value where `hf` writes it (torchtitan's
+  // mtp_layers.{M} are HF's model.layers.{num_hidden_layers + M}).
+  std::vector<std::pair<std::string, MapExpr>> offset;
   std::optional<std::vector<MapExpr>> shape;
   // `split_last`: the HF tensor's last axis written as these axes, row-major (their product is
   // the stored last axis): the same bytes in the same order, only the shape differs.
