@@ -156,9 +156,10 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   if (auto it = j.find("hf"); it != j.end() && it->is_string()) {
     where = fmt::format("rule {} ('{}')", number, as_written(it->get<std::string>()));
   }
-  CKPTFS_CHECK(refuse_unknown(
-      j, {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "when", "optional"},
-      where));
+  CKPTFS_CHECK(refuse_unknown(j,
+                              {"hf", "from", "concat", "index", "rows", "let", "for", "shape",
+                               "split_last", "offset", "when", "optional"},
+                              where));
   MapRule r;
   r.number = number;
   if (!j.contains("hf")) return make_error(EINVAL, "{}: no 'hf'", where);
@@ -201,6 +202,9 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   if (auto it = j.find("for"); it != j.end()) {
     CKPTFS_TRY(r.for_, get_sizes(*it, "for", where));
   }
+  if (auto it = j.find("offset"); it != j.end()) {
+    CKPTFS_TRY(r.offset, get_sizes(*it, "offset", where));
+  }
   if (auto it = j.find("shape"); it != j.end()) {
     if (!it->is_array() || it->size() > 16) {
       return make_error(EINVAL, "{}: 'shape' is {}, not a list of at most 16", where,
@@ -212,6 +216,18 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
       shape.push_back(std::move(x));
     }
     r.shape = std::move(shape);
+  }
+  if (auto it = j.find("split_last"); it != j.end()) {
+    if (!it->is_array() || it->empty() || it->size() > 16) {
+      return make_error(EINVAL, "{}: 'split_last' is {}, not a list of 1 to 16 sizes", where,
+                        detail::describe(*it));
+    }
+    std::vector<MapExpr> split;
+    for (const auto& e : *it) {
+      CKPTFS_TRY(auto x, get_expr(e, "split_last", where));
+      split.push_back(std::move(x));
+    }
+    r.split_last = std::move(split);
   }
   if (auto it = j.find("when"); it != j.end()) {
     CKPTFS_TRY(auto w, get_string(*it, "when", where));
@@ -267,6 +283,11 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
       return make_error(EINVAL, "{}: 'for' capture '{}' is not in 'hf'", where, c);
     }
   }
+  for (const auto& [c, e] : r.offset) {
+    if (std::find(hcaps.begin(), hcaps.end(), c) == hcaps.end()) {
+      return make_error(EINVAL, "{}: 'offset' capture '{}' is not in 'hf'", where, c);
+    }
+  }
 
   // One line for inspect.
   std::string text;
@@ -280,6 +301,12 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
       text += fmt::format("[{}]", fmt::join(ix, ", "));
     }
     if (p.rows) text += " rows " + p.rows->text;
+  }
+  for (const auto& [c, e] : r.offset) text += fmt::format(" ({{{}}} + {} in hf)", c, e.text);
+  if (r.split_last) {
+    std::vector<std::string> ax;
+    for (const auto& e : *r.split_last) ax.push_back(e.text);
+    text += fmt::format(" last axis as [{}]", fmt::join(ax, ", "));
   }
   r.text = std::move(text);
   return r;
@@ -409,7 +436,7 @@ Result<ModelMap> parse_model_map(std::string_view text, std::string_view what) {
   if (!j.is_object()) return make_error(EINVAL, "{}: a model map is a JSON object", what);
   if (auto s = refuse_unknown(j,
                               {"ckptfs_map", "name", "about", "detect", "prefixes", "axes",
-                               "tensors", "drop", "hf_config", "hf_config_requires"},
+                               "tensors", "drop", "hf_config", "hf_config_requires", "refuse"},
                               "map");
       !s) {
     return fail(std::move(s).error());
@@ -501,6 +528,35 @@ Result<ModelMap> parse_model_map(std::string_view text, std::string_view what) {
       }
     }
     m.hf_config_requires = *q;
+  }
+  if (auto rf = j.find("refuse"); rf != j.end()) {
+    if (!rf->is_array() || rf->size() > kMaxMapRules) {
+      return make_error(EINVAL, "{}: 'refuse' is not a list of at most {} entries", what,
+                        kMaxMapRules);
+    }
+    for (size_t i = 0; i < rf->size(); ++i) {
+      const auto& e = (*rf)[i];
+      const std::string rw = fmt::format("refuse {}", i + 1);
+      if (!e.is_object()) {
+        return make_error(EINVAL, "{}: {} is {}, not an object", what, rw, detail::describe(e));
+      }
+      if (auto s = refuse_unknown(e, {"from", "why"}, rw); !s) return fail(std::move(s).error());
+      if (!e.contains("from") || !e.contains("why")) {
+        return make_error(EINVAL, "{}: {} needs 'from' and 'why'", what, rw);
+      }
+      auto from = get_string(e.at("from"), "from", rw);
+      if (!from) return fail(std::move(from).error());
+      auto p = parse_pattern(*from, true);
+      if (!p) return fail(std::move(p).error().context(fmt::format("{}: 'from'", rw)));
+      auto why = get_string(e.at("why"), "why", rw);
+      if (!why) return fail(std::move(why).error());
+      if (why->empty() || why->size() > 512 || std::any_of(why->begin(), why->end(), [](char c) {
+            return static_cast<unsigned char>(c) < 0x20;
+          })) {
+        return make_error(EINVAL, "{}: {}: 'why' is not one line of 1 to 512 bytes", what, rw);
+      }
+      m.refuse.push_back(MapRefusal{std::move(p).value(), std::move(why).value()});
+    }
   }
   m.origin = std::string(what);
   return m;

@@ -198,6 +198,11 @@ class Compiler {
   }
 
   CompiledMap run() {
+    if (auto r = map_refuses(map_, stored_)) {
+      problem(stored_[r->tensor].name,
+              fmt::format("{} cannot serve this stored tensor: {}", where_, r->refusal->why));
+      return std::move(out_);
+    }
     std::set<std::string> names;
     for (const auto& r : map_.rules) {
       const size_t before = out_.tensors.size();
@@ -353,7 +358,28 @@ class Compiler {
         return;
       }
       MappedTensor t;
-      t.name = format::expand_pattern(r.hf, b);
+      Binding hb = b;  // the HF name's captures: `offset` added
+      if (!r.offset.empty()) {
+        sizes_.scope(&r.let, nullptr, &b);
+        for (const auto& [cap, e] : r.offset) {
+          auto v = sizes_.eval(e);
+          if (!v) {
+            problem(r.hf.text,
+                    fmt::format("{}: 'offset' {}: {}", rule_where(r), cap, v.error().message));
+            return;
+          }
+          for (auto& [k, x] : hb) {
+            if (k != cap) continue;
+            auto sum = checked_add(x, *v);
+            if (!sum) {
+              problem(r.hf.text, fmt::format("{}: 'offset' {} overflows", rule_where(r), cap));
+              return;
+            }
+            x = *sum;
+          }
+        }
+      }
+      t.name = format::expand_pattern(r.hf, hb);
       if (auto named = format::check_tensor_name(t.name, rule_where(r)); !named) {
         problem(t.name, named.error().message);
         return;
@@ -640,6 +666,46 @@ class Compiler {
       origins.push_back(s.name);
     }
     t.origin = fmt::format("{} (rule {}: {})", fmt::join(origins, " ++ "), r.number, r.text);
+    if (r.split_last) {
+      // The last axis written as several, row-major: the bytes and their order are unchanged.
+      sizes_.scope(&r.let, nullptr, &b);
+      if (t.shape.empty()) {
+        problem(t.name, fmt::format("{}: 'split_last' on a tensor with no axes", rule_where(r)));
+        return false;
+      }
+      std::vector<uint64_t> split;
+      std::vector<std::string> desc;
+      uint64_t prod = 1;
+      for (const auto& e : *r.split_last) {
+        auto v = sizes_.eval(e);
+        if (!v) {
+          problem(t.name,
+                  fmt::format("{}: 'split_last' {}: {}", rule_where(r), e.text, v.error().message));
+          return false;
+        }
+        auto p = checked_mul(prod, *v);
+        if (!p) {
+          problem(t.name, fmt::format("{}: 'split_last' sizes overflow", rule_where(r)));
+          return false;
+        }
+        prod = *p;
+        split.push_back(*v);
+        desc.push_back(fmt::format("{}={}", e.text, *v));
+      }
+      if (prod != t.shape.back()) {
+        problem(first.name,
+                fmt::format("{}: the last axis of '{}' is {}, but 'split_last' {} gives {} ({})",
+                            rule_where(r), t.name, t.shape.back(), fmt::join(desc, " x "), prod,
+                            config_what_));
+        return false;
+      }
+      if (t.shape.size() - 1 + split.size() > 16) {
+        problem(t.name, fmt::format("{}: 'split_last' makes more than 16 axes", rule_where(r)));
+        return false;
+      }
+      t.shape.pop_back();
+      t.shape.insert(t.shape.end(), split.begin(), split.end());
+    }
     if (r.shape) {
       sizes_.scope(&r.let, nullptr, &b);
       if (r.shape->size() != t.shape.size()) {
@@ -901,6 +967,18 @@ std::string_view map_stored_name(const format::ModelMap& map, std::string_view n
   return name;
 }
 
+std::optional<MapRefused> map_refuses(const format::ModelMap& map,
+                                      const std::vector<Tensor>& stored) {
+  if (map.refuse.empty()) return std::nullopt;
+  for (uint32_t i = 0; i < stored.size(); ++i) {
+    const auto n = map_stored_name(map, stored[i].name);
+    for (const auto& r : map.refuse) {
+      if (format::match_pattern(r.from, n)) return MapRefused{i, &r};
+    }
+  }
+  return std::nullopt;
+}
+
 bool map_detects(const format::ModelMap& map, const std::vector<Tensor>& stored,
                  std::string_view fmt_name) {
   const auto& d = map.detect;
@@ -933,6 +1011,20 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
     }
   }
   if (!m) return false;
+  if (auto r = map_refuses(*m, ck.tensors)) {
+    const auto& name = ck.tensors[r->tensor].name;
+    if (named) {
+      problem(
+          "", name,
+          fmt::format("map '{}' cannot serve this stored tensor: {}", m->name, r->refusal->why));
+    } else {
+      ck.map_note = fmt::format(
+          "looks like map '{}' ({}); served under its stored names, because the map cannot serve "
+          "stored tensor '{}': {}",
+          m->name, m->about.empty() ? m->origin : m->about, name, r->refusal->why);
+    }
+    return false;
+  }
   std::string text, what;
   // Why the checkpoint's own config (common.pt's args) made none: said with the refusal.
   std::string native_why;

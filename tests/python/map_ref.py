@@ -16,8 +16,10 @@ means config.json's value, so `"head_dim": "head_dim | hidden_size / num_attenti
 works), patterns with {NAME} captures (decimal, no leading zero) and `*` in `drop`,
 `prefixes`, `axes`, rules (numbered from 1) with `from` or a `concat` list of parts, `index`,
 `rows` (einops-style `LHS -> RHS` over the leading axes with `name[a:b]` slices), `let`,
-`for`, `shape`, `when` (`key` / `!key`), `optional`, `drop`, and `detect` (`all`, `any`,
-`none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
+`for`, `offset` (a size added to a capture where `hf` writes it), `shape`, `split_last` (the
+last axis written as several, row-major), `when` (`key` /
+`!key`), `optional`, `drop`, `refuse` (stored tensors the map cannot serve, and why), and
+`detect` (`all`, `any`, `none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
 made once, every index and slice is within its axis, an `index` by a `for` capture counts
 exactly the axis it selects from (no expert silently lost), the `rows` sizes match the stored
 axes, no output reads a stored row twice (a pass over row ids), and every stored tensor is
@@ -38,8 +40,9 @@ MAPS = ROOT / "maps"
 
 ARITHMETIC = ("transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast", "dtype", "reshape", "view")
 TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop", "hf_config",
-            "hf_config_requires"}
-RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "shape", "when", "optional"}
+            "hf_config_requires", "refuse"}
+RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "offset", "shape", "split_last", "when",
+             "optional"}
 PART_KEYS = {"from", "index", "rows", "let"}
 DETECT_KEYS = {"all", "any", "none", "format"}
 NAME_RE = re.compile(r"[a-z0-9._-]{1,64}")
@@ -77,6 +80,14 @@ def _str_list(v, what):
     return v
 
 
+def _size_list(v, what):
+    """A list of sizes: expressions, or bare non-negative integers (docs/maps.md)."""
+    ok = lambda s: isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)  # noqa: E731
+    if not isinstance(v, list) or not all(ok(s) for s in v):
+        raise MapError(f"{what}: not a list of sizes")
+    return v
+
+
 def _str_dict(v, what):
     # Values are expressions; a bare non-negative integer (`{"two": 2}`) is taken as its literal.
     ok = lambda s: isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)  # noqa: E731
@@ -110,6 +121,12 @@ def load(src) -> dict:
     _str_list(m.get("prefixes", []), "prefixes")
     _str_dict(m.get("axes", {}), "axes")
     _str_list(m.get("drop", []), "drop")
+    if not isinstance(m.get("refuse", []), list):
+        raise MapError("map: 'refuse' is not a list")
+    for i, r in enumerate(m.get("refuse", []), 1):
+        _check_keys(r, {"from", "why"}, f"refuse {i}")
+        if not isinstance(r.get("from"), str) or not isinstance(r.get("why"), str) or not r["why"]:
+            raise MapError(f"refuse {i}: needs 'from' (a pattern) and 'why' (one line)")
     if not isinstance(m.get("tensors"), list) or not m["tensors"]:
         raise MapError("map: 'tensors' must be a non-empty list")
     for i, r in enumerate(m["tensors"], 1):
@@ -123,7 +140,9 @@ def load(src) -> dict:
         if "for" in r:
             _str_dict(r["for"], f"{what}: for")
         if "shape" in r:
-            _str_list(r["shape"], f"{what}: shape")
+            _size_list(r["shape"], f"{what}: shape")
+        if "split_last" in r and (not _size_list(r["split_last"], f"{what}: split_last") or len(r["split_last"]) > 16):
+            raise MapError(f"{what}: 'split_last' must be a list of 1 to 16 sizes")
         if "when" in r and (not isinstance(r["when"], str) or not r["when"].lstrip("!")):
             raise MapError(f"{what}: 'when' must be a config key or its negation")
         if "optional" in r and not isinstance(r["optional"], bool):
@@ -136,6 +155,11 @@ def load(src) -> dict:
         for c in r.get("for", {}):
             if c not in hf_caps:
                 raise MapError(f"{what}: 'for' capture {c!r} does not appear in 'hf'")
+        if "offset" in r:
+            _str_dict(r["offset"], f"{what}: offset")
+        for c in r.get("offset", {}):
+            if c not in hf_caps:
+                raise MapError(f"{what}: 'offset' capture {c!r} does not appear in 'hf'")
         for c in CAPTURE_RE.findall(parts[0]["from"]):
             if c in r.get("for", {}):
                 raise MapError(f"{what}: capture {c!r} is both matched and in 'for'")
@@ -170,8 +194,11 @@ def _check_part(p, what):
 
 
 def builtin_maps() -> list[dict]:
-    """Every maps/*.json of the repository, loaded (sorted by file name)."""
-    return [load(p) for p in sorted(MAPS.glob("*.json"))]
+    """Every maps/*.json of the repository, loaded, in the detection order of maps/meson.build
+    (the order the C++ side tries them in); files it does not list come last, by name."""
+    listed = re.findall(r"'([^']+\.json)'", (MAPS / "meson.build").read_text())
+    files = [MAPS / n for n in listed] + [p for p in sorted(MAPS.glob("*.json")) if p.name not in listed]
+    return [load(p) for p in files]
 
 
 # --- expressions -----------------------------------------------------------------------------
@@ -492,11 +519,21 @@ def detect(m, names, fmt=""):
         return False
     names = list(strip_prefixes(m, names).values())
 
-    def hit(p):
-        return bool(matches(p, names))
+    def hit(p):  # `*` matches any run of characters in detect too (docs/maps.md)
+        return bool(matches(p, names, wildcard=True))
 
     return (all(hit(p) for p in d.get("all", [])) and (not d.get("any") or any(hit(p) for p in d["any"]))
             and not any(hit(p) for p in d.get("none", [])) and d.get("format", "") in fmt)
+
+
+def refused(m, names):
+    """(stored name, why) for the first stored tensor a `refuse` pattern of the map matches, or None.
+    A detected map that refuses leaves the checkpoint under its stored names; a named one is refused."""
+    for n, s in strip_prefixes(m, names).items():
+        for r in m.get("refuse", []):
+            if matches(r["from"], [s], wildcard=True):
+                return n, r["why"]
+    return None
 
 
 def choose(maps, names, fmt=""):
@@ -550,6 +587,9 @@ def apply(m, stored, config, *, check_coverage=True):
     import torch
 
     m = load(m)
+    r = refused(m, stored)
+    if r is not None:
+        raise MapError(f"map {m['name']!r} cannot serve stored tensor {r[0]!r}: {r[1]}")
     env = Env(config, m.get("axes", {}))
     to_local = strip_prefixes(m, stored)
     local = {s: n for n, s in to_local.items()}  # stripped name -> stored name
@@ -569,7 +609,9 @@ def apply(m, stored, config, *, check_coverage=True):
                 continue
             raise MapError(f"{what}: no stored tensor matches {[p['from'] for p in parts]}")
         for b in bindings:
-            name = substitute(rule["hf"], b)
+            oenv = env.child(let=rule.get("let", {}), extra=b)
+            name = substitute(rule["hf"], {k: v + (oenv.eval(rule["offset"][k]) if k in rule.get("offset", {}) else 0)
+                                           for k, v in b.items()})
             if name in hf:
                 raise MapError(f"{what}: HF tensor {name!r} is made twice")
             pieces, ids, srcs = [], [], []
@@ -610,6 +652,16 @@ def apply(m, stored, config, *, check_coverage=True):
             allid = torch.cat(ids)
             if allid.unique().numel() != allid.numel():
                 raise MapError(f"{what}: HF tensor {name!r} reads a stored row twice")
+            if "split_last" in rule:
+                benv = env.child(let=rule.get("let", {}), extra=b)
+                split = [benv.eval(e) for e in rule["split_last"]]
+                prod = 1
+                for v in split:
+                    prod *= v
+                if t.dim() == 0 or prod != t.shape[-1]:
+                    raise MapError(f"{what}: the last axis of {name!r} ({list(t.shape)}) is not 'split_last' "
+                                   f"{rule['split_last']} = {split}")
+                t = t.reshape(*t.shape[:-1], *split)
             if "shape" in rule:
                 benv = env.child(let=rule.get("let", {}), extra=b)
                 want = [benv.eval(e) for e in rule["shape"]]

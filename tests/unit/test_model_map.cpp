@@ -322,6 +322,42 @@ TEST(MapParse, UnknownKeysAreRefusedByName) {
   expect_refused(R"({"ckptfs_map": 1, "name": "t", "Tensors": []})", {"unknown key", "Tensors"});
 }
 
+TEST(MapParse, SplitLastAndRefuse) {
+  const json ok = one_rule({{"hf", "a"}, {"from", "b"}, {"split_last", {"c", 2}}},
+                           {{"refuse", {{{"from", "x.*"}, {"why", "a reason"}}}}});
+  auto m = format::parse_model_map(ok.dump(), "t.json");
+  ASSERT_TRUE(m) << m.error().message;
+  ASSERT_TRUE(m->rules[0].split_last);
+  EXPECT_EQ(m->rules[0].split_last->size(), 2u);
+  ASSERT_EQ(m->refuse.size(), 1u);
+  EXPECT_EQ(m->refuse[0].why, "a reason");
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}, {"split_last", json::array()}}),
+                 {"'split_last'", "1 to 16"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}, {"split_last", "c"}}), {"'split_last'"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}, {"split_last", {"c +"}}}),
+                 {"rule 1 ('a')", "'split_last'"});
+  expect_refused(
+      one_rule({{"hf", "a"}, {"from", "b"}, {"split_last", json(std::vector<int>(17, 1))}}),
+      {"1 to 16"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}}, {{"refuse", "x"}}), {"'refuse'"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}}, {{"refuse", {"x"}}}),
+                 {"refuse 1", "not an object"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}}, {{"refuse", {{{"from", "x"}}}}}),
+                 {"refuse 1", "'from' and 'why'"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}},
+                          {{"refuse", {{{"from", "x"}, {"why", "y"}, {"z", 1}}}}}),
+                 {"refuse 1", "unknown key 'z'"});
+  expect_refused(
+      one_rule({{"hf", "a"}, {"from", "b"}}, {{"refuse", {{{"from", "x.{0}"}, {"why", "y"}}}}}),
+      {"refuse 1"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}},
+                          {{"refuse", {{{"from", "x"}, {"why", "two\nlines"}}}}}),
+                 {"refuse 1", "one line"});
+  expect_refused(one_rule({{"hf", "a"}, {"from", "b"}},
+                          {{"refuse", {{{"from", "x"}, {"why", std::string(513, 'w')}}}}}),
+                 {"refuse 1", "one line of 1 to 512"});
+}
+
 TEST(MapParse, ArithmeticOnTheBytesIsRefusedByName) {
   for (const char* word : {"transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast",
                            "dtype", "reshape", "view"}) {
@@ -913,6 +949,77 @@ TEST(MapBuiltins, TorchtitanLlamaIsDetectedAndPermutedBackToHfRopeOrder) {
   }
 }
 
+// The stored names of one layer of each torchtitan 0.3 family (the writer's tiny configs), as
+// layout::Tensor: enough for the detect clauses.
+std::vector<layout::Tensor> names_of(std::initializer_list<std::string_view> names) {
+  std::vector<layout::Tensor> ts;
+  for (auto n : names) {
+    layout::Tensor t;
+    t.name = std::string(n);
+    ts.push_back(std::move(t));
+  }
+  return ts;
+}
+
+TEST(MapBuiltins, EachTorchtitanFamilyIsDetectedByExactlyOneBuiltIn) {
+  const std::vector<std::pair<std::string, std::vector<layout::Tensor>>> families = {
+      {"torchtitan-deepseek-v3",
+       names_of({"tok_embeddings.weight", "layers.0.attention.wq_a.weight",
+                 "layers.0.attention.q_norm.weight", "layers.0.attention.wq_b.weight",
+                 "layers.0.attention.wkv_a.weight", "layers.0.attention.kv_norm.weight",
+                 "layers.0.attention.wkv_b.weight", "layers.0.feed_forward.w1.weight",
+                 "layers.1.moe.router.gate.weight",
+                 "layers.1.moe.routed_experts.inner_experts.w1_EFD", "norm.weight"})},
+      {"torchtitan-kimi-k2.7",
+       names_of({"tok_embeddings.weight", "layers.0.attention.wq.weight",
+                 "layers.0.attention.wkv_a.weight", "layers.0.attention.kv_norm.weight",
+                 "layers.0.attention.wkv_b.weight", "layers.0.feed_forward.w1.weight",
+                 "vision_encoder.patch_embed.weight", "vision_encoder.layers.0.attn.wq.weight",
+                 "vision_encoder.projector.pre_norm.weight"})},
+      {"torchtitan-qwen3.5",
+       names_of({"tok_embeddings.weight", "layers.0.attn.in_proj_q.weight",
+                 "layers.0.attn.conv_q.weight", "layers.1.attn.wq.weight",
+                 "layers.1.attn.q_norm.weight", "layers.0.feed_forward.w1.weight",
+                 "vision_encoder.patch_embed.weight", "vision_encoder.merger.norm.weight"})},
+      {"torchtitan-gpt-oss",
+       names_of({"tok_embeddings.weight", "layers.0.attention.sinks",
+                 "layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.qkv_linear.wq.bias",
+                 "layers.0.moe.router.gate.weight",
+                 "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"})},
+  };
+  for (const auto& [want, ts] : families) {
+    std::vector<std::string> hits;
+    for (const auto& m : format::builtin_maps()) {
+      if (layout::map_detects(*m, ts, "torch DCP (.metadata, *.distcp)")) hits.push_back(m->name);
+    }
+    EXPECT_EQ(hits, std::vector<std::string>{want});
+  }
+}
+
+TEST(MapBuiltins, GptOssIsDetectedButLeftUnderItsStoredNamesSayingWhy) {
+  std::vector<Stored> stored = {
+      st("tok_embeddings.weight", {11, 8}), st("layers.0.attention.sinks", {4}),
+      st("layers.0.attention.qkv_linear.wq.weight", {8, 8}),
+      st("layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD", {2, 6, 8})};
+  std::mt19937_64 rng(5);
+  layout::BuildOptions opts;
+  opts.hf_config = json({{"hidden_size", 8}, {"vocab_size", 11}}).dump();
+  auto v = build_view(stored, opts, rng, 1);
+  ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+  EXPECT_EQ(v.ck->map, "");
+  EXPECT_NE(v.ck->map_note.find("torchtitan-gpt-oss"), std::string::npos) << v.ck->map_note;
+  EXPECT_NE(v.ck->map_note.find("mlp1_weight_EGD"), std::string::npos) << v.ck->map_note;
+  EXPECT_NE(v.ck->map_note.find("transpose"), std::string::npos) << v.ck->map_note;
+  EXPECT_NE(find_tensor(*v.ck, "layers.0.attention.sinks"), nullptr);
+  // Named, it is refused, naming the tensor and why.
+  std::mt19937_64 rng2(5);
+  opts.map = format::find_builtin_map("torchtitan-gpt-oss");
+  ASSERT_NE(opts.map, nullptr);
+  auto named = build_view(stored, opts, rng2, 1);
+  EXPECT_PROBLEM(named, "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD",
+                 "torchtitan-gpt-oss", "cannot serve", "transpose");
+}
+
 TEST(MapBuiltins, AConfigThatDisagreesNamesTheTensorAndTheAxis) {
   auto stored = titan_llama(false);
   auto config = titan_llama_config(true);
@@ -1130,6 +1237,105 @@ TEST(MapCompile, ConcatJoinsAlongAxisZero) {
   auto bad3 = compile(one_rule({{"hf", "j"}, {"concat", {{{"from", "a"}}, {{"from", "b"}}}}}),
                       json::object(), {st("a", {}), st("b", {})});
   EXPECT_PROBLEM(bad3, "b", "does not join");
+}
+
+TEST(MapCompile, SplitLastWritesTheLastAxisAsSeveralWithTheSameBytes) {
+  // A Linear's [out, C*T*P*P] patch embedding served as a Conv3d's [out, C, T, P, P], and a
+  // fused bias of three 1-D parts (concat along axis 0 of 1-D tensors).
+  const json map = map_with(
+      json::array({{{"hf", "conv"},
+                    {"from", "lin"},
+                    {"split_last", {"c", "2", "p", "p"}},
+                    {"shape", {"out", "c", 2, "p", "p"}}},
+                   {{"hf", "qkv.bias"}, {"concat", {{{"from", "q.bias"}}, {{"from", "k.bias"}}}}},
+                   {{"hf", "stack.{E}"},
+                    {"from", "st"},
+                    {"for", {{"E", 2}}},
+                    {"index", {"E"}},
+                    {"rows", "(a b) -> (b a)"},
+                    {"let", {{"a", 2}}},
+                    {"split_last", {2, 3}}}}));
+  std::vector<Stored> stored = {st("lin", {5, 24}, DType::BF16), st("q.bias", {4}),
+                                st("k.bias", {3}), st("st", {2, 6, 6})};
+  auto v = compile(map, {{"out", 5}, {"c", 3}, {"p", 2}}, stored);
+  ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+  EXPECT_EQ(find_tensor(*v.ck, "conv")->shape, (std::vector<uint64_t>{5, 3, 2, 2, 2}));
+  EXPECT_EQ(tensor_bytes(v, "conv"), stored[0].data);
+  EXPECT_NE(find_tensor(*v.ck, "conv")->origin.find("last axis as [c, 2, p, p]"), std::string::npos)
+      << find_tensor(*v.ck, "conv")->origin;
+  EXPECT_EQ(find_tensor(*v.ck, "qkv.bias")->shape, (std::vector<uint64_t>{7}));
+  EXPECT_EQ(tensor_bytes(v, "qkv.bias"), stored[1].data + stored[2].data);
+  // Rows move as before; only the shape of each row changes.
+  EXPECT_EQ(find_tensor(*v.ck, "stack.1")->shape, (std::vector<uint64_t>{6, 2, 3}));
+  EXPECT_EQ(tensor_bytes(v, "stack.1"),
+            rows_of(stored[3].data.substr(6 * 6 * 4), 6 * 4, {0, 3, 1, 4, 2, 5}));
+  // A product that is not the last axis is refused, naming the stored tensor and the sizes.
+  auto bad = compile(one_rule({{"hf", "conv"}, {"from", "lin"}, {"split_last", {"c", "p", "p"}}}),
+                     {{"c", 3}, {"p", 3}}, {st("lin", {5, 24})});
+  EXPECT_PROBLEM(bad, "lin", "rule 1 ('conv')", "last axis of 'conv' is 24",
+                 "'split_last' c=3 x p=3 x p=3 gives 27");
+  auto scalar = compile(one_rule({{"hf", "s"}, {"from", "v"}, {"index", {0}}, {"split_last", {1}}}),
+                        json::object(), {st("v", {3})});
+  EXPECT_PROBLEM(scalar, "s", "'split_last' on a tensor with no axes");
+  auto unknown = compile(one_rule({{"hf", "conv"}, {"from", "lin"}, {"split_last", {"zz", 1}}}),
+                         json::object(), {st("lin", {5, 24})});
+  EXPECT_PROBLEM(unknown, "conv", "'split_last' zz");
+}
+
+TEST(MapCompile, OffsetWritesACaptureShiftedInTheHfName) {
+  // torchtitan's mtp_layers.{M} after the model's layers.{L}: HF's model.layers.{layers + M}.
+  const json map = map_with(json::array({{{"hf", "model.layers.{L}.w"}, {"from", "layers.{L}.w"}},
+                                         {{"hf", "model.layers.{M}.w"},
+                                          {"from", "mtp_layers.{M}.w"},
+                                          {"offset", {{"M", "num_hidden_layers"}}}},
+                                         {{"hf", "e.{M}.x{E}"},
+                                          {"from", "mtp_layers.{M}.e"},
+                                          {"for", {{"E", 2}}},
+                                          {"index", {"E"}},
+                                          {"offset", {{"E", "10"}, {"M", "1"}}}}}));
+  std::vector<Stored> stored = {st("layers.0.w", {2}), st("layers.1.w", {2}),
+                                st("mtp_layers.0.w", {2}), st("mtp_layers.1.w", {2}),
+                                st("mtp_layers.0.e", {2, 3})};
+  auto v = compile(map, {{"num_hidden_layers", 2}}, stored);
+  ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+  std::vector<std::string> names;
+  for (const auto& t : v.ck->tensors) names.push_back(t.name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"model.layers.0.w", "model.layers.1.w", "model.layers.2.w",
+                                      "model.layers.3.w", "e.1.x10", "e.1.x11"}));
+  EXPECT_EQ(tensor_bytes(v, "model.layers.3.w"), stored[3].data);
+  EXPECT_EQ(tensor_bytes(v, "e.1.x11"), stored[4].data.substr(3 * 4));
+  EXPECT_NE(find_tensor(*v.ck, "model.layers.2.w")->origin.find("{M} + num_hidden_layers in hf"),
+            std::string::npos)
+      << find_tensor(*v.ck, "model.layers.2.w")->origin;
+  // A config whose offset lands on a name another rule made is refused, naming it.
+  auto clash = compile(map, {{"num_hidden_layers", 1}}, stored);
+  EXPECT_PROBLEM(clash, "model.layers.1.w", "rule 2", "the HF name is made twice");
+  auto unknown = compile(map, json::object(), stored);
+  EXPECT_PROBLEM(unknown, "model.layers.{M}.w", "'offset' M");
+  expect_refused(one_rule({{"hf", "a.{L}"}, {"from", "b.{L}"}, {"offset", {{"K", 1}}}}),
+                 {"'offset' capture 'K' is not in 'hf'"});
+  expect_refused(one_rule({{"hf", "a.{L}"}, {"from", "b.{L}"}, {"offset", {{"L", "x +"}}}}),
+                 {"rule 1"});
+}
+
+TEST(MapCompile, RefuseNamesTheStoredTensorAndWhy) {
+  const json map = one_rule({{"hf", "a"}, {"from", "a"}},
+                            {{"refuse",
+                              {{{"from", "experts.{L}.w*"}, {"why", "needs a transpose"}},
+                               {{"from", "other"}, {"why", "never"}}}},
+                             {"prefixes", {"model."}}});
+  auto ok = compile(map, json::object(), {st("a", {2})});
+  ASSERT_TRUE(ok.ck->valid()) << problems(*ok.ck);
+  auto v = compile(map, json::object(), {st("a", {2}), st("model.experts.3.w1_EFD", {2, 2})});
+  EXPECT_PROBLEM(v, "model.experts.3.w1_EFD", "map 't'", "cannot serve", "needs a transpose");
+  // compile_map (inspect's and the tests' entry) says the same.
+  std::vector<layout::Tensor> ts = names_of({"a", "model.experts.3.w1_EFD"});
+  auto c = layout::compile_map(*map_of(map), json::object(), "config.json", ts);
+  ASSERT_EQ(c.problems.size(), 1u);
+  EXPECT_EQ(c.problems[0].tensor, "model.experts.3.w1_EFD");
+  EXPECT_NE(c.problems[0].message.find("needs a transpose"), std::string::npos);
+  EXPECT_TRUE(c.tensors.empty());
 }
 
 TEST(MapCompile, RowsSizesComeFromLetAxesAndConfig) {

@@ -104,7 +104,13 @@ struct MapRule {
   bool concat = false;
   std::vector<std::pair<std::string, MapExpr>> let;
   std::vector<std::pair<std::string, MapExpr>> for_;  // capture -> count
+  // `offset`: capture -> a size added to its value where `hf` writes it (torchtitan's
+  // mtp_layers.{M} are HF's model.layers.{num_hidden_layers + M}).
+  std::vector<std::pair<std::string, MapExpr>> offset;
   std::optional<std::vector<MapExpr>> shape;
+  // `split_last`: the HF tensor's last axis written as these axes, row-major (their product is
+  // the stored last axis): the same bytes in the same order, only the shape differs.
+  std::optional<std::vector<MapExpr>> split_last;
   std::string when;  // a config key, "" when absent
   bool when_not = false;
   bool optional = false;
@@ -117,6 +123,13 @@ struct MapDetect {
   [[nodiscard]] bool empty() const {
     return all.empty() && any.empty() && none.empty() && format.empty();
   }
+};
+
+// `refuse`: stored tensors the map knows it cannot serve (they would need arithmetic on the
+// bytes, or a target no map can make), and why, in the map's own words.
+struct MapRefusal {
+  MapPattern from;
+  std::string why;
 };
 
 struct ModelMap {
@@ -133,6 +146,7 @@ struct ModelMap {
   // `hf_config_requires`: native field -> the scalar it must hold for the template to apply
   // (a field the native config lacks passes); null when none.
   nlohmann::json hf_config_requires;
+  std::vector<MapRefusal> refuse;
 };
 
 // Parses a map. `what` names it in errors (a path, or "built-in map 'x'").

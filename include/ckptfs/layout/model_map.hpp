@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,6 +53,15 @@ std::string_view map_stored_name(const format::ModelMap& map, std::string_view n
 bool map_detects(const format::ModelMap& map, const std::vector<Tensor>& stored,
                  std::string_view format);
 
+// The first stored tensor one of the map's `refuse` patterns matches (its index in `stored`),
+// with that refusal; nullopt when none does.
+struct MapRefused {
+  uint32_t tensor = 0;
+  const format::MapRefusal* refusal = nullptr;
+};
+std::optional<MapRefused> map_refuses(const format::ModelMap& map,
+                                      const std::vector<Tensor>& stored);
+
 // Compiles `map` against `stored` (their served dtypes) and `config` (`config_what` names it in
 // messages). Never throws; every problem names the tensor and, where one is at fault, the axis.
 CompiledMap compile_map(const format::ModelMap& map, const nlohmann::json& config,
@@ -68,8 +78,9 @@ Result<nlohmann::json> render_hf_config(const format::ModelMap& map, const nlohm
 // hf_config, else the map's `hf_config` template over BuildInput::native_config. On success
 // `ck.tensors` are the mapped tensors (`ck.stored` the stored ones), `k` each one's output file
 // (packed in rule order, kMaxOutputBytes each), and it returns true. Otherwise nothing changes but
-// a problem (a named map that does not fit) or ck.map_note (a detected map with no config.json to
-// size it).
+// a problem (a named map that does not fit, or that refuses one of the stored tensors) or
+// ck.map_note (a detected map with no config.json to size it, or whose `refuse` holds: the
+// checkpoint stays under its stored names).
 bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint& ck,
                      std::vector<uint32_t>& k);
 
