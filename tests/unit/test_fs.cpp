@@ -837,18 +837,22 @@ TEST(Fs, AFifoShardNeverBlocks) {
   ::alarm(0);
 }
 
-TEST(Fs, OnlyTheConsolidatedNamesAndTheListingReadHeaders) {
+TEST(Fs, OnlyTheModelsNamesAndTheListingReadHeaders) {
   Fs t;
   // The checkpoint directory's attributes and its other names come from a listing alone: a
   // slow or hostile header must not stall every path through the directory.
   fs::Ino model = t.walk({"run", "step_1", "model"});
   ASSERT_TRUE(t.f->getattr(model).ok());
-  EXPECT_EQ(read_all(*t.f, t.walk({"run", "step_1", "model", "config.json"})), "{\"x\":1}");
   EXPECT_EQ(t.f->lookup(model, format::shard_file_name(1, 1, 1)).error().code, ENOENT);
   EXPECT_EQ(t.f->counts().header_bytes, 0u);
-  // A consolidated name needs the model: now the headers are read (and cached).
+  // config.json needs the model too (issue 33: it is hidden where the tensors keep a trainer's
+  // own names no map serves, so from_pretrained cannot build random weights): headers are read.
+  EXPECT_EQ(read_all(*t.f, t.walk({"run", "step_1", "model", "config.json"})), "{\"x\":1}");
+  const auto after_config = t.f->counts().header_bytes;
+  EXPECT_GT(after_config, 0u);
+  // A consolidated name needs the model: the headers were read once and are cached.
   ASSERT_TRUE(t.f->lookup(model, "model-00001-of-00001.safetensors").ok());
-  EXPECT_GT(t.f->counts().header_bytes, 0u);
+  EXPECT_EQ(t.f->counts().header_bytes, after_config);
 }
 
 TEST(Fs, HandlesTheKernelNeverReleasedAreFreedWithTheFilesystem) {
