@@ -170,8 +170,12 @@ uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tenso
     }
     placed[i] = std::move(p).value();
   }
+  auto more_problems = [&](std::string_view what) {
+    if (more > 0) ck.problems.push_back({"", "", fmt::format("and {} more {}", more, what)});
+    more = 0;
+  };
   if (!ck.problems.empty()) {
-    if (more > 0) problem("", "", fmt::format("and {} more LoRA naming problem(s)", more));
+    more_problems("LoRA naming problem(s)");
     return 0;
   }
   if (adapter == 0) {
@@ -227,7 +231,7 @@ uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tenso
     }
     modules.push_back(module);
   }
-  if (more > 0) problem("", "", fmt::format("and {} more LoRA problem(s)", more));
+  more_problems("LoRA problem(s)");
   if (!ck.problems.empty()) return 0;
 
   OutputPacker packer;
