@@ -28,7 +28,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, Mount, have, requires_fuse
+from conftest import BIN, ROOT, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -197,7 +197,8 @@ def test_lora_only_shows_the_adapter_alone(src, mnt, tmp_path):
 def test_lora_every_tool(src, mnt, tmp_path):
     """verify and consolidate read the LoRA checkpoint; consolidate writes the base model and
     lora_adapter/ as the mount shows them, byte for byte; `ckptfs load` of the rank files and of
-    the consolidated copy load the same base model (one checksum), and refuses the adapter alone."""
+    the consolidated copy load the same base model (one checksum), and refuses the adapter alone;
+    the Python binding loads the base model."""
     d = src / "lora" / ACTOR
     r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -217,6 +218,12 @@ def test_lora_every_tool(src, mnt, tmp_path):
     assert sums[0] and sums[0] == sums[1], sums
     r = subprocess.run([BIN, "load", str(src / "lora-only" / ACTOR)], capture_output=True, text=True)
     assert r.returncode != 0 and "LoRA adapter only" in r.stderr, r.stdout + r.stderr
+    os.environ.setdefault("CKPTFS_LOAD_LIB", str(pathlib.Path(BIN).parent / "libckptfs_load.so"))
+    sys.path.insert(0, str(ROOT / "python"))
+    import ckptfs_load
+
+    assert_equal(ckptfs_load.load_state_dict(str(d)), load(src / "base-reference-lora.safetensors"),
+                 "the Python binding")
 
 
 def test_lora_adapter_is_no_more_readable_than_the_rank_files(src):
