@@ -16,6 +16,14 @@
    consolidate_safetensors_files into a temporary dir under --work (plus config.json), then
    from_pretrained of that copy (also checked), then the copy is deleted.
 5. Prints a one-line summary; exits 1 if any check failed.
+
+  demo.py --lora-view MNT/.../global_step_N/actor [--tokens N]
+
+The hook for "a verl LoRA adapter loaded with PEFT" (lora_demo below): the base model by
+from_pretrained(view), the adapter by PeftModel.from_pretrained(base, view/lora_adapter), greedy
+tokens with the adapter and without it (the adapter must change them once trained). demo.sh does
+not call it yet: it needs a verl LoRA checkpoint (tests/python/writers/verl_save.py --lora 8) and
+peft in the demo's venv.
 The page cache is warm for both paths (the shards were just written or read): this is a
 demonstration, not a benchmark (see tools/bench_load.py for cold/warm measurements).
 """
@@ -61,16 +69,48 @@ def vm_hwm_mb(pid):
     return None
 
 
+def lora_demo(view, tokens):
+    """A verl LoRA checkpoint through the mount: the base model from the directory, the adapter
+    from its lora_adapter/ folder with PEFT; greedy tokens with and without the adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    base = AutoModelForCausalLM.from_pretrained(view, dtype="auto")
+    model = PeftModel.from_pretrained(base, os.path.join(view, "lora_adapter"))
+    model.eval()
+    dt = time.perf_counter() - t0
+    ids = torch.tensor([[t % base.config.vocab_size for t in PROMPT]])
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0)[0, ids.shape[1]:].tolist()
+        with model.disable_adapter():
+            plain = model.generate(input_ids=ids, max_new_tokens=tokens, min_new_tokens=tokens,
+                                   do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    cfg = model.peft_config["default"]
+    print(f"demo: base model and LoRA adapter (r={cfg.r}, lora_alpha={cfg.lora_alpha}, "
+          f"{len(cfg.target_modules)} layers) loaded through the mount in {dt:.2f} s")
+    print(f"demo: greedy {tokens} tokens with the adapter    {gen}")
+    print(f"demo: greedy {tokens} tokens without the adapter {plain}")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--view", required=True, help="the checkpoint dir inside the mount")
-    ap.add_argument("--shards", required=True, help="the rank-shard dir in SRC (for torch's consolidator)")
-    ap.add_argument("--reference", required=True, help="save_pretrained output of the same model")
+    ap.add_argument("--lora-view", help="a verl LoRA checkpoint dir inside the mount: run lora_demo only")
+    ap.add_argument("--view", help="the checkpoint dir inside the mount")
+    ap.add_argument("--shards", help="the rank-shard dir in SRC (for torch's consolidator)")
+    ap.add_argument("--reference", help="save_pretrained output of the same model")
     ap.add_argument("--daemon-pid", type=int, help="ckptfs daemon pid (its peak RSS is reported)")
     ap.add_argument("--mount-seconds", type=float, help="how long `ckptfs mount` took (reported)")
     ap.add_argument("--work", default=tempfile.gettempdir(), help="where the consolidated copy goes")
     ap.add_argument("--tokens", type=int, default=10, help="greedy tokens to generate")
     a = ap.parse_args()
+    if a.lora_view:
+        return lora_demo(a.lora_view, a.tokens)
+    if not (a.view and a.shards and a.reference):
+        ap.error("--view, --shards and --reference are required (or --lora-view)")
 
     listing = wait_for_view(a.view)
     import torch

@@ -78,7 +78,7 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
   j["shards"] = std::move(shards);
   J outs = J::array();
   for (const auto& o : c.outputs) {
-    outs.push_back({{"name", o.name},
+    outs.push_back({{"name", o.path()},
                     {"size", o.size},
                     {"tensors", o.tensors.size()},
                     {"header_size", o.header.size()}});
@@ -97,7 +97,7 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
     tj["nbytes"] = t.nbytes;
     if (t.mapped) tj["source"] = t.origin;
     if (!c.outputs.empty()) {
-      tj["file"] = c.outputs[t.output].name;
+      tj["file"] = c.outputs[t.output].path();
       tj["offset"] = t.out_offset;
     }
     J chunks = J::array();
@@ -125,6 +125,13 @@ nlohmann::ordered_json to_json(const layout::Checkpoint& c) {
   if (!c.map_note.empty()) j["map_note"] = c.map_note;
   if (c.unmapped_native()) {
     j["unmapped_native"] = {{"name", c.native_name}, {"maps_tried", c.map_trials}};
+  }
+  if (c.adapter) {
+    j["lora"] = {{"adapter_dir", c.adapter->dir},
+                 {"base_tensors", c.adapter->base_tensors},
+                 {"adapter_tensors", c.adapter->adapter_tensors},
+                 {"layers", c.adapter->layers},
+                 {"note", c.adapter->note}};
   }
   J stored = J::array();
   for (const auto& t : c.stored) stored.push_back({{"name", t.name}, {"shape", t.shape}});
@@ -160,9 +167,12 @@ void print_text(const layout::Checkpoint& c) {
         "  consolidated files{}:\n",
         c.from_mapping ? " (grouping from .hf_metadata/fqn_to_file_index_mapping.json)" : "");
     for (const auto& o : c.outputs) {
-      fmt::print("    {}  {} bytes, {} tensors\n", o.name, o.size, o.tensors.size());
+      fmt::print("    {}  {} bytes, {} tensors\n", o.path(), o.size, o.tensors.size());
     }
-    fmt::print("    {}\n", format::kIndexFileName);
+    if (c.adapter) {
+      fmt::print("    {}/{}\n", c.adapter->dir, format::kAdapterConfigName);
+    }
+    if (!c.index_json.empty() || c.written) fmt::print("    {}\n", format::kIndexFileName);
   }
   if (!c.tensors.empty()) {
     fmt::print("  tensors:\n");
@@ -170,7 +180,7 @@ void print_text(const layout::Checkpoint& c) {
       if (t.mapped) {
         fmt::print("    {}  {} [{}]  <- {}{}\n", printable(t.name), format::dtype_name(t.dtype),
                    fmt::join(t.shape, ", "), printable(t.origin),
-                   c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
+                   c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].path());
         continue;
       }
       size_t reps = 0;
@@ -182,7 +192,7 @@ void print_text(const layout::Checkpoint& c) {
       fmt::print("    {}  {} [{}]  grid {}  {} chunk{}{}{}\n", printable(t.name), dt,
                  fmt::join(t.shape, ", "), grid_str(t), t.chunks.size(),
                  t.chunks.size() == 1 ? "" : "s", reps ? fmt::format(" (+{} replicas)", reps) : "",
-                 c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].name);
+                 c.outputs.empty() ? "" : "  -> " + c.outputs[t.output].path());
     }
   }
   if (!c.tensors.empty()) {
@@ -199,6 +209,7 @@ void print_text(const layout::Checkpoint& c) {
             : " (the others are inferred from their chunks: a missing last rank would "
               "look like a smaller tensor)");
   }
+  if (c.adapter) fmt::print("  lora: {}\n", printable(c.adapter->note));
   if (!c.left_out.empty()) {
     fmt::print("  left out:\n");
     for (const auto& n : c.left_out) fmt::print("    {}\n", printable(n));

@@ -97,10 +97,15 @@ class Copier {
   Status write_outputs(const std::string& dir, const ProgressFn& progress) {
     outs_.clear();
     for (const auto& f : ck_.outputs) {
-      CKPTFS_TRY(UniqueFd fd, open_file(dir + "/" + f.name, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+      if (!f.folder.empty() && ::mkdir((dir + "/" + f.folder).c_str(), 0755) != 0 &&
+          errno != EEXIST) {
+        int e = errno;
+        return make_error(e, "{}/{}: cannot create: {}", dir, f.folder, std::strerror(e));
+      }
+      CKPTFS_TRY(UniqueFd fd, open_file(dir + "/" + f.path(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
       if (::ftruncate(fd.get(), static_cast<off_t>(f.size)) != 0) {
         int e = errno;
-        return make_error(e, "{}/{}: cannot size to {} bytes: {}", dir, f.name, f.size,
+        return make_error(e, "{}/{}: cannot size to {} bytes: {}", dir, f.path(), f.size,
                           std::strerror(e));
       }
       outs_.push_back(std::move(fd));
@@ -376,6 +381,12 @@ Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::
       auto name = e.path().filename().string();
       if (is_model_output_name(name)) stale.push_back(name);
     }
+    // A LoRA adapter consolidated there before: replaced only with --force, as model files are.
+    const std::string adapter =
+        std::string(format::kLoraAdapterDir) + "/" + std::string(format::kAdapterModelName);
+    if (ck.adapter && stdfs::exists(dst + "/" + adapter, ec) && !opts.force) {
+      return make_error(EEXIST, "{} already holds {} (use --force to replace)", dst, adapter);
+    }
     if (!stale.empty() && !opts.force) {
       return make_error(EEXIST, "{} already holds {} (use --force to replace)", dst, stale.front());
     }
@@ -415,7 +426,17 @@ Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::
       })) {
     CKPTFS_CHECK(write_text(staging + "/config.json", ck.config_json));
   }
-  CKPTFS_CHECK(write_text(staging + "/" + std::string(format::kIndexFileName), ck.index_json));
+  // A LoRA checkpoint: adapter_config.json beside the adapter (write_outputs made its folder).
+  if (ck.adapter) {
+    CKPTFS_CHECK(
+        write_text(staging + "/" + ck.adapter->dir + "/" + std::string(format::kAdapterConfigName),
+                   ck.adapter->config_json));
+    fsync_dir(staging + "/" + ck.adapter->dir);
+  }
+  // No index without a model file in the directory (a LoRA adapter alone).
+  if (!ck.index_json.empty()) {
+    CKPTFS_CHECK(write_text(staging + "/" + std::string(format::kIndexFileName), ck.index_json));
+  }
   fsync_dir(staging);
   if (stopped(stop)) return interrupted();
 
@@ -430,8 +451,16 @@ Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::
     // missing. Then drop stale outputs of an earlier, different consolidation.
     std::vector<std::string> order;
     for (const auto& [from, name] : sides) order.push_back(name);
-    for (const auto& f : ck.outputs) order.push_back(f.name);
-    order.emplace_back(format::kIndexFileName);
+    if (ck.adapter) {  // the adapter's files into their folder, made when missing
+      const std::string folder = dst + "/" + ck.adapter->dir;
+      if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) {
+        int e = errno;
+        return make_error(e, "cannot create {}: {}", folder, std::strerror(e));
+      }
+      order.push_back(ck.adapter->dir + "/" + std::string(format::kAdapterConfigName));
+    }
+    for (const auto& f : ck.outputs) order.push_back(f.path());
+    if (!ck.index_json.empty()) order.emplace_back(format::kIndexFileName);
     for (const auto& name : order) {
       if (::rename((staging + "/" + name).c_str(), (dst + "/" + name).c_str()) != 0) {
         int e = errno;
@@ -444,6 +473,7 @@ Result<ConsolidateStats> consolidate(const ConsolidateOptions& opts, const std::
       }
     }
   }
+  if (ck.adapter) fsync_dir(dst + "/" + ck.adapter->dir);
   fsync_dir(dst);
   ConsolidateStats stats;
   stats.tensors = ck.tensors.size();

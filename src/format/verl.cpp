@@ -1,5 +1,9 @@
-// verl's FSDP rank files: their names, fsdp_config.json, and the DTensor state-dict pickle.
+// verl's FSDP rank files: their names, fsdp_config.json, lora_train_meta.json, and the DTensor
+// state-dict pickle.
 #include "ckptfs/format/verl.hpp"
+
+#include <algorithm>
+#include <climits>
 
 #include <fmt/format.h>
 
@@ -148,7 +152,8 @@ Result<RankTensor> read_dtensor(const pickle::Pickle& p, const Walk& w, Ref valu
 }  // namespace
 
 bool is_verl_file_name(std::string_view name) {
-  return name == kVerlConfigName || parse_verl_rank_name(name).has_value();
+  return name == kVerlConfigName || name == kLoraTrainMetaName ||
+         parse_verl_rank_name(name).has_value();
 }
 
 Result<VerlConfig> parse_verl_config(std::string_view text, std::string_view what) {
@@ -171,8 +176,54 @@ Result<VerlConfig> parse_verl_config(std::string_view text, std::string_view wha
   return c;
 }
 
+Result<LoraTrainMeta> parse_lora_train_meta(std::string_view text, std::string_view what) {
+  CKPTFS_TRY(auto j, detail::parse_json_strict(text, what, "verl LoRA metadata"));
+  if (!j.is_object()) return make_error(EINVAL, "{}: not a JSON object", what);
+  LoraTrainMeta m;
+  auto r = j.find("r");
+  if (r == j.end() || !r->is_number_unsigned() || r->get<uint64_t>() == 0 ||
+      r->get<uint64_t>() > (uint64_t{1} << 20)) {
+    return make_error(EINVAL, "{}: 'r' must be an integer from 1 to {}", what, uint64_t{1} << 20);
+  }
+  m.r = static_cast<uint32_t>(r->get<uint64_t>());
+  auto a = j.find("lora_alpha");
+  if (a == j.end() || !a->is_number_integer() || a->get<int64_t>() < 0 ||
+      a->get<int64_t>() > INT32_MAX) {
+    return make_error(EINVAL, "{}: 'lora_alpha' must be an integer from 0 to {}", what, INT32_MAX);
+  }
+  m.lora_alpha = a->get<int64_t>();
+  if (auto t = j.find("task_type"); t != j.end() && !t->is_null()) {
+    const bool ok = t->is_string() && !t->get_ref<const std::string&>().empty() &&
+                    t->get_ref<const std::string&>().size() <= 64 &&
+                    std::all_of(t->get_ref<const std::string&>().begin(),
+                                t->get_ref<const std::string&>().end(), [](char c) {
+                                  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
+                                         (c >= '0' && c <= '9') || c == '_';
+                                });
+    if (!ok) {
+      return make_error(EINVAL, "{}: 'task_type' is {}, not a PEFT task type", what,
+                        detail::describe(*t));
+    }
+    m.task_type = t->get<std::string>();
+  }
+  return m;
+}
+
 Result<RankStateDict> parse_rank_state_dict(std::string_view bytes, std::string_view what) {
-  CKPTFS_TRY(pickle::Pickle p, pickle::parse(bytes, state_dict_globals(), what));
+  auto parsed = pickle::parse(bytes, state_dict_globals(), what);
+  // FSDP1 without a device mesh: each value a ShardedTensor (GLOBAL 'c' module\n name\n, as
+  // torch.save's protocol 2 writes it). Said so, rather than as the first global refused.
+  if (!parsed && bytes.find("ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n") !=
+                     std::string_view::npos) {
+    return make_error(EINVAL,
+                      "{}: FSDP1 without a device mesh saves ShardedTensors "
+                      "(torch.distributed._shard), which are not served (reading one means "
+                      "building objects from getattr() results, outside this reader's pickle "
+                      "subset); verl passes a device mesh, and FSDP1 and FSDP2 then save DTensors, "
+                      "which are",
+                      what);
+  }
+  CKPTFS_TRY(pickle::Pickle p, std::move(parsed));
   const Walk w(p, what);
   CKPTFS_TRY(auto items, w.pairs(p.root(), "the state dict"));
   RankStateDict out;

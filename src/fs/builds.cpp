@@ -8,6 +8,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "impl.hpp"
+#include "names.hpp"
 
 namespace ckptfs::fs {
 
@@ -120,9 +121,9 @@ bool Filesystem::Impl::when_ready(Ino dir_ino, std::string_view name,
                                   const std::function<void()>& resume_fn) {
   start();
   if (!builders) return true;
-  // Only consolidated names, config.json (which the view may supply) and listings need the
-  // current view (namespace.cpp).
-  if (!name.empty() && !format::is_model_output_name(name) && name != kConfigName) return true;
+  // Only consolidated names, config.json (which the view may supply or hide), the adapter folder
+  // and listings need the current view (namespace.cpp).
+  if (!name.empty() && !names::needs_view(name)) return true;
   auto n = nodes.get(dir_ino);
   if (!n || n->kind != Kind::Dir) return true;
   auto dst = stat_beneath(root.get(), n->rel);

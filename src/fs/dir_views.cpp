@@ -216,8 +216,11 @@ void Filesystem::Impl::changed(const std::shared_ptr<const View>& old,
                                const std::shared_ptr<const View>& now, Ino dir_ino) {
   if (!notifier || old == now) return;
   if (old && old->complete) {
-    for (const auto& o : old->ckpt->outputs) notifier->inval_entry(dir_ino, o.name);
+    for (const auto& o : old->ckpt->outputs) {
+      if (o.folder.empty()) notifier->inval_entry(dir_ino, o.name);
+    }
     notifier->inval_entry(dir_ino, std::string(format::kIndexFileName));
+    if (old->ckpt->adapter) notifier->inval_entry(dir_ino, old->ckpt->adapter->dir);
     if (!old->ckpt->config_json.empty()) notifier->inval_entry(dir_ino, std::string(kConfigName));
   }
   if (old && old->settling) notifier->inval_entry(dir_ino, std::string(names::kPending));

@@ -48,12 +48,15 @@ struct View {
 };
 
 // The files a view serves from memory (Kind::Index nodes, told apart by Node::output): the
-// synthesized index, and config.json when it came from -o hf_config (a mapped checkpoint with
-// no config.json of its own).
+// synthesized index, config.json when it came from -o hf_config (a mapped checkpoint with no
+// config.json of its own), and a LoRA adapter's adapter_config.json (in its folder).
 inline constexpr uint32_t kIndexFile = 0;
 inline constexpr uint32_t kConfigFile = 1;
+inline constexpr uint32_t kAdapterConfigFile = 2;
 inline constexpr std::string_view kConfigName = "config.json";
 inline const std::string& memory_file(const View& v, uint32_t which) {
+  static const std::string none;
+  if (which == kAdapterConfigFile) return v.ckpt->adapter ? v.ckpt->adapter->config_json : none;
   return which == kConfigFile ? v.ckpt->config_json : v.ckpt->index_json;
 }
 

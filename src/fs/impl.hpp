@@ -113,13 +113,18 @@ struct Filesystem::Impl {
 
   Result<EntryOut> lookup_in_dir(const Node& dir, std::string_view name_sv, const Caller& who);
   Result<EntryOut> lookup_in_shards(const Node& dir, std::string_view name);
+  Result<EntryOut> lookup_in_adapter(const Node& dir, std::string_view name);
+  std::vector<DirEntryOut> list_adapter(const Node& dir) const;
   Result<EntryOut> lookup_real(const std::string& rel, Ino parent, std::string_view name);
   // A file lifted into its checkpoint directory from .hf_metadata/ or huggingface/ is reached,
   // in SRC, through that folder: `who` needs its search permission (EACCES otherwise), which
   // the kernel cannot check on a name it sees in the checkpoint directory (namespace.cpp).
   Status may_reach_lifted(const std::string& rel, const Caller& who);
+  // A synthesized entry of View `v`: `name` in directory `dir_ino`, which is the checkpoint
+  // directory or, with `folder`, the view's folder of that name (the LoRA adapter's).
   Result<EntryOut> lookup_virtual(const std::shared_ptr<const View>& v, const std::string& dir_rel,
-                                  Ino dir_ino, Kind kind, uint32_t output, const std::string& name);
+                                  Ino dir_ino, Kind kind, uint32_t output, const std::string& name,
+                                  std::string_view folder = {});
   Result<std::vector<DirEntryOut>> list(const Node& dir, const Caller& who = {});
   void drop_vanished(const Node& dir, const std::vector<source::DirEntry>& entries);
   // The name in directory `rel` that must never be stat'ed (see Options::hide_rel).

@@ -31,8 +31,11 @@ auto Filesystem::Impl::dir_for_change(Ino parent, std::string_view name, int res
   auto n = nodes.get(parent);
   if (!n) return make_error(ESTALE, "unknown inode {}", parent);
   if (n->kind != Kind::Dir) {
-    return make_error(n->kind == Kind::ShardsDir || n->kind == Kind::StatusDir ? EPERM : ENOTDIR,
-                      "not a writable directory");
+    return make_error(
+        n->kind == Kind::ShardsDir || n->kind == Kind::StatusDir || n->kind == Kind::AdapterDir
+            ? EPERM
+            : ENOTDIR,
+        "not a writable directory");
   }
   if (names::is_state(name)) {
     return make_error(reserved, "{}: the name {} is reserved for ckptfs", source_path(n->rel),
@@ -124,7 +127,9 @@ auto Filesystem::Impl::shown_output(const DirRef& d, std::string_view name) -> S
   auto v = view_of(d.node.rel, d.st, d.node.ino, Need::Current);
   if (!v || !v->complete) return {};
   if (const auto* o = v->ckpt->find_output(name)) return {v, o};
-  if (name == format::kIndexFileName && !v->ckpt->written) return {v, nullptr};
+  if (name == format::kIndexFileName && !v->ckpt->written && !v->ckpt->index_json.empty()) {
+    return {v, nullptr};
+  }
   return {};
 }
 
@@ -402,7 +407,8 @@ Result<struct stat> Filesystem::Impl::setattr(Ino ino, const SetAttr& a,
     return set_written_attr(*n, a, times);
   }
   if (n->kind == Kind::Output || n->kind == Kind::Index || n->kind == Kind::ShardsDir ||
-      n->kind == Kind::Pending || n->kind == Kind::StatusDir || n->kind == Kind::StatusFile) {
+      n->kind == Kind::Pending || n->kind == Kind::StatusDir || n->kind == Kind::StatusFile ||
+      n->kind == Kind::AdapterDir) {
     return make_error(EPERM, "{}: a consolidated file's attributes follow its shards", n->rel);
   }
   std::shared_ptr<write::WriteFile> wf;

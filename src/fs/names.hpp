@@ -27,6 +27,13 @@ inline bool is_mapping_file(std::string_view n) {
   return n == format::kFqnMappingFileName || n == format::kFqnDtypeMappingFileName;
 }
 
+// Names whose lookup needs the directory's current view (built, settled): the consolidated
+// names, config.json (the view may supply it, or hide it over names no map serves) and a LoRA
+// checkpoint's adapter folder.
+inline bool needs_view(std::string_view n) {
+  return format::is_model_output_name(n) || n == "config.json" || n == format::kLoraAdapterDir;
+}
+
 // THE list: names a checkpoint directory hides whatever the entry is: its shards, .hf_metadata,
 // real files that the synthesized ones replace (model names), NeMo's script, and kPending.
 inline bool hidden_in_checkpoint(std::string_view n) {

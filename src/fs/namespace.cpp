@@ -60,6 +60,7 @@ bool Filesystem::Impl::sees_written(const Node& dir, const Caller& who) {
 uint64_t Filesystem::Impl::dir_ino_shown(const Node& n) const {
   if (n.kind == Kind::ShardsDir) return virtual_ino(n.dev, n.bino, 0, kShardsDirName);
   if (n.kind == Kind::StatusDir) return status_attr(n).st_ino;
+  if (n.kind == Kind::AdapterDir) return virtual_attr(n).st_ino;
   return nodes.shown_ino(n.dev, n.bino);
 }
 
@@ -174,6 +175,16 @@ void Filesystem::Impl::decorate_real(Ino ino, const std::string& rel, struct sta
 struct stat Filesystem::Impl::virtual_attr(const Node& n) const {
   struct stat st {};
   st.st_ino = virtual_ino(n.key.dev, n.key.ino, n.key.gen, n.key.name);
+  if (n.kind == Kind::AdapterDir) {
+    // As the .shards folder: searchable by all; its files carry the consolidated files' rules.
+    st.st_mode = S_IFDIR | 0555;
+    st.st_nlink = 2;
+    st.st_blksize = 1 << 20;
+    st.st_uid = n.view->shown.uid;
+    st.st_gid = n.view->shown.gid;
+    set_times(st, n.view->mtime_ns);
+    return st;
+  }
   st.st_mode = S_IFREG | (n.kind == Kind::Pending ? mode_t{0444} : n.view->shown.mode);
   st.st_nlink = 1;
   uint64_t size = n.kind == Kind::Index     ? memory_file(*n.view, n.output).size()
@@ -242,14 +253,19 @@ Status Filesystem::Impl::may_reach_lifted(const std::string& rel, const Caller& 
 Result<EntryOut> Filesystem::Impl::lookup_virtual(const std::shared_ptr<const View>& v,
                                                   const std::string& dir_rel, Ino dir_ino,
                                                   Kind kind, uint32_t output,
-                                                  const std::string& name) {
+                                                  const std::string& name,
+                                                  std::string_view folder) {
   Node proto;
   proto.kind = kind;
   proto.rel = dir_rel;  // where the checkpoint directory is now (it may have been renamed)
   proto.view = v;
   proto.output = output;
-  Node n = nodes.remember(Key{Space::Virtual, 0, v->dir_dev, v->dir_ino, v->generation, name},
-                          std::move(proto), dir_ino, name);
+  // A file of a folder of the view is keyed by its path: never the node of a name in the
+  // directory itself.
+  std::string key = folder.empty() ? name : fmt::format("{}/{}", folder, name);
+  Node n =
+      nodes.remember(Key{Space::Virtual, 0, v->dir_dev, v->dir_ino, v->generation, std::move(key)},
+                     std::move(proto), dir_ino, name);
   return EntryOut{n.ino, virtual_attr(n)};
 }
 
@@ -284,8 +300,8 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     if (real.ok() || real.error().code != ENOENT) return real;
   }
   // config.json too may be the view's (-o hf_config, a map's), and it is hidden beside a
-  // trainer's own names that no map serves: both need the current view.
-  const bool consolidated_name = is_model_output_name(name) || name == kConfigName;
+  // trainer's own names that no map serves: it needs the current view (names::needs_view).
+  const bool consolidated_name = names::needs_view(name);
   auto v = view_of(dir.rel, dst, dir.ino, consolidated_name ? Need::Current : Need::Any);
   if (consolidated_name) v = wait_settled(dir, std::move(v));
   if (!v) return lookup_real(rel, dir.ino, name);
@@ -301,12 +317,12 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
   if (v->complete) {
     const auto& ck = *v->ckpt;
     for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
-      if (ck.outputs[i].name == name) {
+      if (ck.outputs[i].folder.empty() && ck.outputs[i].name == name) {
         return lookup_virtual(v, dir.rel, dir.ino, Kind::Output, i, name);
       }
     }
     if (name == format::kIndexFileName) {
-      if (ck.written) return lookup_real(rel, dir.ino, name);
+      if (ck.written || ck.index_json.empty()) return lookup_real(rel, dir.ino, name);
       return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kIndexFile, name);
     }
   }
@@ -328,6 +344,10 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
   }
   auto real = lookup_real(rel, dir.ino, name);
   if (real.ok() || real.error().code != ENOENT) return real;
+  // A LoRA checkpoint's adapter folder, where SRC has no entry of that name.
+  if (v->complete && v->ckpt->adapter && name == v->ckpt->adapter->dir) {
+    return lookup_virtual(v, dir.rel, dir.ino, Kind::AdapterDir, 0, name);
+  }
   // Lifted from .hf_metadata/ (never the mapping files) or verl's huggingface/, the first
   // that has it. No symlink is followed on the way.
   if (names::is_mapping_file(name)) return real;
@@ -345,6 +365,41 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kConfigFile, name);
   }
   return real;
+}
+
+// The files of a LoRA checkpoint's adapter folder (node `dir`, of one View): the adapter's
+// output and adapter_config.json.
+Result<EntryOut> Filesystem::Impl::lookup_in_adapter(const Node& dir, std::string_view name) {
+  const auto& v = dir.view;
+  const auto& ck = *v->ckpt;
+  const std::string n(name);
+  if (name == format::kAdapterConfigName) {
+    return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kAdapterConfigFile, n, dir.key.name);
+  }
+  for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
+    if (ck.outputs[i].folder == dir.key.name && ck.outputs[i].name == name) {
+      return lookup_virtual(v, dir.rel, dir.ino, Kind::Output, i, n, dir.key.name);
+    }
+  }
+  return make_error(ENOENT, "{}/{}: not in the adapter folder", dir.key.name, n);
+}
+
+// The entries of a LoRA checkpoint's adapter folder (node `dir`), as lookup_in_adapter finds them.
+std::vector<DirEntryOut> Filesystem::Impl::list_adapter(const Node& dir) const {
+  const auto& ck = *dir.view->ckpt;
+  std::vector<DirEntryOut> out;
+  auto add = [&](std::string_view name) {
+    const std::string key = fmt::format("{}/{}", dir.key.name, name);
+    out.push_back(DirEntryOut{std::string(name),
+                              virtual_ino(dir.key.dev, dir.key.ino, dir.key.gen, key), S_IFREG});
+  };
+  add(format::kAdapterConfigName);
+  for (const auto& o : ck.outputs) {
+    if (o.folder == dir.key.name) add(o.name);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const DirEntryOut& a, const DirEntryOut& b) { return a.name < b.name; });
+  return out;
 }
 
 Result<EntryOut> Filesystem::Impl::lookup_in_shards(const Node& dir, std::string_view name) {
@@ -430,10 +485,16 @@ Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const C
   if (v->complete) {
     const auto& ck = *v->ckpt;
     for (const auto& o : ck.outputs) {
+      if (!o.folder.empty()) continue;  // listed in its folder
       out.push_back(
           DirEntryOut{o.name, virtual_ino(v->dir_dev, v->dir_ino, v->generation, o.name), S_IFREG});
     }
-    if (!written) {
+    if (ck.adapter && !listed.count(ck.adapter->dir)) {
+      out.push_back(DirEntryOut{ck.adapter->dir,
+                                virtual_ino(v->dir_dev, v->dir_ino, v->generation, ck.adapter->dir),
+                                S_IFDIR});
+    }
+    if (!written && !ck.index_json.empty()) {
       out.push_back(DirEntryOut{
           std::string(format::kIndexFileName),
           virtual_ino(v->dir_dev, v->dir_ino, v->generation, format::kIndexFileName), S_IFREG});
@@ -467,6 +528,7 @@ Result<EntryOut> Filesystem::Impl::lookup(Ino parent, std::string_view name, con
   if (!dir) return make_error(ESTALE, "unknown inode {}", parent);
   if (dir->kind == Kind::Dir) return lookup_in_dir(*dir, name, who);
   if (dir->kind == Kind::ShardsDir) return lookup_in_shards(*dir, name);
+  if (dir->kind == Kind::AdapterDir) return lookup_in_adapter(*dir, name);
   if (dir->kind == Kind::StatusDir) {
     if (name != kStatusFileName) return make_error(ENOENT, "no such status file");
     return lookup_status(parent, Kind::StatusFile, name);
@@ -491,6 +553,7 @@ Result<struct stat> Filesystem::Impl::getattr(Ino ino) {
     case Kind::Output:
     case Kind::Index:
     case Kind::Pending:
+    case Kind::AdapterDir:
       return virtual_attr(*n);
     case Kind::StatusDir:
     case Kind::StatusFile:
@@ -522,7 +585,8 @@ Result<std::string> Filesystem::Impl::readlink(Ino ino) {
 Result<uint64_t> Filesystem::Impl::opendir(Ino ino, const Caller& who) {
   auto n = nodes.get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
-  if (n->kind != Kind::Dir && n->kind != Kind::ShardsDir && n->kind != Kind::StatusDir) {
+  if (n->kind != Kind::Dir && n->kind != Kind::ShardsDir && n->kind != Kind::StatusDir &&
+      n->kind != Kind::AdapterDir) {
     return make_error(ENOTDIR, "not a directory");
   }
   if (n->kind == Kind::Dir) CKPTFS_CHECK(real_attr(*n));
@@ -532,6 +596,8 @@ Result<uint64_t> Filesystem::Impl::opendir(Ino ino, const Caller& who) {
     file.kind = Kind::StatusFile;
     file.key.name = std::string(kStatusFileName);
     entries.push_back({file.key.name, status_attr(file).st_ino, S_IFREG});
+  } else if (n->kind == Kind::AdapterDir) {
+    entries = list_adapter(*n);
   } else {
     CKPTFS_TRY(entries, list(*n, who));
   }

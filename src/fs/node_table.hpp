@@ -38,6 +38,7 @@ struct View;
 struct DirState;
 
 // What a node is. StatusDir, StatusFile: .ckptfs/ at the root of the mount and its status.json.
+// AdapterDir: a LoRA checkpoint's adapter folder (one View's, like Output and Index).
 enum class Kind : uint8_t {
   Dir,
   File,
@@ -48,13 +49,15 @@ enum class Kind : uint8_t {
   ShardsDir,
   Pending,
   StatusDir,
-  StatusFile
+  StatusFile,
+  AdapterDir
 };
 
 // Which kind of identity a Key holds.
 enum class Space : uint8_t {
   Real,       // a file of SRC: (fmt, dev, ino)
-  Virtual,    // a synthesized file of one View: (dev, ino) of its directory, generation, name
+  Virtual,    // a synthesized file or folder of one View: (dev, ino) of its directory, generation,
+              // name (a file in the adapter folder: "folder/name")
   ShardsDir,  // the .shards folder of a directory: (dev, ino) of that directory
   Status,     // the status directory and file: their name
 };
@@ -76,7 +79,7 @@ struct Node {
   Kind kind = Kind::Other;
   std::string rel;  // backing path (real nodes) or the checkpoint directory (virtual, .shards)
   uint64_t dev = 0, bino = 0;        // backing identity (real nodes and .shards' directory)
-  std::shared_ptr<const View> view;  // Output / Index
+  std::shared_ptr<const View> view;  // Output / Index / AdapterDir
   uint32_t output = 0;
   uint64_t nlookup = 0;
   layout::FileStamp cached;  // stamp when last opened: decides keep_cache

@@ -151,6 +151,7 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
     case Kind::Dir:
     case Kind::ShardsDir:
     case Kind::StatusDir:
+    case Kind::AdapterDir:
       return make_error(EISDIR, "is a directory");
     default:
       return make_error(EACCES, "special files cannot be opened through the view");

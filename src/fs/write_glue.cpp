@@ -63,11 +63,15 @@ Result<OpenOut> Filesystem::Impl::open_for_write(const Node& n, int flags) {
   if (n.kind == Kind::File) {
     dir_rel = parent_of(n.rel);
     name = last_of(n.rel);
+  } else if (n.kind == Kind::Output && !n.view->ckpt->outputs[n.output].folder.empty()) {
+    return make_error(EPERM, "{}: a LoRA adapter's file is made of the rank files; not written",
+                      source_path(join_rel(n.rel, n.key.name)));
   } else if (n.kind == Kind::Output && (flags & O_TRUNC)) {
     // Replacing a consolidated file: a new file under its name, committed at close.
     dir_rel = n.rel;
     name = n.key.name;
-  } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir || n.kind == Kind::StatusDir) {
+  } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir || n.kind == Kind::StatusDir ||
+             n.kind == Kind::AdapterDir) {
     return make_error(EISDIR, "is a directory");
   } else if (n.kind == Kind::Pending || n.kind == Kind::StatusFile) {
     return make_error(EACCES, "{}: written by ckptfs only", n.key.name);

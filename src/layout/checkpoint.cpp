@@ -3,6 +3,7 @@
 #include "ckptfs/layout/checkpoint.hpp"
 
 #include "ckptfs/layout/map_report.hpp"
+#include "ckptfs/layout/lora.hpp"
 #include "ckptfs/layout/model_map.hpp"
 
 #include <algorithm>
@@ -55,7 +56,13 @@ class Builder {
     check_output_counts();
     for (auto& tb : order_) finish_tensor(*tb);
     if (ck_->problems.empty()) apply_dtypes();
-    if (ck_->problems.empty()) apply_map();
+    if (ck_->problems.empty()) {
+      if (in_.lora) {
+        apply_lora();  // a PEFT LoRA state dict: split, never mapped
+      } else {
+        apply_map();
+      }
+    }
     // -o hf_config in every layout: a checkpoint with no config.json of its own (a mapped one
     // gets it from apply_map; accelerate's save_state writes none) shows it. A real or lifted
     // config.json in the directory is found first (fs/namespace.cpp).
@@ -569,6 +576,7 @@ class Builder {
       });
       for (const auto& s : ck_->shards) m = std::max(m, s.parsed.m);
       if (!ck_->map.empty()) m = *std::max_element(tensor_k_.begin(), tensor_k_.end());
+      if (ck_->adapter) m = lora_m_;
     }
     if (!ck_->problems.empty()) return;
     if (ck_->tensors.empty()) {
@@ -581,7 +589,12 @@ class Builder {
     for (auto& [k, o] : out_of_k) {
       o = idx++;
       OutputFile f;
-      f.name = format::model_file_name(k, m);
+      if (ck_->adapter && k == ck_->adapter->k) {
+        f.name = std::string(format::kAdapterModelName);
+        f.folder = ck_->adapter->dir;
+      } else {
+        f.name = format::model_file_name(k, m);
+      }
       f.k = k;
       ck_->outputs.push_back(std::move(f));
     }
@@ -638,6 +651,15 @@ class Builder {
       }
       return;
     }
+    tensor_index_.clear();
+    for (uint32_t i = 0; i < ck_->tensors.size(); ++i)
+      tensor_index_.emplace(ck_->tensors[i].name, i);
+  }
+
+  // A PEFT LoRA state dict (BuildInput::lora): the base model under HF names, the adapter in a
+  // folder of its own (layout/lora.hpp).
+  void apply_lora() {
+    lora_m_ = lora::apply(*in_.lora, *ck_, tensor_k_);
     tensor_index_.clear();
     for (uint32_t i = 0; i < ck_->tensors.size(); ++i)
       tensor_index_.emplace(ck_->tensors[i].name, i);
@@ -738,6 +760,7 @@ class Builder {
         for (const auto& r : t.runs) {
           for (const auto& c : ck_->stored[r.src].chunks) shards.insert(c.shard);
         }
+        if (!f.folder.empty()) continue;  // the adapter's: not the model's index
         index.weight_map.emplace_back(t.name, f.name);
         index.total_size += t.nbytes;
         index.total_parameters += t.numel;
@@ -754,7 +777,8 @@ class Builder {
       f.size = f.header.size() + pos;
       f.shards.assign(shards.begin(), shards.end());
     }
-    ck_->index_json = format::serialize_index(index);
+    // No model file in the directory (a LoRA adapter alone): no index either.
+    if (!index.weight_map.empty()) ck_->index_json = format::serialize_index(index);
   }
 
   BuildInput in_;
@@ -764,6 +788,7 @@ class Builder {
   std::vector<std::unique_ptr<TensorBuild>> order_;
   std::unordered_map<std::string, uint32_t> tensor_index_;
   std::vector<uint32_t> tensor_k_;  // parallel to ck_->tensors
+  uint32_t lora_m_ = 0;             // apply_lora: the base model's output files
 };
 
 }  // namespace
@@ -793,7 +818,7 @@ uint64_t Checkpoint::total_bytes() const {
 
 const OutputFile* Checkpoint::find_output(std::string_view name) const {
   for (const auto& f : outputs) {
-    if (f.name == name) return &f;
+    if (f.folder.empty() && f.name == name) return &f;
   }
   return nullptr;
 }

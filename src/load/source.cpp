@@ -74,7 +74,16 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
     }
     CKPTFS_TRY(shard_fds, source::open_shards(ck, dfd.get(), dir, "load"));
     s->kind_ = Kind::RankShards;
+    // The model files of the directory, as the view shows them: a LoRA checkpoint's base model,
+    // not its adapter (in a folder of its own, for PEFT).
+    if (ck.adapter && ck.index_json.empty()) {
+      return make_error(EINVAL,
+                        "{}: the rank files hold a LoRA adapter only (verl's save_lora_only), no "
+                        "model weights to load; PEFT loads the adapter from {}/",
+                        dir, ck.adapter->dir);
+    }
     for (const auto& f : ck.outputs) {
+      if (!f.folder.empty()) continue;
       for (uint32_t t : f.tensors) {
         const auto& T = ck.tensors[t];
         s->by_name_.emplace(T.name, static_cast<uint32_t>(s->tensors_.size()));

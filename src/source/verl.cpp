@@ -242,6 +242,17 @@ class Reader {
     }
     in_.declared->outputs = packer.outputs();
     if (first.tensors.empty()) problem(ref_.name, "", "no tensors");
+    if (!in_.lora) {
+      auto peft = std::find_if(first.tensors.begin(), first.tensors.end(), [](const RankTensor& t) {
+        return t.key.starts_with("base_model.model.") && t.key.find(".lora_") != std::string::npos;
+      });
+      if (peft != first.tensors.end()) {
+        in_.notes.push_back(fmt::format(
+            "'{}' is a PEFT LoRA name, but there is no {}: the tensors are served as stored, "
+            "not as a base model and an adapter",
+            peft->key, format::kLoraTrainMetaName));
+      }
+    }
   }
 
  private:
@@ -347,17 +358,23 @@ class Reader {
 
 }  // namespace
 
-bool is_verl_entry(const DirEntry& e) {
-  if (e.name == format::kVerlConfigName) return true;
+namespace {
+bool is_model_rank(const DirEntry& e) {
   auto n = format::parse_verl_rank_name(e.name);
   return n && n->kind == "model";
+}
+}  // namespace
+
+bool is_verl_entry(const DirEntry& e) {
+  return e.name == format::kVerlConfigName || e.name == format::kLoraTrainMetaName ||
+         is_model_rank(e);
 }
 
 bool is_verl_dir(const std::vector<DirEntry>& entries) {
   bool config = false, model = false;
   for (const auto& e : entries) {
     if (e.name == format::kVerlConfigName) config = S_ISREG(e.st.st_mode);
-    if (e.name != format::kVerlConfigName && is_verl_entry(e)) model = true;
+    if (is_model_rank(e)) model = true;
   }
   return config && model && !has_shards(entries) && !is_distcp_dir(entries);
 }
@@ -373,11 +390,22 @@ void read_verl_input(int dirfd, const std::vector<DirEntry>& entries, layout::Bu
   if (!text) return problem(config_name, "", text.error().message);
   auto cfg = format::parse_verl_config(*text, config_name);
   if (!cfg) return problem(config_name, "", cfg.error().message);
-  if (cfg->fsdp_version && *cfg->fsdp_version != 2) {
-    return problem(config_name, "",
-                   fmt::format("FSDP_version {}: only FSDP2's DTensor shards are served (FSDP1 "
-                               "saves ShardedTensors)",
-                               *cfg->fsdp_version));
+  // verl writes 1 (its default strategy, fsdp) or 2 (fsdp2); both save DTensors, since verl
+  // always gives FSDP1 a device mesh. Each rank file says what it holds either way.
+  if (cfg->fsdp_version && *cfg->fsdp_version != 1 && *cfg->fsdp_version != 2) {
+    return problem(
+        config_name, "",
+        fmt::format("FSDP_version {}: verl writes 1 (FSDP) or 2 (FSDP2)", *cfg->fsdp_version));
+  }
+  // A PEFT LoRA model: lora_train_meta.json beside the rank files (layout/lora.hpp).
+  const std::string meta_name(format::kLoraTrainMetaName);
+  if (std::any_of(entries.begin(), entries.end(),
+                  [&](const DirEntry& e) { return e.name == meta_name; })) {
+    auto meta = read_small_file_beneath(dirfd, meta_name, 1 << 20);
+    if (!meta) return problem(meta_name, "", meta.error().message);
+    auto m = format::parse_lora_train_meta(*meta, meta_name);
+    if (!m) return problem(meta_name, "", m.error().message);
+    in.lora = layout::LoraInput{meta_name, m->r, m->lora_alpha, m->task_type};
   }
   const uint32_t world = cfg->world_size;
   Reader rd(dirfd, world, in);

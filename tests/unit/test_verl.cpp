@@ -138,6 +138,28 @@ TEST(VerlTrust, TheSeedRankFilesRewrittenUnchangedAreServed) {
   EXPECT_EQ(ck->tensors.size(), 3u);
 }
 
+// verl's default strategy is FSDP1 (FSDP_version 1), which verl always gives a device mesh: its
+// rank files hold DTensors as FSDP2's do, and are served alike. Another version is refused.
+TEST(VerlTrust, Fsdp1IsServedAsFsdp2AndAnotherVersionIsRefused) {
+  test::TempDir t;
+  for (int r = 0; r < 3; ++r) test::write_file(t.path() + "/" + rank_name(3, r), rank_file(r));
+  for (int version : {1, 2, 3}) {
+    SCOPED_TRACE(version);
+    test::write_file(t.path() + "/fsdp_config.json",
+                     fmt::format(R"({{"FSDP_version": {}, "world_size": 3}})", version));
+    auto ck = build(t.path());
+    if (version == 3) {
+      ASSERT_FALSE(ck->valid());
+      EXPECT_NE(problems(*ck).find("FSDP_version 3: verl writes 1 (FSDP) or 2 (FSDP2)"),
+                std::string::npos)
+          << problems(*ck);
+      continue;
+    }
+    ASSERT_TRUE(ck->valid()) << problems(*ck);
+    EXPECT_EQ(ck->tensors.size(), 3u);
+  }
+}
+
 // A world of hard links to one file: refused from the listing, naming both files, before any
 // rank is read (so a link to an unreadable file says nothing else, and a world of 4096 links to
 // a 100 MB rank costs no parse). verl writes one file per rank.

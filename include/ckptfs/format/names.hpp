@@ -30,6 +30,12 @@ inline constexpr std::string_view kFqnMappingFileName = "fqn_to_file_index_mappi
 // NeMo AutoModel 0.7: the dtype each tensor had in the base model's HF checkpoint.
 inline constexpr std::string_view kFqnDtypeMappingFileName = "fqn_to_dtype_mapping.json";
 inline constexpr std::string_view kSafetensorsSuffix = ".safetensors";
+// A LoRA checkpoint's adapter (layout/lora.hpp): a folder of the checkpoint directory holding
+// what PEFT's save_pretrained writes, so PeftModel.from_pretrained(base, DIR/lora_adapter) loads
+// it (the name verl's model merger gives the same folder).
+inline constexpr std::string_view kLoraAdapterDir = "lora_adapter";
+inline constexpr std::string_view kAdapterModelName = "adapter_model.safetensors";
+inline constexpr std::string_view kAdapterConfigName = "adapter_config.json";
 
 struct ShardName {
   uint32_t shard = 0;  // rank + 1

@@ -1,12 +1,14 @@
-// verl's FSDP checkpoint: the rank file names, fsdp_config.json, and the state-dict pickle of
-// DTensors inside each `model_world_size_W_rank_R.pt`, read into plain per-rank records.
+// verl's FSDP checkpoint: the rank file names, fsdp_config.json, lora_train_meta.json, and the
+// state-dict pickle of DTensors inside each `model_world_size_W_rank_R.pt`, read into plain
+// per-rank records.
 //
-// verl's FSDPCheckpointManager saves `torch.save(model.state_dict())` on every rank. Under
-// FSDP2 each value is a DTensor, pickled as `_rebuild_from_type_v2(_rebuild_wrapper_subclass,
-// DTensor, (DTensor, dtype, global size, stride, ...), {'_local_tensor': <the rank's tensor>,
-// '_spec': DTensorSpec(mesh, placements, tensor_meta, ...)})`; a value that is not sharded is a
-// plain tensor. Only the globals those need are allowed (FSDP1's ShardedTensor is not one of
-// them, so it is refused by name); nothing is executed.
+// verl's FSDPCheckpointManager saves `torch.save(model.state_dict())` on every rank. Under FSDP2,
+// and under FSDP1 with a device mesh (verl always passes one), each value is a DTensor, pickled
+// as `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, global size,
+// stride, ...), {'_local_tensor': <the rank's tensor>, '_spec': DTensorSpec(mesh, placements,
+// tensor_meta, ...)})`; a value that is not sharded is a plain tensor. Only the globals those need
+// are allowed; nothing is executed. FSDP1 without a device mesh saves ShardedTensors, whose pickle
+// builds an object from `getattr(ShardedTensor, 'ProcessGroupState')`: refused, by name.
 #pragma once
 
 #include <cstdint>
@@ -24,18 +26,31 @@
 namespace ckptfs::format {
 
 inline constexpr std::string_view kVerlConfigName = "fsdp_config.json";
+// Written beside the rank files by verl when the model is a PEFT LoRA model (lora_rank > 0).
+inline constexpr std::string_view kLoraTrainMetaName = "lora_train_meta.json";
 inline constexpr uint64_t kMaxVerlPickleBytes = 256ull << 20;  // one rank's data.pkl
 
 // A verl checkpoint's own file: a rank file of any kind, or fsdp_config.json (never copied into
 // its consolidated form).
 bool is_verl_file_name(std::string_view name);
 
-// fsdp_config.json: {"FSDP_version": 2, "world_size": W} (parsed strictly).
+// fsdp_config.json: {"FSDP_version": 1 or 2, "world_size": W} (parsed strictly).
 struct VerlConfig {
   uint32_t world_size = 0;
   std::optional<int64_t> fsdp_version;
 };
 Result<VerlConfig> parse_verl_config(std::string_view text, std::string_view what);
+
+// lora_train_meta.json: {"r": R, "lora_alpha": A, "task_type": "CAUSAL_LM"} (parsed strictly;
+// verl's FSDPCheckpointManager._get_lora_train_meta writes int(r) > 0, int(lora_alpha) and the
+// PEFT task type's value). r from 1 to 2^20, lora_alpha from 0 to 2^31 - 1, task_type (optional:
+// null when absent) 1 to 64 letters, digits or underscores.
+struct LoraTrainMeta {
+  uint32_t r = 0;
+  int64_t lora_alpha = 0;
+  std::optional<std::string> task_type;
+};
+Result<LoraTrainMeta> parse_lora_train_meta(std::string_view text, std::string_view what);
 
 struct Placement {
   enum class Kind : uint8_t { Replicate, Shard };

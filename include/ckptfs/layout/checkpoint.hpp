@@ -128,6 +128,9 @@ struct Tensor {
 
 struct OutputFile {
   std::string name;
+  // Empty: shown in the checkpoint directory. Else the virtual folder of that directory it is
+  // shown in (a LoRA checkpoint's adapter, Checkpoint::adapter): never in the index.
+  std::string folder;
   uint32_t k = 0;                 // its number in model-k-of-m
   bool written = false;           // header and name from a commit record (written through ckptfs)
   std::vector<uint32_t> tensors;  // in file order
@@ -137,6 +140,20 @@ struct OutputFile {
   // Non-empty tensors by data offset, for binary search in the extent map.
   std::vector<uint64_t> data_starts;
   std::vector<uint32_t> data_tensors;
+
+  // Its path below the checkpoint directory: `name`, or `folder/name`.
+  [[nodiscard]] std::string path() const { return folder.empty() ? name : folder + "/" + name; }
+};
+
+// A LoRA checkpoint's adapter (layout/lora.hpp): the folder `dir` of the checkpoint directory
+// shows the output numbered `k` (adapter_model.safetensors) and `config_json`
+// (adapter_config.json); the base model's outputs and the index stay in the directory itself.
+struct Adapter {
+  std::string dir;
+  uint32_t k = 0;
+  std::string config_json;
+  uint32_t base_tensors = 0, adapter_tensors = 0, layers = 0;
+  std::string note;  // what inspect says of the split
 };
 
 // A problem found while building. `file` and `tensor` are empty when not applicable.
@@ -186,6 +203,9 @@ struct Checkpoint {
   // Some output was written through ckptfs (has a commit record): the directory's own index
   // file, if it has one, is the real one and none is synthesized.
   bool written = false;
+  // A LoRA split applied (BuildInput::lora): where the adapter is shown. `index_json` is then
+  // the base model's only, and empty when no base tensor was stored (verl's save_lora_only).
+  std::optional<Adapter> adapter;
 
   [[nodiscard]] bool valid() const { return problems.empty(); }
   // Every output was written through ckptfs and committed: its records prove it complete, so
@@ -199,6 +219,7 @@ struct Checkpoint {
     return map.empty() ? tensors : stored;
   }
   [[nodiscard]] uint64_t total_bytes() const;
+  // The output shown as `name` in the checkpoint directory itself (never one in a folder).
   [[nodiscard]] const OutputFile* find_output(std::string_view name) const;
 };
 
@@ -258,6 +279,15 @@ struct Declared {
   uint32_t outputs = 1;
 };
 
+// A PEFT LoRA model's state dict (verl with lora_rank > 0: lora_train_meta.json beside the rank
+// files), to be split into the base model and the adapter (layout/lora.hpp).
+struct LoraInput {
+  std::string file;  // lora_train_meta.json, for messages
+  uint32_t r = 0;
+  int64_t lora_alpha = 0;
+  std::optional<std::string> task_type;
+};
+
 struct BuildInput {
   std::string dir;
   std::vector<ShardInput> shards;
@@ -277,6 +307,8 @@ struct BuildInput {
   std::string native_config;
   std::string native_what;
   std::string native_problem;
+  // Set: the tensors are a PEFT LoRA state dict, split into base and adapter (no model map).
+  std::optional<LoraInput> lora;
 };
 
 // save_pretrained's "5GB": the most bytes the native sources and the maps put in one output.

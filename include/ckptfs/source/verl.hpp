@@ -7,8 +7,12 @@
 // tiled by their placements (docs/formats.md): Shard(d) on a mesh dimension of size n holds
 // chunk c of n along d with torch.chunk's split (so the last ranks may hold fewer rows or
 // none); a Replicate dimension is taken from coordinate 0. Plain tensors are taken from rank
-// 0. The tensors are served under their state-dict keys, in rank 0's order, packed as the DCP
-// source packs them (OutputPacker). The optim_/extra_state_ files are never read.
+// 0. FSDP1 (verl's default strategy) and FSDP2 are read alike: verl gives FSDP1 a device mesh,
+// so its rank files hold DTensors too (HSDP: [Replicate, Shard(0)] on a ("ddp", "fsdp") mesh).
+// The tensors are served under their state-dict keys, in rank 0's order, packed as the DCP
+// source packs them (OutputPacker); with a lora_train_meta.json (a PEFT LoRA model) the layout's
+// LoRA split serves them as a base model and an adapter (layout/lora.hpp). The optim_/extra_state_
+// files are never read.
 #pragma once
 
 #include <vector>
@@ -18,7 +22,8 @@
 
 namespace ckptfs::source {
 
-// fsdp_config.json or a `model_world_size_W_rank_R.pt` file: the inputs of a verl checkpoint.
+// fsdp_config.json, lora_train_meta.json or a `model_world_size_W_rank_R.pt` file: the inputs of
+// a verl checkpoint.
 bool is_verl_entry(const DirEntry& e);
 bool is_verl_dir(const std::vector<DirEntry>& entries);
 
