@@ -21,9 +21,8 @@
 
 The hook for "a verl LoRA adapter loaded with PEFT" (lora_demo below): the base model by
 from_pretrained(view), the adapter by PeftModel.from_pretrained(base, view/lora_adapter), greedy
-tokens with the adapter and without it (the adapter must change them once trained). demo.sh does
-not call it yet: it needs a verl LoRA checkpoint (tests/python/writers/verl_save.py --lora 8) and
-peft in the demo's venv.
+tokens with the adapter and without it. demo.sh's step 9 calls it on the LoRA checkpoint verl's
+own checkpoint manager saved into the mount (tests/python/writers/verl_save.py --lora 8).
 The page cache is warm for both paths (the shards were just written or read): this is a
 demonstration, not a benchmark (see tools/bench_load.py for cold/warm measurements).
 """

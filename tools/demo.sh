@@ -11,10 +11,12 @@
 #      torch first, then load"; one summary line
 #   6. save_pretrained into the mount; 7. ckptfs load of the shards; 8. a native torch DCP
 #      save (FSDP2, 2 ranks) into the mount, served as HF; 9. verl's own FSDP checkpoint
-#      manager saves into the mount (2 ranks), served as HF with its huggingface/ config
+#      manager saves into the mount (2 ranks), served as HF with its huggingface/ config, and a
+#      LoRA checkpoint: the base model, and lora_adapter/ loaded with PEFT
 #   10. torchtitan's own checkpointer (FSDP2, 2 ranks) saves a Llama into the mount, under its
 #      own names and RoPE row order; the built-in model map torchtitan-llama3 serves it under
-#      HF's (issue 22, docs/maps.md); 11. unmount (always, from a trap)
+#      HF's (issue 22, docs/maps.md), and a Qwen3-MoE through torchtitan-qwen3-moe;
+#   11. unmount (always, from a trap)
 # Exit status: non-zero if any step or check fails. Needs no network beyond apt and PyPI
 # (set-up only); nothing is fetched from the HuggingFace hub.
 # Environment: CKPTFS_DEMO_DIR (work dir, default /tmp/ckptfs-demo), CKPTFS_CACHE (venv, see setup.sh)
@@ -176,8 +178,11 @@ if ((status == 0)); then
   # (config, tokenizer), stored as written; the mount adds the consolidated files beside them,
   # where verl.model_merger would have written a copy. (The writer also runs that merger, on
   # the files through the mount, and checks it against the trained model.)
-  rm -rf "$SRC/run/verl" "$SRC/run/merged-verl" "$SRC/run/reference-verl.safetensors"
-  "$PY" tests/python/writers/verl_save.py "$MNT/run/verl" --ranks 2 \
+  # The same ranks then save a second checkpoint with LoRA (rank 8, all-linear; verl's own
+  # _build_lora_module): its rank files hold PEFT's names.
+  rm -rf "$SRC/run/verl" "$SRC/run/merged-verl" "$SRC/run/reference-verl.safetensors" \
+    "$SRC/run/verl-lora" "$SRC/run/"{peft-reference-verl-lora,logits-verl-lora.safetensors,base-reference-verl-lora.safetensors}
+  "$PY" tests/python/writers/verl_save.py "$MNT/run/verl" --ranks 2 --case "$MNT/run/verl-lora:--lora 8" \
     >"$WORK/verl_save.log" 2>&1 || { tail -n 20 "$WORK/verl_save.log"; status=1; }
 fi
 if ((status == 0)); then
@@ -186,14 +191,33 @@ if ((status == 0)); then
   "$BIN" inspect "$SRC/run/verl/global_step_1/actor" | grep -E "format|left out|training state" || true
   check_from_pretrained "$ACTOR" "$MNT/run/reference-verl.safetensors" tokenizer || status=$?
 fi
+if ((status == 0)); then
+  # LoRA: the base model under HF names in the directory, PEFT's adapter in lora_adapter/
+  # (adapter_config.json from lora_train_meta.json); both checked against PEFT's own unload()
+  # and save_pretrained, then loaded with PeftModel.from_pretrained (issue 33).
+  LACTOR=$MNT/run/verl-lora/global_step_1/actor
+  ls -la "$LACTOR" "$LACTOR/lora_adapter"
+  "$BIN" inspect "$SRC/run/verl-lora/global_step_1/actor" | grep -E "format|lora" || true
+  check_from_pretrained "$LACTOR" "$MNT/run/base-reference-verl-lora.safetensors" || status=$?
+  if cmp -s "$LACTOR/lora_adapter/adapter_model.safetensors" \
+       "$MNT/run/peft-reference-verl-lora/adapter_model.safetensors"; then
+    echo "lora_adapter/adapter_model.safetensors: byte for byte PEFT's own save_pretrained"
+  else
+    echo "demo: lora_adapter/adapter_model.safetensors differs from PEFT's save_pretrained" >&2
+    status=1
+  fi
+  ((status == 0)) && { "$PY" tools/demo.py --lora-view "$LACTOR" --tokens 8 || status=$?; }
+fi
 
 step "10/11 torchtitan's checkpointer saves into the mount; served under HF names through the model map torchtitan-llama3"
 if ((status == 0)); then
   # torchtitan 0.3.0 stores tok_embeddings, layers.N.attention.qkv_linear.wq (rows permuted for
   # RoPE), feed_forward.w1/w2/w3...: the writer converts an HF Llama with torchtitan's own
   # from_hf and saves it with its CheckpointManager. The view maps it back, with no copy.
+  # And a Qwen3-MoE (4 experts stored grouped, [experts, ...], split over the ranks on the
+  # expert axis): torchtitan-qwen3-moe serves every expert under HF's names.
   rm -rf "$SRC/run/titan"
-  "$PY" tests/python/writers/titan_map_save.py "$MNT/run/titan" --ranks 2 --models llama3 \
+  "$PY" tests/python/writers/titan_map_save.py "$MNT/run/titan" --ranks 2 --models llama3,qwen3-moe \
     >"$WORK/titan_save.log" 2>&1 || { tail -n 20 "$WORK/titan_save.log"; status=1; }
 fi
 if ((status == 0)); then
@@ -201,6 +225,13 @@ if ((status == 0)); then
   ls -la "$STEP"
   "$BIN" inspect "$SRC/run/titan/llama3/checkpoint/step-1" | grep -E "format|model map|q_proj" | head -n 4 || true
   check_from_pretrained "$STEP" "$MNT/run/titan/llama3/original.safetensors" || status=$?
+fi
+if ((status == 0)); then
+  # torchtitan writes no config.json: the user puts the HF one beside the step, as for any map.
+  MOE=$MNT/run/titan/qwen3-moe/checkpoint/step-1
+  cp "$MNT/run/titan/qwen3-moe/hf/config.json" "$MOE/"
+  "$BIN" inspect "$SRC/run/titan/qwen3-moe/checkpoint/step-1" | grep -E "format|model map|experts" | head -n 4 || true
+  check_from_pretrained "$MOE" "$MNT/run/titan/qwen3-moe/original.safetensors" || status=$?
 fi
 
 step "11/11 unmount"

@@ -25,6 +25,10 @@ step() { printf '\n=== %s\n' "$*"; }
 
 step "set-up"
 VENV=$(tools/setup.sh | tail -n 1)
+# ccache (installed by setup.sh; meson finds it): the four builds below recompile the same
+# sources on every fresh clone. Paths inside the clone and the clone's own location are left out
+# of the hash, so a clone elsewhere hits the same cache.
+export CCACHE_BASEDIR=$ROOT CCACHE_NOHASHDIR=1
 
 step "build and unit tests"
 [[ -f build/build.ninja ]] || meson setup build >/dev/null

@@ -2,8 +2,8 @@
 // thing: the builder's passes over one set of chunks).
 #include "ckptfs/layout/checkpoint.hpp"
 
-#include "ckptfs/layout/map_report.hpp"
 #include "ckptfs/layout/lora.hpp"
+#include "ckptfs/layout/map_report.hpp"
 #include "ckptfs/layout/model_map.hpp"
 
 #include <algorithm>
