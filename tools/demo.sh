@@ -197,7 +197,7 @@ if ((status == 0)); then
   # and save_pretrained, then loaded with PeftModel.from_pretrained (issue 33).
   LACTOR=$MNT/run/verl-lora/global_step_1/actor
   ls -la "$LACTOR" "$LACTOR/lora_adapter"
-  "$BIN" inspect "$SRC/run/verl-lora/global_step_1/actor" | grep -E "format|lora" || true
+  "$BIN" inspect "$SRC/run/verl-lora/global_step_1/actor" | grep -E "format:|^  lora:" || true
   check_from_pretrained "$LACTOR" "$MNT/run/base-reference-verl-lora.safetensors" || status=$?
   if cmp -s "$LACTOR/lora_adapter/adapter_model.safetensors" \
        "$MNT/run/peft-reference-verl-lora/adapter_model.safetensors"; then
