@@ -1,22 +1,34 @@
 #!/usr/bin/env python3
-"""What a model map costs: a torchtitan-layout checkpoint read through the map, against the same
-model stored under HF names and layouts (issue 22; figures in docs/benchmarks.md).
+"""What a model map or the LoRA split costs: a checkpoint read through the map (or split), against
+the same model stored under HF names and layouts (issues 22 and 33; figures in docs/benchmarks.md).
 
 One Llama-shaped model (bf16, --layers layers of hidden 2048, 16 heads, 8 kv heads, ffn 5632,
-vocabulary 32000: about 1.2 GB at 10 layers) is saved twice by torch's dcp.save into DIR/src:
-  titan/  torchtitan's names and layouts (torchtitan 0.3.0's from_hf: wq and wk rows permuted for
-          RoPE), with config.json: served through the built-in map torchtitan-llama3, q_proj and
-          k_proj as one run per row pair (4 KiB rows);
-  hf/     HF's names and layouts: served as stored, one run per chunk.
-Both hold one .distcp file, so the only difference is the map. Each round mounts SRC afresh and
-reads every consolidated file of each directory with read(2) in 8 MiB calls: first with the
-source files dropped from the page cache (cold: echo 1 > /proc/sys/vm/drop_caches), then again
-once the kernel has dropped the mount's pages (warm source, fresh FUSE reads: the daemon's work
-with the disk out of the way). The two directories alternate within a round, in alternating
-order; medians of --rounds, and the ratio titan/hf of read throughput. Compare within one run.
+vocabulary 32000: about 1.2 GB at 10 layers) is saved four times into DIR/src:
+  titan/  by torch's dcp.save under torchtitan's names and layouts (torchtitan 0.3.0's from_hf:
+          wq and wk rows permuted for RoPE), with config.json: served through the built-in map
+          torchtitan-llama3, q_proj and k_proj as one run per row pair (4 KiB rows);
+  hf/     by dcp.save under HF's names and layouts: served as stored, one run per chunk;
+  lora/   verl's layout of a LoRA run (torch.save of DTensors, Shard(0) on a 1-rank gloo mesh, in
+          model_world_size_1_rank_0.pt; fsdp_config.json; lora_train_meta.json): the same base
+          weights under PEFT's names (base_model.model....q_proj.base_layer.weight) and a rank-16
+          lora_A/lora_B pair for each of the 7 linear modules of every layer: served through the
+          LoRA split (the base model in the directory, the adapter in lora_adapter/);
+  base/   the same verl layout of the base weights alone, under HF names: served as stored;
+  unsplit/ lora/'s rank file without lora_train_meta.json: served as stored, under PEFT's names.
+Pairs compared: titan/hf (the map, DCP: the model files hold the same bytes), lora/base (the
+split against the base model a user would otherwise have: the model files hold the same bytes,
+the rank file 2.5 times the tensors) and lora/unsplit (the same rank file, split or not: the
+split's own cost). Each round mounts SRC afresh for each directory and times the first listing
+(the daemon builds the view: headers or pickles parsed, the map compiled or the split made) and
+reads every consolidated model file with read(2) in 8 MiB calls: first with the source files
+dropped from the page cache (cold: echo 1 > /proc/sys/vm/drop_caches), then again once the kernel
+has dropped the mount's pages (warm source, fresh FUSE reads: the daemon's work with the disk out
+of the way). The two directories of a pair alternate within a round, in alternating order;
+medians of --rounds, and the ratios titan/hf and lora/base. Compare within one run.
 
 Usage (as root, with the venv of tools/setup.sh):
-  bench_maps.py [--layers 10] [--rounds 5] [--bin build/src/ckptfs] [--dir /var/tmp/ckptfs-bench-maps]
+  bench_maps.py [--layers 10] [--rounds 5] [--pairs titan,lora,split] [--bin build/src/ckptfs]
+                [--dir /var/tmp/ckptfs-bench-maps]
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ CFG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_atten
            architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=2048)
 
 
-def save(src: str, layers: int) -> None:
+def save(src: str, layers: int, pairs: list[str]) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -72,12 +84,57 @@ def save(src: str, layers: int) -> None:
                q + "feed_forward.w2.weight": hf[p + "mlp.down_proj.weight"],
                q + "attention_norm.weight": hf[p + "input_layernorm.weight"],
                q + "ffn_norm.weight": hf[p + "post_attention_layernorm.weight"]}
-    dcp.save(tt, checkpoint_id=os.path.join(src, "titan"), no_dist=True)
-    dcp.save(hf, checkpoint_id=os.path.join(src, "hf"), no_dist=True)
     cfg = dict(CFG, num_hidden_layers=layers)
-    for d in ("titan", "hf"):
-        with open(os.path.join(src, d, "config.json"), "w") as f:
-            json.dump(cfg, f)
+    if "titan" in pairs:
+        dcp.save(tt, checkpoint_id=os.path.join(src, "titan"), no_dist=True)
+        dcp.save(hf, checkpoint_id=os.path.join(src, "hf"), no_dist=True)
+        for d in ("titan", "hf"):
+            with open(os.path.join(src, d, "config.json"), "w") as f:
+                json.dump(cfg, f)
+    if "lora" in pairs or "split" in pairs:
+        r = 16
+        peft = {}
+        for k, v in hf.items():
+            mod = k.rsplit(".", 1)[0]
+            if mod.endswith(LINEAR):  # a LoRA layer: the base layer and its A, B pair
+                peft[f"base_model.model.{mod}.base_layer.weight"] = v
+                peft[f"base_model.model.{mod}.lora_A.default.weight"] = w(r, v.shape[1])
+                peft[f"base_model.model.{mod}.lora_B.default.weight"] = w(v.shape[0], r)
+            else:
+                peft[f"base_model.model.{k}"] = v
+        save_verl(os.path.join(src, "lora"), peft, cfg)
+        with open(os.path.join(src, "lora", "lora_train_meta.json"), "w") as f:
+            json.dump({"r": r, "lora_alpha": 2 * r, "task_type": "CAUSAL_LM"}, f)
+        save_verl(os.path.join(src, "base"), hf, cfg)
+        # The same rank file with no lora_train_meta.json: served unsplit, under PEFT's names.
+        save_verl(os.path.join(src, "unsplit"), peft, cfg)
+
+
+# The modules verl's LoRA (target_modules="all-linear") wraps in a Llama.
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def save_verl(d: str, sd: dict, cfg: dict) -> None:
+    """verl's layout for a world of 1: torch.save({key: DTensor}), fsdp_config.json, and the HF
+    config in huggingface/ (as verl's checkpoint manager writes them)."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.makedirs(os.path.join(d, "huggingface"))
+    if not dist.is_initialized():
+        rdzv = tempfile.mktemp(prefix="bench-maps-rdzv-")
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    torch.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in sd.items()},
+               os.path.join(d, "model_world_size_1_rank_0.pt"))
+    with open(os.path.join(d, "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": 1}, f)
+    with open(os.path.join(d, "huggingface", "config.json"), "w") as f:
+        json.dump(cfg, f)
 
 
 def drop_caches() -> None:
@@ -100,7 +157,8 @@ def consolidated(d: str) -> list[str]:
 
 def warm_source(src: str, d: str) -> None:
     for n in os.listdir(os.path.join(src, d)):
-        read_all(os.path.join(src, d, n))
+        if os.path.isfile(os.path.join(src, d, n)):
+            read_all(os.path.join(src, d, n))
 
 
 def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str]) -> dict:
@@ -120,8 +178,12 @@ def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str])
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"mount failed; see {log}")
                     time.sleep(0.02)
+                t0 = time.perf_counter()
+                names = os.listdir(os.path.join(mnt, d))
+                if mode == "cold":  # the first listing builds the view
+                    out[f"{d} list s"] = time.perf_counter() - t0
                 files = consolidated(os.path.join(mnt, d))
-                assert files, f"{d}: nothing consolidated: {os.listdir(os.path.join(mnt, d))}"
+                assert files, f"{d}: nothing consolidated: {names}"
                 size = sum(os.path.getsize(p) for p in files)
                 out[f"{d} {mode} GB/s"] = size / sum(read_all(p) for p in files) / 1e9
             finally:
@@ -130,34 +192,52 @@ def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str])
     return out
 
 
+# pair -> (the directory through the map or split, the one served as stored, what inspect says)
+PAIRS = {"titan": ("titan", "hf", "model map: torchtitan-llama3"),
+         "lora": ("lora", "base", "lora: LoRA (r=16"),
+         "split": ("lora", "unsplit", "lora: LoRA (r=16")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
     ap.add_argument("--dir", default="/var/tmp/ckptfs-bench-maps")
+    ap.add_argument("--pairs", default="titan,lora,split",
+                    help="titan (the map, vs hf), lora (the split, vs base), split (the split, vs unsplit)")
     a = ap.parse_args()
+    pairs = [p for p in a.pairs.split(",") if p]
+    assert set(pairs) <= set(PAIRS), f"--pairs: {pairs}: known are {sorted(PAIRS)}"
     src = os.path.join(a.dir, "src")
     if os.path.exists(a.dir):
         shutil.rmtree(a.dir)
     os.makedirs(src)
     t0 = time.perf_counter()
-    save(src, a.layers)
-    size = sum(os.path.getsize(os.path.join(src, "hf", n)) for n in os.listdir(os.path.join(src, "hf")))
-    print(f"saved 2 x {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
-    insp = subprocess.run([a.bin, "inspect", os.path.join(src, "titan")], capture_output=True, text=True)
-    assert "model map: torchtitan-llama3" in insp.stdout, insp.stdout[:2000] + insp.stderr
+    save(src, a.layers, pairs)
+    print(f"saved {', '.join(pairs)} in {time.perf_counter() - t0:.1f} s", flush=True)
+    for p in pairs:
+        d, _, want = PAIRS[p]
+        insp = subprocess.run([a.bin, "inspect", os.path.join(src, d)], capture_output=True, text=True)
+        assert want in insp.stdout, insp.stdout[:2000] + insp.stderr
     rounds = []
     for r in range(a.rounds):
-        order = ("titan", "hf") if r % 2 == 0 else ("hf", "titan")
-        rounds.append(one_round(a.bin, src, os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mount.log"), order))
+        res = {}
+        for p in pairs:
+            d, ref, _ = PAIRS[p]
+            order = (d, ref) if r % 2 == 0 else (ref, d)
+            got = one_round(a.bin, src, os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mount.log"), order)
+            res |= {f"{p}: {k}": v for k, v in got.items()}
+        rounds.append(res)
     for key in sorted(rounds[0]):
         vals = [x[key] for x in rounds]
-        print(f"{key:24s} median {statistics.median(vals):.3f}  (all: {', '.join(f'{v:.3f}' for v in vals)})")
-    for mode in ("cold", "warm"):
-        ratios = [x[f"titan {mode} GB/s"] / x[f"hf {mode} GB/s"] for x in rounds]
-        print(f"titan/hf {mode:4s}            median {statistics.median(ratios):.3f}  "
-              f"(all: {', '.join(f'{v:.3f}' for v in ratios)})")
+        print(f"{key:30s} median {statistics.median(vals):.3f}  (all: {', '.join(f'{v:.3f}' for v in vals)})")
+    for p in pairs:
+        d, ref, _ = PAIRS[p]
+        for key in ("cold GB/s", "warm GB/s", "list s"):
+            ratios = [x[f"{p}: {d} {key}"] / x[f"{p}: {ref} {key}"] for x in rounds]
+            print(f"{d}/{ref} {key:10s}{' ' * (20 - len(d) - len(ref))}median {statistics.median(ratios):.3f}  "
+                  f"(all: {', '.join(f'{v:.3f}' for v in ratios)})")
     shutil.rmtree(a.dir)
     return 0
 
