@@ -1,6 +1,8 @@
 // layout/model_map: compiling a model map against stored tensors and config.json into runs.
 #include "ckptfs/layout/model_map.hpp"
 
+#include "ckptfs/layout/map_config.hpp"
+
 #include <algorithm>
 #include <map>
 #include <set>
@@ -25,27 +27,6 @@ using Binding = std::vector<std::pair<std::string, uint64_t>>;
 constexpr uint64_t kMaxRowsPerPart = uint64_t{1} << 24;
 
 std::string dims(const std::vector<uint64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
-
-// A config value by key or dotted path: unsigned integers, and booleans as 0 and 1.
-std::optional<uint64_t> config_value(const nlohmann::json& config, std::string_view key) {
-  const nlohmann::json* j = &config;
-  size_t b = 0;
-  for (;;) {
-    const size_t dot = key.find('.', b);
-    const std::string part(key.substr(b, dot == std::string_view::npos ? key.npos : dot - b));
-    if (!j->is_object()) return std::nullopt;
-    auto it = j->find(part);
-    if (it == j->end()) return std::nullopt;
-    j = &*it;
-    if (dot == std::string_view::npos) break;
-    b = dot + 1;
-  }
-  if (j->is_boolean()) return j->get<bool>() ? 1 : 0;
-  if (j->is_number_unsigned()) return j->get<uint64_t>();
-  if (j->is_number_integer() && j->get<int64_t>() >= 0)
-    return static_cast<uint64_t>(j->get<int64_t>());
-  return std::nullopt;
-}
 
 // Sizes: a rule's and a part's `let`, the map's `axes` (evaluated on demand, cycles refused),
 // then config.json.
@@ -826,139 +807,7 @@ class Compiler {
   CompiledMap out_;
 };
 
-// ---- hf_config: a map's config.json template over a native config ------------------------
-
-// A native field by key or dotted path, as it is; null when absent.
-const nlohmann::json* native_field(const nlohmann::json& native, std::string_view key) {
-  const nlohmann::json* j = &native;
-  size_t b = 0;
-  for (;;) {
-    const size_t dot = key.find('.', b);
-    const std::string part(key.substr(b, dot == std::string_view::npos ? key.npos : dot - b));
-    if (!j->is_object()) return nullptr;
-    auto it = j->find(part);
-    if (it == j->end()) return nullptr;
-    j = &*it;
-    if (dot == std::string_view::npos) break;
-    b = dot + 1;
-  }
-  return j->is_null() ? nullptr : j;
-}
-
-class Renderer {
- public:
-  Renderer(const nlohmann::json& native, std::string_view what) : native_(native), what_(what) {}
-
-  // The value of template node `t` at `where`; nullopt: left out (an `if` that does not hold,
-  // with no `else`).
-  Result<std::optional<nlohmann::json>> value(const nlohmann::json& t, const std::string& where) {
-    if (t.is_array()) {
-      nlohmann::json out = nlohmann::json::array();
-      for (size_t i = 0; i < t.size(); ++i) {
-        CKPTFS_TRY(auto v, value(t[i], fmt::format("{}[{}]", where, i)));
-        if (v) out.push_back(std::move(*v));
-      }
-      return std::optional<nlohmann::json>(std::move(out));
-    }
-    if (!t.is_object()) return std::optional<nlohmann::json>(t);
-    bool computed = false;
-    for (auto it = t.begin(); it != t.end(); ++it) computed = computed || it.key().starts_with('$');
-    if (!computed) {
-      nlohmann::json out = nlohmann::json::object();
-      for (auto it = t.begin(); it != t.end(); ++it) {
-        CKPTFS_TRY(auto v, value(it.value(), where + "." + it.key()));
-        if (v) out[it.key()] = std::move(*v);
-      }
-      return std::optional<nlohmann::json>(std::move(out));
-    }
-    const auto otherwise = [&](std::string why) -> Result<std::optional<nlohmann::json>> {
-      if (auto e = t.find("else"); e != t.end()) return value(*e, where);
-      if (why.empty()) return std::optional<nlohmann::json>();  // an `if` that does not hold
-      return make_error(EINVAL, "hf_config '{}': {} in {}", where, why, what_);
-    };
-    if (auto c = t.find("if"); c != t.end() && !holds(c->get<std::string>())) return otherwise("");
-    if (auto e = t.find("$int"); e != t.end()) {
-      auto expr = format::parse_map_expr(e->get<std::string>());
-      if (!expr) return std::move(expr).error().context(fmt::format("hf_config '{}'", where));
-      auto v =
-          format::eval_expr(*expr, [this](std::string_view n) { return config_value(native_, n); });
-      if (!v) {
-        if (v.error().code == ENOENT) return otherwise(v.error().message);
-        return std::move(v).error().context(fmt::format("hf_config '{}' ({})", where, what_));
-      }
-      return std::optional<nlohmann::json>(*v);
-    }
-    if (auto e = t.find("$bool"); e != t.end()) {
-      const auto s = e->get<std::string>();
-      const bool neg = s.starts_with('!');
-      const auto key = std::string_view(s).substr(neg ? 1 : 0);
-      const auto* f = native_field(native_, key);
-      if (!f || !(f->is_boolean() || f->is_number_integer())) {
-        return otherwise(
-            fmt::format("'{}' is {}, not a boolean", key, f ? f->type_name() : "missing"));
-      }
-      const bool v = f->is_boolean() ? f->get<bool>() : f->get<int64_t>() != 0;
-      return std::optional<nlohmann::json>(v != neg);
-    }
-    const auto list = t.at("$copy").get<std::string>();
-    std::vector<std::string> tried;
-    for (size_t b = 0;;) {
-      const size_t bar = list.find('|', b);
-      std::string alt = list.substr(b, bar == std::string::npos ? std::string::npos : bar - b);
-      alt.erase(0, alt.find_first_not_of(' '));
-      alt.erase(alt.find_last_not_of(' ') + 1);
-      if (const auto* f = native_field(native_, alt)) return std::optional<nlohmann::json>(*f);
-      tried.push_back(alt);
-      if (bar == std::string::npos) break;
-      b = bar + 1;
-    }
-    return otherwise(fmt::format("no value for {}", fmt::join(tried, ", ")));
-  }
-
- private:
-  bool holds(const std::string& cond) const {
-    const bool neg = cond.starts_with('!');
-    const bool v =
-        config_value(native_, std::string_view(cond).substr(neg ? 1 : 0)).value_or(0) != 0;
-    return v != neg;
-  }
-
-  const nlohmann::json& native_;
-  std::string_view what_;
-};
-
 }  // namespace
-
-Result<nlohmann::json> render_hf_config(const format::ModelMap& map, const nlohmann::json& native,
-                                        std::string_view native_what) {
-  if (!map.hf_config.is_object()) {
-    return make_error(ENOENT, "map '{}' has no 'hf_config' template", map.name);
-  }
-  if (map.hf_config_requires.is_object()) {
-    for (auto it = map.hf_config_requires.begin(); it != map.hf_config_requires.end(); ++it) {
-      const auto* f = native_field(native, it.key());
-      if (!f) continue;  // older args lack newer fields: their default is the one required
-      const auto& want = it.value();
-      const bool same = (f->is_number() && want.is_number())
-                            ? f->get<double>() == want.get<double>()
-                            : *f == want;
-      if (!same) {
-        return make_error(EINVAL,
-                          "map '{}' reads only models with {} = {} (hf_config_requires); {} has "
-                          "{}: the HF architecture it names would compute another model",
-                          map.name, it.key(), want.dump(), native_what, f->dump());
-      }
-    }
-  }
-  Renderer r(native, native_what);
-  nlohmann::json out = nlohmann::json::object();
-  for (auto it = map.hf_config.begin(); it != map.hf_config.end(); ++it) {
-    auto v = r.value(it.value(), it.key());
-    if (!v) return std::move(v).error().context(fmt::format("map '{}'", map.name));
-    if (*v) out[it.key()] = std::move(**v);
-  }
-  return out;
-}
 
 std::string_view map_stored_name(const format::ModelMap& map, std::string_view name) {
   for (const auto& p : map.prefixes) {

@@ -12,6 +12,7 @@
 
 #include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/model_map.hpp"
+#include "ckptfs/layout/map_config.hpp"
 #include "ckptfs/layout/model_map.hpp"
 
 using namespace ckptfs;

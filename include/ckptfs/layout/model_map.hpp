@@ -67,12 +67,6 @@ std::optional<MapRefused> map_refuses(const format::ModelMap& map,
 CompiledMap compile_map(const format::ModelMap& map, const nlohmann::json& config,
                         std::string_view config_what, const std::vector<Tensor>& stored);
 
-// The config.json a map's `hf_config` template makes of a native config (a JSON object:
-// Megatron-LM's args), `native_what` naming it in messages. Fails naming the template key and the
-// native fields when a computed value has no value and no `else`.
-Result<nlohmann::json> render_hf_config(const format::ModelMap& map, const nlohmann::json& native,
-                                        std::string_view native_what);
-
 // build_checkpoint's map pass: BuildOptions::map, else the first built-in whose detect clause
 // holds, compiled with the directory's config.json (BuildInput::config) or BuildOptions::
 // hf_config, else the map's `hf_config` template over BuildInput::native_config. On success
