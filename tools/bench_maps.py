@@ -115,24 +115,13 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 
 def save_verl(d: str, sd: dict, cfg: dict) -> None:
-    """verl's layout for a world of 1: torch.save({key: DTensor}), fsdp_config.json, and the HF
-    config in huggingface/ (as verl's checkpoint manager writes them)."""
-    import tempfile
+    """verl's layout for a world of 1 (bench_native.save_verl: the rank file and fsdp_config.json),
+    and the HF config in huggingface/ as verl's checkpoint manager writes it."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_native import save_verl as save_rank_file
 
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
+    save_rank_file(d, sd)
     os.makedirs(os.path.join(d, "huggingface"))
-    if not dist.is_initialized():
-        rdzv = tempfile.mktemp(prefix="bench-maps-rdzv-")
-        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
-    torch.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in sd.items()},
-               os.path.join(d, "model_world_size_1_rank_0.pt"))
-    with open(os.path.join(d, "fsdp_config.json"), "w") as f:
-        json.dump({"FSDP_version": 2, "world_size": 1}, f)
     with open(os.path.join(d, "huggingface", "config.json"), "w") as f:
         json.dump(cfg, f)
 
