@@ -65,7 +65,10 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
     layout::BuildOptions bo;
     CKPTFS_CHECK(layout::set_dtype_policy(bo, opts.dtype));
     CKPTFS_CHECK(source::set_map_options(bo, opts.map, opts.hf_config));
-    CKPTFS_TRY(s->ck_, source::load_checkpoint_path(dir, bo));
+    // Built, stamp-checked and read through the one directory descriptor opened above: a path
+    // swapped meanwhile changes nothing of what is loaded.
+    source::HeaderCache cache;
+    s->ck_ = source::load_checkpoint(dfd.get(), entries, dir, cache, bo);
     const auto& ck = *s->ck_;
     if (!ck.valid()) {
       std::string msg = fmt::format("{} is not a complete, valid checkpoint:", dir);
@@ -172,11 +175,15 @@ Result<std::unique_ptr<Source>> Source::open(const std::string& dir_in, const So
     s->fds_.push_back(std::move(fd));
     UniqueFd direct;
     if (opts.direct) {
-      int d = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
-      if (d < 0) {
+      // The file just opened and checked (a rank shard: by source::open_shard, its stamp and
+      // its resolution beneath the checkpoint), opened again: never its path a second time.
+      Result<UniqueFd> d = reopen(s->fds_.back().get(), O_RDONLY | O_DIRECT, path);
+      if (d) {
+        direct = std::move(*d);
+      } else if (d.error().code == EINVAL) {  // a file system without O_DIRECT (tmpfs)
         s->direct_fallback_.store(true);
       } else {
-        direct.reset(d);
+        return d.error();
       }
     }
     s->direct_fds_.push_back(std::move(direct));

@@ -97,6 +97,22 @@ Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string
   return require_regular(UniqueFd(fd), what, st);
 }
 
+Result<UniqueFd> reopen(int fd, int flags, std::string_view what) {
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  UniqueFd again(::open(link.c_str(), (flags & ~O_NOFOLLOW) | O_CLOEXEC));
+  if (!again.valid()) {
+    int e = errno;
+    return make_error(e, "{}: cannot open it again: {}", what, std::strerror(e));
+  }
+  struct stat a {
+  }, b{};
+  if (::fstat(fd, &a) != 0 || ::fstat(again.get(), &b) != 0) return errno_error(what);
+  if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {  // /proc not the kernel's own (a chroot)
+    return make_error(ESTALE, "{}: opened again, another file answered; refusing it", what);
+  }
+  return again;
+}
+
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what) {
   auto* p = static_cast<char*>(buf);
   size_t done = 0;

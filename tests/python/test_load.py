@@ -291,3 +291,88 @@ def test_gpu_cli(corpus):
     a = json.loads(cli(d, "--device", "cuda:0", "--json").stdout)
     b = json.loads(cli(cons, "--json").stdout)
     assert a["device"] == "cuda:0" and a["checksum"] == b["checksum"]
+
+
+RENAME_EXCHANGE = 2
+
+
+def _exchanging(a, b, runs, check):
+    """Runs `ckptfs load` `runs` times while another thread exchanges paths a and b (renameat2
+    RENAME_EXCHANGE: both names exist throughout) in a tight loop; check(result) per run."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    stop = threading.Event()
+
+    def exchange():
+        while not stop.is_set():
+            assert libc.renameat2(-100, bytes(a), -100, bytes(b), RENAME_EXCHANGE) == 0, \
+                ctypes.get_errno()
+
+    t = threading.Thread(target=exchange)
+    t.start()
+    try:
+        for _ in range(runs):
+            check()
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_direct_reads_only_the_checked_shard(tmp_path):
+    """`--direct` reads each rank shard through a descriptor of the very file the build read and
+    source::open_shard stamp-checked, never by opening its path again (issue 34). The impostor:
+    a file with the same tensors but a header 64 bytes longer, so every tensor's data starts 64
+    bytes later. A load that takes the offsets from one file and the bytes from the other gives
+    a checksum of neither: that is the failure.
+      1. The impostor exchanged with a shard while loads run: each load is exact (it read one of
+         the two, consistently) or refuses the shard as changed since the build read it (most
+         are refused: an exchange also changes both files' ctime, part of the stamp).
+      2. The whole checkpoint directory exchanged with a copy holding the impostor: every load
+         is exact (the build, the stamp checks and the reads all go through the one directory
+         descriptor opened first; before, --direct opened each shard by its path again, which
+         by then could name the other directory's file).
+    /tmp is ext4 here: O_DIRECT opens."""
+    import shutil
+
+    d = tmp_path / "ck"
+    write_checkpoint(str(d), [TensorSpec("w", "F32", (1024, 512), (2, 1)),
+                              TensorSpec("b", "BF16", (512,), (2,))], world=2, seed=11)
+    good = json.loads(cli(d, "--direct", "--json").stdout)
+    if good.get("direct_fallback"):
+        pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
+    victim = sorted(d.glob("shard-*"))[0]
+    data = victim.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    impostor = (n + 64).to_bytes(8, "little") + data[8:8 + n] + b" " * 64 + data[8 + n:]
+    d2 = tmp_path / "ck2"
+    shutil.copytree(d, d2)
+    (d2 / victim.name).write_bytes(impostor)
+    other = tmp_path / "other"
+    other.write_bytes(impostor)
+    assert json.loads(cli(d2, "--direct", "--json").stdout)["checksum"] == good["checksum"]
+
+    seen = {"exact": 0, "refused": 0}
+
+    def exact_or_refused():
+        r = cli(d, "--direct", "--json", check=False)
+        if r.returncode == 0:
+            assert json.loads(r.stdout)["checksum"] == good["checksum"], \
+                "a load read one file's offsets in another file's bytes"
+            seen["exact"] += 1
+        else:
+            assert "changed since the checkpoint was read" in r.stderr, r.stderr
+            assert victim.name in r.stderr, r.stderr
+            seen["refused"] += 1
+
+    _exchanging(victim, other, 30, exact_or_refused)
+    assert seen["refused"] > 0, seen  # each exchange also moves both files' ctime: refused
+
+    def exact():
+        r = cli(d, "--direct", "--json", check=False)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["checksum"] == good["checksum"], \
+            "a load read one directory's offsets in the other directory's file"
+
+    _exchanging(d, d2, 30, exact)

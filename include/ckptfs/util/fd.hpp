@@ -65,6 +65,11 @@ Error open_regular_error(int e, std::string_view what);
 Result<UniqueFd> open_regular_at(int dirfd, const std::string& name, std::string_view what,
                                  struct stat* st = nullptr);
 
+// The file open on `fd` opened again with other `flags` (O_DIRECT, say), through /proc/self/fd:
+// the same inode whatever has happened to its path since, so what was checked on `fd` (its stamp,
+// its resolution beneath a directory) holds for the new descriptor. Close-on-exec is added.
+Result<UniqueFd> reopen(int fd, int flags, std::string_view what);
+
 // Reads exactly `len` bytes at `off`, retrying on EINTR and short reads.
 // A premature end of file is an error (EIO) naming `what`.
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what);
