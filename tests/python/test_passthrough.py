@@ -125,8 +125,10 @@ def test_close_then_reopen_for_writing_never_fails(src, mount_factory):
     backed_or_skip(m.mnt, m.log)
     # Most reads were backed; one that arrives before the daemon has seen the previous
     # write's RELEASE goes through the page cache instead (48 of 50 under ASan), which is
-    # the rule, not a failure.
-    assert status(m.mnt)["backed_opens"] >= 10
+    # the rule, not a failure. "Most": more than half (a daemon that stops backing opens after
+    # a write, or backs one in two, fails here).
+    backed = status(m.mnt)["backed_opens"]
+    assert backed > 25, f"{backed} of 50 reads backed"
 
 
 def test_backed_files_keep_the_sources_permissions(mount_factory):

@@ -388,12 +388,17 @@ TEST(Fs, AShardClosedByItsWriterShowsAtOnce) {
   const std::string shard = d.path() + "/ck/" + format::shard_file_name(2, 1, 1);
   auto bytes = read_small_file(shard, 1 << 20);
   ASSERT_TRUE(bytes.ok());
+  struct stat closed_at {};
+  ASSERT_EQ(::stat(shard.c_str(), &closed_at), 0);
   UniqueFd fd(::open(shard.c_str(), O_WRONLY));
   ASSERT_TRUE(fd.valid());
-  ::usleep(20000);  // a later mtime than the last close
   ASSERT_EQ(::pwrite(fd.get(), bytes->data(), bytes->size(), 0),
             static_cast<ssize_t>(bytes->size()));
-  ::usleep(100000);
+  // The mtime set back to the last close's: only the watcher's record that a writer has the
+  // shard open (its modify event) holds the checkpoint back, not a later mtime than the close.
+  const struct timespec back[2] = {closed_at.st_atim, closed_at.st_mtim};
+  ASSERT_EQ(::futimens(fd.get(), back), 0);
+  ::usleep(100000);  // the watcher's thread has seen the write
   EXPECT_FALSE(listed(*f, ck, kModel)) << "shown while a writer had a shard open";
   EXPECT_TRUE(listed(*f, ck, ".ckptfs-pending"));
   fd.reset();
@@ -857,14 +862,25 @@ TEST(Fs, OnlyTheModelsNamesAndTheListingReadHeaders) {
 
 TEST(Fs, HandlesTheKernelNeverReleasedAreFreedWithTheFilesystem) {
   // RELEASE is asynchronous: a signal or an unmount can end the daemon with handles open.
-  // The Filesystem owns them; the ASan+UBSan run of this suite (detect_leaks=1) fails if not.
-  Fs t;
-  auto o =
-      t.f->open(t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"}), O_RDONLY);
-  ASSERT_TRUE(o.ok());
-  auto dh = t.f->opendir(t.walk({"run"}));
-  ASSERT_TRUE(dh.ok());
-  EXPECT_GT(t.f->reader(o->fh)->size(), 0u);
+  // The Filesystem owns them: its end closes every descriptor they hold (counted here, in any
+  // build) and frees their memory (the ASan+UBSan run of this suite, detect_leaks=1).
+  auto open_fds = [] {
+    size_t n = 0;
+    for ([[maybe_unused]] const auto& e : stdfs::directory_iterator("/proc/self/fd")) ++n;
+    return n;
+  };
+  const size_t before = open_fds();
+  {
+    Fs t;
+    auto o =
+        t.f->open(t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"}), O_RDONLY);
+    ASSERT_TRUE(o.ok());
+    auto dh = t.f->opendir(t.walk({"run"}));
+    ASSERT_TRUE(dh.ok());
+    EXPECT_GT(t.f->reader(o->fh)->size(), 0u);
+    EXPECT_GE(open_fds(), before + 2);  // the shard's descriptor and the directory's, at least
+  }
+  EXPECT_EQ(open_fds(), before);
 }
 
 TEST(Fs, AListingTellsTheKernelToDropNamesGoneFromTheSource) {
