@@ -101,8 +101,30 @@ Result<nlohmann::json> parse_megatron_args_pickle(std::string&& bytes, std::stri
         if (!is_dtype_global(p, v)) continue;
         val = std::string(p.name(v));
         break;
+      case Kind::List:
+      case Kind::Tuple: {
+        // A list of integers or bools (moe_layer_freq's per-layer pattern); other lists (of
+        // paths, of strings; empty ones, which say nothing) are nothing an HF config reads.
+        if (v.items.empty() || v.items.size() > kMaxNativeListItems) continue;
+        nlohmann::json arr = nlohmann::json::array();
+        bool plain = true;
+        for (const Ref e : v.items) {
+          const pickle::Value& x = p.at(e);
+          if (x.kind == Kind::Bool) {
+            arr.push_back(x.i != 0);
+          } else if (x.kind == Kind::Int) {
+            arr.push_back(x.i);
+          } else {
+            plain = false;
+            break;
+          }
+        }
+        if (!plain) continue;
+        val = std::move(arr);
+        break;
+      }
       default:
-        continue;  // lists, enums, objects: nothing an HF config reads
+        continue;  // enums, objects, other lists: nothing an HF config reads
     }
     if (!out.contains(std::string(name)) && out.size() >= kMaxNativeConfigFields) {
       return make_error(EINVAL, "{}: 'args' has more than {} fields", what, kMaxNativeConfigFields);

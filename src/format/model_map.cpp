@@ -348,8 +348,9 @@ bool is_computed(const json& j) {
 }
 
 // A template value: a JSON literal, or a computed value `{"$int": EXPR}`, `{"$bool": "KEY" |
-// "!KEY"}`, `{"$copy": "KEY | KEY"}`, each with an optional "if" (a condition) and "else" (a
-// template value). Objects and lists are walked.
+// "!KEY"}`, `{"$copy": "KEY | KEY"}`, `{"$leading": "KEY", "of": S, "then": S}` (S a number or
+// a bool), `{"$map": "KEY", "cases": {TEXT: LITERAL, ...}}`, each with an optional "if" (a
+// condition) and "else" (a template value). Objects and lists are walked.
 Status check_template(const json& j, const std::string& where, size_t& nodes) {
   if (++nodes > kMaxTemplateNodes) {
     return make_error(EINVAL, "hf_config: more than {} values", kMaxTemplateNodes);
@@ -388,6 +389,29 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
       if (!v.is_string() || !is_copy_list(v.get<std::string>())) {
         return make_error(EINVAL, "{} is not 'field | field ...'", at);
       }
+    } else if (k == "$leading" || k == "$map") {
+      ++kinds;
+      if (!v.is_string() || !is_key_path(v.get<std::string>())) {
+        return make_error(EINVAL, "{} is not a field", at);
+      }
+    } else if (k == "of" || k == "then") {
+      if (!(v.is_number_integer() || v.is_boolean())) {
+        return make_error(EINVAL, "{} is {}, not an integer or a bool", at, detail::describe(v));
+      }
+    } else if (k == "cases") {
+      if (!v.is_object() || v.empty() || v.size() > kMaxExprNames) {
+        return make_error(EINVAL, "{} is not an object of 1 to {} cases", at, kMaxExprNames);
+      }
+      for (auto c = v.begin(); c != v.end(); ++c) {
+        if (c.key().empty() || c.key().size() > 128 || is_computed(c.value())) {
+          return make_error(EINVAL, "{}: case '{}' is not a value's text and a literal", at,
+                            as_written(c.key()));
+        }
+        nodes += 1 + c.value().size();
+        if (nodes > kMaxTemplateNodes) {
+          return make_error(EINVAL, "hf_config: more than {} values", kMaxTemplateNodes);
+        }
+      }
     } else if (k == "if") {
       if (!v.is_string() || !is_condition(v.get<std::string>())) {
         return make_error(EINVAL, "{} is not a field or '!field'", at);
@@ -399,15 +423,24 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
     } else {
       return make_error(EINVAL,
                         "{}: unknown key (a computed value has one of $int, $bool, "
-                        "$copy, and 'if', 'else')",
+                        "$copy, $leading, $map, and 'if', 'else')",
                         at);
     }
   }
   if (kinds != 1) {
     return make_error(EINVAL,
                       "hf_config '{}': a computed value has exactly one of $int, $bool, "
-                      "$copy",
+                      "$copy, $leading, $map",
                       where);
+  }
+  // `of` and `then` belong to $leading (both required), `cases` to $map (required).
+  const bool leading = j.contains("$leading"), mapped = j.contains("$map");
+  if (leading != (j.contains("of") && j.contains("then")) ||
+      (!leading && (j.contains("of") || j.contains("then")))) {
+    return make_error(EINVAL, "hf_config '{}': 'of' and 'then' go together with $leading", where);
+  }
+  if (mapped != j.contains("cases")) {
+    return make_error(EINVAL, "hf_config '{}': 'cases' goes with $map, and $map needs it", where);
   }
   return {};
 }

@@ -90,6 +90,27 @@ class Renderer {
       const bool v = f->is_boolean() ? f->get<bool>() : f->get<int64_t>() != 0;
       return std::optional<nlohmann::json>(v != neg);
     }
+    if (auto e = t.find("$leading"); e != t.end()) return leading(t, e->get<std::string>(), where);
+    if (auto e = t.find("$map"); e != t.end()) {
+      const auto key = e->get<std::string>();
+      const auto* f = config_field(native_, key);
+      if (!f) return otherwise(fmt::format("no value for {}", key));
+      std::string text;
+      if (f->is_string()) {
+        text = f->get<std::string>();
+      } else if (f->is_boolean() || f->is_number_integer()) {
+        text = f->dump();  // true, false, 17
+      } else {
+        return otherwise(
+            fmt::format("'{}' is {}, not a string, an integer or a bool", key, f->type_name()));
+      }
+      const auto& cases = t.at("cases");
+      if (auto c = cases.find(text); c != cases.end()) return std::optional<nlohmann::json>(*c);
+      std::vector<std::string> names;
+      for (auto c = cases.begin(); c != cases.end(); ++c) names.push_back(c.key());
+      return otherwise(
+          fmt::format("{} is {}, not one of {}", key, f->dump(), fmt::join(names, ", ")));
+    }
     const auto list = t.at("$copy").get<std::string>();
     std::vector<std::string> tried;
     for (size_t b = 0;;) {
@@ -106,6 +127,45 @@ class Renderer {
   }
 
  private:
+  // `{"$leading": KEY, "of": A, "then": B}`: how many elements of the list KEY, from its start,
+  // equal A; every later one must equal B. A number or a bool stands for a list of itself
+  // throughout (Megatron-LM's moe_layer_freq 1: every layer an MoE layer).
+  Result<std::optional<nlohmann::json>> leading(const nlohmann::json& t, const std::string& key,
+                                                const std::string& where) {
+    const auto* f = config_field(native_, key);
+    const auto& of = t.at("of");
+    const auto& then = t.at("then");
+    const auto same = [](const nlohmann::json& x, const nlohmann::json& want) {
+      if (!(x.is_boolean() || x.is_number_integer())) return false;
+      const int64_t a = x.is_boolean() ? int64_t{x.get<bool>()} : x.get<int64_t>();
+      const int64_t b = want.is_boolean() ? int64_t{want.get<bool>()} : want.get<int64_t>();
+      return a == b;
+    };
+    const auto refuse = [&](std::string why) -> Result<std::optional<nlohmann::json>> {
+      return make_error(EINVAL, "hf_config '{}': {} in {}", where, why, what_);
+    };
+    if (!f) {
+      if (auto e = t.find("else"); e != t.end()) return value(*e, where);
+      return refuse(fmt::format("no value for {}", key));
+    }
+    if (!f->is_array()) {
+      if (same(*f, then)) return std::optional<nlohmann::json>(0);
+      return refuse(fmt::format("{} is {}: neither a list nor {} (every element {})", key,
+                                f->dump(), then.dump(), then.dump()));
+    }
+    uint64_t n = 0;
+    while (n < f->size() && same((*f)[n], of)) ++n;
+    for (size_t i = n; i < f->size(); ++i) {
+      if (!same((*f)[i], then)) {
+        return refuse(fmt::format(
+            "{}[{}] is {}: after the leading {} every element must be {} (the HF architecture "
+            "names one split point)",
+            key, i, (*f)[i].dump(), of.dump(), then.dump()));
+      }
+    }
+    return std::optional<nlohmann::json>(n);
+  }
+
   bool holds(const std::string& cond) const {
     const bool neg = cond.starts_with('!');
     const bool v =

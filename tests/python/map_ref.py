@@ -708,6 +708,11 @@ def _holds(native, cond):
 _OMIT = object()
 
 
+def _scalar_eq(x, want):
+    """An int or a bool element equal to `want` (bools as 0 and 1)."""
+    return isinstance(x, (bool, int)) and int(x) == int(want)
+
+
 class _NativeEnv(Env):
     """Expressions over a native config's fields (no axes, no lets)."""
 
@@ -734,9 +739,14 @@ def _render(t, native, where, what):
             if x is not _OMIT:
                 out[k] = x
         return out
-    kinds = [k for k in t if k in ("$int", "$bool", "$copy")]
-    if len(kinds) != 1 or set(t) - {"$int", "$bool", "$copy", "if", "else"}:
-        raise MapError(f"hf_config {where!r}: a computed value has exactly one of $int, $bool, $copy, and 'if', 'else'")
+    kinds = [k for k in t if k in ("$int", "$bool", "$copy", "$leading", "$map")]
+    if len(kinds) != 1 or set(t) - {"$int", "$bool", "$copy", "$leading", "$map", "of", "then", "cases", "if", "else"}:
+        raise MapError(f"hf_config {where!r}: a computed value has exactly one of $int, $bool, $copy, $leading, "
+                       f"$map, and 'if', 'else'")
+    if ("$leading" in t) != ("of" in t and "then" in t) or ("$leading" not in t and ("of" in t or "then" in t)):
+        raise MapError(f"hf_config {where!r}: 'of' and 'then' go together with $leading")
+    if ("$map" in t) != ("cases" in t):
+        raise MapError(f"hf_config {where!r}: 'cases' goes with $map, and $map needs it")
 
     def otherwise(why):
         if "else" in t:
@@ -761,6 +771,39 @@ def _render(t, native, where, what):
         if not isinstance(v, (bool, int)):
             return otherwise(f"{key!r} is not a boolean")
         return bool(v) != t["$bool"].startswith("!")
+    if "$leading" in t:
+        # the count of leading elements equal to `of`, every later one `then`; a scalar stands
+        # for a list of itself throughout (Megatron-LM's moe_layer_freq 1)
+        key, v = t["$leading"], _native(native, t["$leading"])
+        if v is None:
+            if "else" in t:
+                return _render(t["else"], native, where, what)
+            raise MapError(f"hf_config {where!r}: no value for {key} in {what}")
+        if not isinstance(v, list):
+            if _scalar_eq(v, t["then"]):
+                return 0
+            raise MapError(f"hf_config {where!r}: {key} is {v!r}: neither a list nor {t['then']!r} in {what}")
+        n = 0
+        while n < len(v) and _scalar_eq(v[n], t["of"]):
+            n += 1
+        for i in range(n, len(v)):
+            if not _scalar_eq(v[i], t["then"]):
+                raise MapError(f"hf_config {where!r}: {key}[{i}] is {v[i]!r}: after the leading {t['of']!r} every "
+                               f"element must be {t['then']!r} in {what}")
+        return n
+    if "$map" in t:
+        key, v = t["$map"], _native(native, t["$map"])
+        if v is None:
+            return otherwise(f"no value for {key}")
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, (int, str)):
+            text = str(v)
+        else:
+            return otherwise(f"{key!r} is {type(v).__name__}, not a string, an integer or a bool")
+        if text in t["cases"]:
+            return t["cases"][text]
+        return otherwise(f"{key} is {v!r}, not one of {', '.join(t['cases'])}")
     for alt in (a.strip() for a in t["$copy"].split("|")):
         v = _native(native, alt)
         if v is not None:

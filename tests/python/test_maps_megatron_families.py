@@ -1,14 +1,16 @@
 """Every Megatron-Core family the built-in maps serve (docs/maps.md: megatron-gpt, -qwen2, -qwen3,
--mixtral, -qwen3-moe), in Megatron-LM's own layout (CKPT/latest_checkpointed_iteration.txt,
+-mixtral, -qwen3-moe, -deepseek-v3), in Megatron-LM's own layout (CKPT/latest_checkpointed_iteration.txt,
 CKPT/iter_0000010/ with common.pt holding `args`), served with NO options: the map is detected
 from the stored names and the format, and config.json is made by the map's hf_config template
 from Megatron-LM's args, so from_pretrained(MNT/CKPT/iter_0000010) gives back the model.
 
 One writer run (tests/python/writers/megatron_families_save.py, module-scoped) makes every case
 with megatron-core's own dist_checkpointing.save on 2 gloo ranks: TP 2, PP 2 and EP 2, tied and
-untied, float32 and bfloat16. Each case is checked against two references: the original HF model
-(save_pretrained) and mbridge 0.15.1's export mapping applied to what megatron-core saved (an
-independent conversion, the names and splits of another project).
+untied, float32 and bfloat16; DeepSeek V3's multi-latent attention with megatron-core's local
+spec (the writer's docstring says what it patches to build MLA on CPU). Each case is checked
+against two references: the original HF model (save_pretrained) and mbridge 0.15.1's export
+mapping applied to what megatron-core saved (an independent conversion, the names and splits of
+another project).
 """
 
 from __future__ import annotations
@@ -48,7 +50,14 @@ CASES = {
     "qwen3-pp2-tied": ("qwen3", 1, 2, 1, True, "float32", "megatron-qwen3"),
     "mixtral-tp2": ("mixtral", 2, 1, 1, False, "bfloat16", "megatron-mixtral"),
     "qwen3moe-ep2-tied": ("qwen3_moe", 1, 1, 2, True, "float32", "megatron-qwen3-moe"),
+    # multi-latent attention, dense first layers (stored one by one), a sigmoid router with its
+    # expert bias and a shared expert
+    "deepseekv3-ep2": ("deepseek_v3", 1, 1, 2, False, "bfloat16", "megatron-deepseek-v3"),
+    "deepseekv3-tp2": ("deepseek_v3", 2, 1, 1, False, "float32", "megatron-deepseek-v3"),
+    "deepseekv3-pp2": ("deepseek_v3", 1, 2, 1, False, "float32", "megatron-deepseek-v3"),
 }
+# The writer's flags (megatron_families_save.py): group-limited routing; no expert bias.
+FLAGS = {"deepseekv3-ep2": "groups", "deepseekv3-pp2": "nobias"}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +73,8 @@ def gen(tmp_path_factory):
         shutil.copytree(pathlib.Path(reuse) / "src", src)
         shutil.copytree(pathlib.Path(reuse) / "ref", ref)
         return {"src": src, "ref": ref, "root": root}
-    args = [f"{n}:{f}:{tp}:{pp}:{ep}:{int(t)}:{dt}" for n, (f, tp, pp, ep, t, dt, _) in CASES.items()]
+    args = [f"{n}:{f}:{tp}:{pp}:{ep}:{int(t)}:{dt}" + (f":{FLAGS[n]}" if n in FLAGS else "")
+            for n, (f, tp, pp, ep, t, dt, _) in CASES.items()]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, str(WRITERS / "megatron_families_save.py"), str(src), str(ref), *args],
                        capture_output=True, text=True, timeout=420, env=env, cwd=str(root))
@@ -99,7 +109,8 @@ def stored(d: pathlib.Path) -> dict:
 
 
 def native_args(d: pathlib.Path) -> dict:
-    """common.pt's args as the C++ reader gives them: the scalar fields, dtypes by name."""
+    """common.pt's args as the C++ reader gives them: the scalar fields, dtypes by name, and
+    non-empty lists of ints and bools (moe_layer_freq)."""
     args = torch.load(str(d / "common.pt"), weights_only=False)["args"]
     out = {}
     for k, v in vars(args).items():
@@ -107,6 +118,8 @@ def native_args(d: pathlib.Path) -> dict:
             out[k] = str(v).removeprefix("torch.")
         elif v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (bool, int)) for x in v):
+            out[k] = list(v)
     return out
 
 
@@ -115,6 +128,21 @@ def assert_equal(got: dict, want: dict, what: str):
     bad = [(k, str(got[k].dtype), list(got[k].shape)) for k in want
            if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape or not torch.equal(got[k], want[k])]
     assert not bad, f"{what}: tensors differ: {bad}"
+
+
+def original(gen, name) -> dict:
+    """The original's tensors as the checkpoint can hold them. DeepSeek V3's expert bias
+    (e_score_correction_bias, a buffer) is float32 in megatron-core and in HF's model
+    (_keep_in_fp32_modules_strict), but HF's save_pretrained of a bf16 model writes it in bf16:
+    its float32 values are compared. A model without expert bias stores none; HF's buffer then
+    keeps its zeros."""
+    want = load(gen["ref"] / name / "model.safetensors")
+    for k in [k for k in want if k.endswith(".mlp.gate.e_score_correction_bias")]:
+        if FLAGS.get(name) == "nobias":
+            assert not want.pop(k).any(), k
+        else:
+            want[k] = want[k].float()
+    return want
 
 
 def served(d: pathlib.Path) -> dict:
@@ -143,11 +171,14 @@ def test_map_ref_matches_both_references(gen, name):
     m = map_ref.load(map_ref.MAPS / f"{want_map}.json")
     config = map_ref.hf_config(m, native_args(d), "common.pt")
     ref_config = json.loads((gen["ref"] / name / "config.json").read_text())
-    for k in ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
-              "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "dtype"):
+    keys = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "dtype")
+    if want_map == "megatron-deepseek-v3":  # every key the template makes (MLA and routing sizes too)
+        keys = list(config)
+    for k in keys:
         assert config.get(k) == ref_config.get(k), (k, config.get(k), ref_config.get(k))
     hf, _ = map_ref.apply(m, sd, config)
-    assert_equal(hf, load(gen["ref"] / name / "model.safetensors"), f"map_ref({name}) vs the original")
+    assert_equal(hf, original(gen, name), f"map_ref({name}) vs the original")
     assert_equal(hf, load(gen["ref"] / name / "mbridge.safetensors"), f"map_ref({name}) vs mbridge")
 
 
@@ -205,9 +236,13 @@ def test_from_pretrained_with_no_options(gen, mounted, name):
     ref_config = json.loads((gen["ref"] / name / "config.json").read_text())
     assert config["architectures"] == ref_config["architectures"] and config["dtype"] == dtype, config
     got = served(d)
-    assert_equal(got, load(gen["ref"] / name / "model.safetensors"), f"{name}: the consolidated files")
+    assert_equal(got, original(gen, name), f"{name}: the consolidated files")
     assert_equal(got, load(gen["ref"] / name / "mbridge.safetensors"), f"{name}: vs mbridge's export")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                                   output_loading_info=True)
+    bias_left = {k for k in model.state_dict() if k.endswith("e_score_correction_bias")} \
+        if FLAGS.get(name) == "nobias" else set()
+    assert set(info["missing_keys"]) == bias_left and not info["unexpected_keys"], info
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(gen["ref"] / name), dtype=torch.float32)
     assert type(model) is type(ref)
     assert torch.equal(logits(model), logits(ref)), f"{name}: another model's logits"

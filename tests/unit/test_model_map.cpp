@@ -2467,6 +2467,21 @@ TEST(MapParse, HfConfigTemplatesAreChecked) {
   expect_refused(one_rule(rule, {{"hf_config_requires", {{"a", 1}}}}), {"hf_config_requires"});
   expect_refused(with({{"n", 1}}, {{"hf_config_requires", {{"a", json::array()}}}}),
                  {"hf_config_requires", "'a'"});
+  // $leading (with 'of' and 'then') and $map (with 'cases'): their keys go together.
+  EXPECT_EQ(refusal(with({{"k", {{"$leading", "freq"}, {"of", 0}, {"then", 1}, {"else", 0}}},
+                          {"m", {{"$map", "rope_type"}, {"cases", {{"rope", "default"}}}}},
+                          {"b", {{"$map", "topk"}, {"cases", {{"1", false}}}, {"else", true}}}})),
+            "");
+  expect_refused(with({{"k", {{"$leading", "freq"}, {"of", 0}}}}), {"'of' and 'then'"});
+  expect_refused(with({{"k", {{"$int", "a"}, {"of", 0}, {"then", 1}}}}), {"'of' and 'then'"});
+  expect_refused(with({{"k", {{"$leading", "freq"}, {"of", "0"}, {"then", 1}}}}),
+                 {"'of'", "not an integer or a bool"});
+  expect_refused(with({{"k", {{"$leading", "a b"}, {"of", 0}, {"then", 1}}}}), {"not a field"});
+  expect_refused(with({{"m", {{"$map", "a"}}}}), {"'cases' goes with $map"});
+  expect_refused(with({{"m", {{"$copy", "a"}, {"cases", {{"x", 1}}}}}}), {"'cases' goes with"});
+  expect_refused(with({{"m", {{"$map", "a"}, {"cases", json::object()}}}}), {"1 to"});
+  expect_refused(with({{"m", {{"$map", "a"}, {"cases", {{"x", {{"$int", "b"}}}}}}}}),
+                 {"case 'x'", "literal"});
   // Deep templates are bounded by the strict JSON's depth; wide ones by a count.
   json wide = json::object();
   for (int i = 0; i < 5000; ++i) wide[fmt::format("k{}", i)] = i;
@@ -2606,6 +2621,67 @@ TEST(MapNative, WhatTheTemplateCannotMakeIsRefusedNamingTheFieldAndTheFile) {
   EXPECT_PROBLEM(n, "", "has no 'hf_config' template");
 }
 
+TEST(MapNative, LeadingCountsASplitPointAndMapLooksUpAValue) {
+  // DeepSeek V3's first_k_dense_replace from Megatron-LM's moe_layer_freq (a list, or 1: every
+  // layer MoE), its norm_topk_prob from moe_router_topk, its rope type from rope_type.
+  json map = meg_template_map();
+  map["hf_config"]["first_k_dense_replace"] = {
+      {"$leading", "moe_layer_freq"}, {"of", 0}, {"then", 1}, {"else", 0}};
+  map["hf_config"]["norm_topk_prob"] = {
+      {"$map", "moe_router_topk"}, {"cases", {{"1", false}}}, {"else", true}};
+  map["hf_config"]["rope_type"] = {{"$map", "rope_type"}, {"cases", {{"rope", "default"}}}};
+  const auto config = [&](const json& changes) {
+    json a = meg_args();
+    a["rope_type"] = "rope";
+    a.update(changes);
+    return build_native(map, a, true);
+  };
+  struct Want {
+    json changes;
+    uint64_t dense;
+    bool norm;
+  };
+  for (const auto& w : std::vector<Want>{
+           {{{"moe_layer_freq", {0, 0, 1, 1}}, {"moe_router_topk", 8}}, 2, true},
+           {{{"moe_layer_freq", {1, 1}}, {"moe_router_topk", 1}}, 0, false},
+           {{{"moe_layer_freq", {false, true}}}, 1, true},  // bools as 0 and 1; topk absent
+           {{{"moe_layer_freq", 1}}, 0, true},              // 1: every layer
+           {{{"moe_layer_freq", {0, 0}}}, 2, true},         // no MoE layer at all
+           {json::object(), 0, true}}) {                    // absent: the else
+    auto v = config(w.changes);
+    ASSERT_TRUE(v.ck->valid()) << w.changes.dump() << problems(*v.ck);
+    const json c = json::parse(v.ck->config_json);
+    EXPECT_EQ(c["first_k_dense_replace"], w.dense) << w.changes.dump();
+    EXPECT_EQ(c["norm_topk_prob"], w.norm) << w.changes.dump();
+    EXPECT_EQ(c["rope_type"], "default");
+  }
+  // What the HF architecture cannot say is refused, naming the key, the field and the element.
+  {
+    auto r = config({{"moe_layer_freq", {0, 1, 0, 1}}});
+    EXPECT_PROBLEM(r, "", "'first_k_dense_replace'", "moe_layer_freq[2] is 0", "common.pt");
+  }
+  {
+    auto r = config({{"moe_layer_freq", 2}});
+    EXPECT_PROBLEM(r, "", "moe_layer_freq is 2", "neither a list nor 1");
+  }
+  {
+    auto r = config({{"moe_layer_freq", {0, 7}}});
+    EXPECT_PROBLEM(r, "", "moe_layer_freq[1] is 7");
+  }
+  {
+    auto r = config({{"rope_type", "yarn"}});
+    EXPECT_PROBLEM(r, "", "'rope_type'", "\"yarn\"", "not one of rope");
+  }
+  {
+    auto r = config({{"rope_type", nullptr}});
+    EXPECT_PROBLEM(r, "", "'rope_type'", "no value for rope_type");
+  }
+  {
+    auto r = config({{"rope_type", 1.5}});
+    EXPECT_PROBLEM(r, "", "'rope_type'", "not a string");
+  }
+}
+
 // ---- Megatron-LM's args in common.pt ----------------------------------------------------
 
 std::string args_seed(const std::string& name) {
@@ -2633,7 +2709,7 @@ TEST(MegatronArgs, ReadsTheArgsMegatronLmSaves) {
   EXPECT_EQ((*a)["vocab_size"], 200);
   EXPECT_TRUE((*a)["padded_vocab_size"].is_null());
   EXPECT_FALSE(a->contains("attention_backend"));  // an enum: left out
-  EXPECT_FALSE(a->contains("cuda_graph_scope"));   // a list: left out
+  EXPECT_FALSE(a->contains("cuda_graph_scope"));   // an empty list: left out
   EXPECT_GT(a->size(), 500u);
   // The data.pkl alone reads the same.
   auto p = format::parse_megatron_args_pickle(args_seed("megatron-lm-core_v0.16.1-args.pkl"), "p");
@@ -2658,6 +2734,24 @@ TEST(MegatronArgs, HostileOrForeignCommonPtIsRefusedNamingTheFile) {
   EXPECT_EQ((*ok)["num_layers"], 4);  // set twice: the last wins
   EXPECT_EQ((*ok)["params_dtype"], "bfloat16");
   EXPECT_TRUE((*ok)["x"].is_null());
+  // Lists and tuples of ints and bools are kept (moe_layer_freq's pattern); other lists, empty
+  // ones and longer ones than the cap are left out.
+  std::string longer = "](";
+  for (int i = 0; i < 4097; ++i) longer += "K\x01";
+  longer += "e";
+  const std::string zero("K\x00", 2), one_f("G?\xf0\x00\x00\x00\x00\x00\x00", 9);
+  auto lists = format::parse_megatron_args_pickle(
+      ns(str("freq") + "](" + zero + "K\x01" + "\x88" + "e" + str("tup") + "(K\x02" + "\x89" + "t" +
+         str("names") + "](" + str("full") + "e" + str("mixed") + "](K\x01" + one_f + "e" +
+         str("long") + longer + str("empty") + "]"),
+      "common.pt");
+  ASSERT_TRUE(lists) << lists.error().message;
+  EXPECT_EQ((*lists)["freq"], json::array({0, 1, true}));
+  EXPECT_EQ((*lists)["tup"], json::array({2, false}));
+  EXPECT_FALSE(lists->contains("empty"));  // says nothing
+  EXPECT_FALSE(lists->contains("names"));
+  EXPECT_FALSE(lists->contains("mixed"));
+  EXPECT_FALSE(lists->contains("long"));
   struct Case {
     std::string bytes;
     std::vector<std::string_view> says;

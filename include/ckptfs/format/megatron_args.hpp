@@ -9,8 +9,10 @@
 // unpickler with the globals a real common.pt holds (argparse.Namespace, torch dtypes, the
 // enums Megatron-LM keeps in its args, tensor records) and nothing else; nothing is called. The
 // result is a JSON object of the Namespace's scalar fields: ints, finite floats, bools, None
-// (null), UTF-8 strings (at most kMaxNativeFieldChars) and torch dtypes (their name,
-// "bfloat16"); other values (lists, enums, objects) are left out.
+// (null), UTF-8 strings (at most kMaxNativeFieldChars), torch dtypes (their name,
+// "bfloat16") and non-empty lists or tuples of ints and bools (at most kMaxNativeListItems: a
+// per-layer pattern such as moe_layer_freq, a JSON array); other values (other lists, enums,
+// objects) are left out.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +30,7 @@ inline constexpr uint64_t kMaxMegatronCommonBytes = 64ull << 20;        // commo
 inline constexpr uint64_t kMaxMegatronCommonPickleBytes = 16ull << 20;  // its data.pkl
 inline constexpr size_t kMaxNativeConfigFields = 4096;
 inline constexpr size_t kMaxNativeFieldChars = 4096;
+inline constexpr size_t kMaxNativeListItems = 4096;
 
 // `args` of a common.pt archive (its bytes), as a JSON object of its scalar fields. An archive
 // with no `args` at the top of its dict (megatron-core's own saves, which keep none) fails with

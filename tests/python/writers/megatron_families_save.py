@@ -8,8 +8,25 @@ OUT/NAME/iter_0000010/ with latest_checkpointed_iteration.txt beside it.
 
     python megatron_families_save.py OUT_DIR REF_DIR CASE [CASE ...]
 
-CASE is NAME:FAMILY:TP:PP:EP:TIED:DTYPE, e.g. `qwen2:qwen2:2:1:1:0:bfloat16`. FAMILY is llama,
-qwen2 (QKV bias), qwen3 (qk_layernorm), mixtral or qwen3_moe (router, SequentialMLP experts).
+CASE is NAME:FAMILY:TP:PP:EP:TIED:DTYPE[:FLAG,...], e.g. `qwen2:qwen2:2:1:1:0:bfloat16`. FAMILY is
+llama, qwen2 (QKV bias), qwen3 (qk_layernorm), mixtral or qwen3_moe (router, SequentialMLP
+experts), or deepseek_v3: multi-latent attention (q_lora_rank set, q/kv layernorms), MoE layers
+with a sigmoid router, its expert bias (`moe_router_enable_expert_bias`) and a shared expert,
+and dense first layers (`moe_layer_freq` a list: megatron-core then stores each layer under its
+own number, not stacked). deepseek_v3 has 3 layers, the first dense; under PP 2, 4 layers, the
+first two dense (equal stages). Its FLAGs: `nobias` (no expert bias: HF's
+e_score_correction_bias stays its zeros), `groups` (group-limited routing, 2 groups of 2 experts,
+1 chosen: megatron-core's moe_router_num_groups / moe_router_group_topk, HF's n_group /
+topk_group).
+
+megatron-core 0.16.1 builds MLA on CPU without Transformer Engine only with two patches, made in
+the ranks: its local spec's DotProductAttention takes no `k_channels`/`v_channels` (MLA passes
+them), so the layer spec's core attention is a small causal SDPA with MLA's softmax scale
+(`MLACoreAttention`: no parameters, nothing saved); and multi_latent_attention.py sets HAVE_TE
+when megatron.core.extensions.transformer_engine imports, which it does without TE too (TELinear
+a MagicMock there, and `isinstance(linear_proj, TELinear)` raises): HAVE_TE is set False. Its
+RotaryEmbedding asks torch.cuda.current_device() (use_cpu_initialization is not passed through),
+which the ranks already answer with "cpu" for every family.
 
 `args` is an argparse.Namespace holding the fields Megatron-LM's parse_args gives such a model
 (megatron.training is not part of megatron-core, so its parser cannot run here; the fields and
@@ -22,8 +39,11 @@ The optimizer, scheduler and RNG state Megatron-LM also saves are left out (a mo
 Per case REF_DIR/NAME/ holds the original (save_pretrained) and REF_DIR/NAME/mbridge.safetensors
 the HF tensors mbridge 0.15.1's export mapping (`Bridge._weight_to_hf_format`: its per-family
 names, QKV and gate/up splits, vocabulary padding) makes of the tensors megatron-core saved,
-read back with torch DCP: an independent conversion. Where PP is 1 every rank first runs the
-GPTModel forward on a fixed prompt: its logits must match the HF model's (max_logit_diff).
+read back with torch DCP: an independent conversion. (mbridge 0.15.1's DeepseekV3Bridge cannot
+build its megatron config under megatron-core 0.16.1, which dropped the max_position_embeddings
+it passes: the export reads only mtp_num_layers and num_layers of it, so those are given.)
+Where PP is 1 every rank first runs the GPTModel forward on a fixed prompt: its logits must
+match the HF model's (max_logit_diff).
 The last stdout line is JSON: {case: {"files": [...], "max_logit_diff": float or null}}.
 """
 import argparse
@@ -43,14 +63,27 @@ LAYERS = 2
 
 
 def parse_case(s):
-    name, family, tp, pp, ep, tied, dtype = s.split(":")
-    assert family in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"), s
+    name, family, tp, pp, ep, tied, dtype, *flags = s.split(":")
+    assert family in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"), s
+    flags = set(flags[0].split(",")) if flags else set()
+    assert flags <= {"nobias", "groups"} and (not flags or family == "deepseek_v3"), s
     return {"name": name, "family": family, "tp": int(tp), "pp": int(pp), "ep": int(ep),
-            "tied": tied == "1", "dtype": dtype}
+            "tied": tied == "1", "dtype": dtype, "flags": flags}
 
 
 def moe(case):
     return case["family"] in ("mixtral", "qwen3_moe")
+
+
+def mla(case):
+    return case["family"] == "deepseek_v3"
+
+
+def layer_count(case):
+    """(layers, leading dense layers): deepseek_v3 3 and 1, under PP 2 4 and 2; the others 2, 0."""
+    if not mla(case):
+        return LAYERS, 0
+    return (4, 2) if case["pp"] > 1 else (3, 1)
 
 
 def hf_model(case, vocab):
@@ -63,7 +96,16 @@ def hf_model(case, vocab):
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                   tie_word_embeddings=case["tied"], rope_theta=1000000.0)
     f = case["family"]
-    if f == "llama":
+    if f == "deepseek_v3":
+        layers, dense = layer_count(case)
+        groups = "groups" in case["flags"]
+        common.update(num_hidden_layers=layers, num_key_value_heads=4)
+        cfg = tf.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense,
+                                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                  v_head_dim=16, n_group=2 if groups else 1, topk_group=1, norm_topk_prob=True,
+                                  routed_scaling_factor=2.5, num_nextn_predict_layers=0, **common)
+    elif f == "llama":
         cfg = tf.LlamaConfig(intermediate_size=96, **common)
     elif f == "qwen2":
         cfg = tf.Qwen2Config(intermediate_size=96, **common)
@@ -79,6 +121,12 @@ def hf_model(case, vocab):
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+        if mla(case) and "nobias" not in case["flags"]:
+            # a buffer, float32 on both sides (megatron-core's expert_bias, HF's
+            # _keep_in_fp32_modules_strict): values a bf16 model's cast round-trips unchanged
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_((torch.randn_like(b) * 0.1).to(torch.bfloat16).float())
     return model
 
 
@@ -104,9 +152,45 @@ def hf_tensors(model):
     return out
 
 
+def to_megatron_mla(sd, cfg):
+    """deepseek_v3's HF tensors -> Megatron-Core's full tensors, per layer (and expert): MLA's
+    projections as they are (mbridge's DeepseekV3Bridge: renames only), gate and up halves fused."""
+    import torch
+
+    full = {"emb": sd["model.embed_tokens.weight"], "final": sd["model.norm.weight"],
+            "out": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    names = {"ln1": "input_layernorm.weight", "ln2": "post_attention_layernorm.weight",
+             "q_down": "self_attn.q_a_proj.weight", "q_ln": "self_attn.q_a_layernorm.weight",
+             "q_up": "self_attn.q_b_proj.weight", "kv_down": "self_attn.kv_a_proj_with_mqa.weight",
+             "kv_ln": "self_attn.kv_a_layernorm.weight", "kv_up": "self_attn.kv_b_proj.weight",
+             "proj": "self_attn.o_proj.weight"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for k, n in names.items():
+            full[(i, k)] = sd[p + n]
+        if i < cfg.first_k_dense_replace:
+            full[(i, "gate")], full[(i, "up")] = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
+            full[(i, "fc2")] = sd[p + "mlp.down_proj.weight"]
+            continue
+        full[(i, "router")] = sd[p + "mlp.gate.weight"]
+        full[(i, "expert_bias")] = sd[p + "mlp.gate.e_score_correction_bias"]
+        for e in range(cfg.n_routed_experts):
+            full[(i, "gate", e)] = sd[f"{p}mlp.experts.{e}.gate_proj.weight"]
+            full[(i, "up", e)] = sd[f"{p}mlp.experts.{e}.up_proj.weight"]
+            full[(i, "fc2", e)] = sd[f"{p}mlp.experts.{e}.down_proj.weight"]
+        full[(i, "shared_gate")] = sd[p + "mlp.shared_experts.gate_proj.weight"]
+        full[(i, "shared_up")] = sd[p + "mlp.shared_experts.up_proj.weight"]
+        full[(i, "shared_fc2")] = sd[p + "mlp.shared_experts.down_proj.weight"]
+    assert all(isinstance(v, torch.Tensor) for v in full.values())
+    return full
+
+
 def to_megatron(sd, cfg, family):
     """HF tensors -> Megatron-Core's full (unsharded) tensors, per layer (and expert)."""
     import torch
+
+    if family == "deepseek_v3":
+        return to_megatron_mla(sd, cfg)
 
     heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -148,10 +232,63 @@ def to_megatron(sd, cfg, family):
     return full
 
 
+def rank_state_dict_mla(full, case, tp_rank, pp_rank, ep_rank, etp_rank, experts):
+    """deepseek_v3: this rank's slices under GPTModel's names. The local spec's MLA projections
+    are all column-parallel but linear_proj (q/kv down projections too: gather_output=False);
+    the q/kv layernorms, router and expert bias whole; the shared expert split like a dense MLP."""
+    import torch
+
+    tp, pp, ep = case["tp"], case["pp"], case["ep"]
+    rows = lambda t: t.chunk(tp, dim=0)[tp_rank]  # noqa: E731
+    cols = lambda t: t.chunk(tp, dim=1)[tp_rank]  # noqa: E731
+    layers, dense = layer_count(case)
+    per_stage = layers // pp
+    sd = {}
+    if pp_rank == 0:
+        sd["embedding.word_embeddings.weight"] = rows(full["emb"])
+    if pp_rank == pp - 1:
+        sd["decoder.final_layernorm.weight"] = full["final"]
+        if not case["tied"] or pp > 1:
+            sd["output_layer.weight"] = rows(full["out"])
+    for local in range(per_stage):
+        i = pp_rank * per_stage + local
+        p = f"decoder.layers.{local}."
+        a = p + "self_attention."
+        sd[p + "input_layernorm.weight"] = full[(i, "ln1")]
+        sd[a + "linear_q_down_proj.weight"] = rows(full[(i, "q_down")])
+        sd[a + "q_layernorm.weight"] = full[(i, "q_ln")]
+        sd[a + "linear_q_up_proj.weight"] = rows(full[(i, "q_up")])
+        sd[a + "linear_kv_down_proj.weight"] = rows(full[(i, "kv_down")])
+        sd[a + "kv_layernorm.weight"] = full[(i, "kv_ln")]
+        sd[a + "linear_kv_up_proj.weight"] = rows(full[(i, "kv_up")])
+        sd[a + "linear_proj.weight"] = cols(full[(i, "proj")])
+        sd[p + "pre_mlp_layernorm.weight"] = full[(i, "ln2")]
+        if i < dense:
+            sd[p + "mlp.linear_fc1.weight"] = torch.cat([rows(full[(i, "gate")]), rows(full[(i, "up")])])
+            sd[p + "mlp.linear_fc2.weight"] = cols(full[(i, "fc2")])
+            continue
+        sd[p + "mlp.router.weight"] = full[(i, "router")]
+        if "nobias" not in case["flags"]:
+            sd[p + "mlp.router.expert_bias"] = full[(i, "expert_bias")].float()
+        local_n = experts // ep
+        erows = lambda t: t.chunk(tp, dim=0)[etp_rank]  # noqa: E731
+        for j in range(local_n):
+            e = ep_rank * local_n + j
+            q = f"{p}mlp.experts.local_experts.{j}."
+            sd[q + "linear_fc1.weight"] = torch.cat([erows(full[(i, "gate", e)]), erows(full[(i, "up", e)])])
+            sd[q + "linear_fc2.weight"] = full[(i, "fc2", e)].chunk(tp, dim=1)[etp_rank]
+        s = p + "mlp.shared_experts."
+        sd[s + "linear_fc1.weight"] = torch.cat([rows(full[(i, "shared_gate")]), rows(full[(i, "shared_up")])])
+        sd[s + "linear_fc2.weight"] = cols(full[(i, "shared_fc2")])
+    return {k: v.clone().contiguous() for k, v in sd.items()}
+
+
 def rank_state_dict(full, case, tp_rank, pp_rank, ep_rank, etp_rank, experts):
     """This rank's slices under GPTModel's own state_dict names (local layer and expert indices)."""
     import torch
 
+    if mla(case):
+        return rank_state_dict_mla(full, case, tp_rank, pp_rank, ep_rank, etp_rank, experts)
     tp, pp, ep = case["tp"], case["pp"], case["ep"]
     rows = lambda t: t.chunk(tp, dim=0)[tp_rank]  # noqa: E731
     cols = lambda t: t.chunk(tp, dim=1)[tp_rank]  # noqa: E731
@@ -223,6 +360,27 @@ def megatron_args(case, hf):
         a.moe_ffn_hidden_size = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
         if case["family"] == "mixtral":
             a.ffn_hidden_size = c.intermediate_size
+    if mla(case):
+        # Megatron-LM's MLA and DeepSeek MoE arguments (--multi-latent-attention, --q-lora-rank,
+        # ..., --moe-layer-freq "([0]*K+[1]*N)", which parse_args evaluates to a list)
+        groups = "groups" in case["flags"]
+        a.group_query_attention, a.num_query_groups = False, 1
+        a.kv_channels = c.hidden_size // c.num_attention_heads
+        a.multi_latent_attention, a.qk_layernorm = True, True
+        a.q_lora_rank, a.kv_lora_rank = c.q_lora_rank, c.kv_lora_rank
+        a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        a.rope_type, a.rotary_scaling_factor, a.mscale, a.mscale_all_dim = "rope", 1.0, 1.0, 0.0
+        a.num_experts, a.moe_ffn_hidden_size = c.n_routed_experts, c.moe_intermediate_size
+        a.moe_shared_expert_intermediate_size = c.moe_intermediate_size * c.n_shared_experts
+        a.moe_layer_freq = [0] * c.first_k_dense_replace + [1] * (c.num_hidden_layers - c.first_k_dense_replace)
+        a.moe_router_topk = c.num_experts_per_tok
+        a.moe_router_score_function = "sigmoid"
+        a.moe_router_enable_expert_bias = "nobias" not in case["flags"]
+        a.moe_router_topk_scaling_factor = c.routed_scaling_factor
+        a.moe_router_num_groups = c.n_group if groups else None
+        a.moe_router_group_topk = c.topk_group if groups else None
+        a.moe_router_bias_update_rate = 1e-3
+        a.mtp_num_layers = None
     return a
 
 
@@ -232,6 +390,8 @@ def mbridge_export(case, hf_cfg, stored):
     what mbridge reads), each through Bridge._weight_to_hf_format."""
     from mbridge import AutoBridge
 
+    if mla(case):
+        return mbridge_export_mla(case, hf_cfg, stored)
     if getattr(hf_cfg, "head_dim", None) is None:  # transformers 5 writes null; mbridge reads the attribute
         hf_cfg.head_dim = hf_cfg.hidden_size // hf_cfg.num_attention_heads
     bridge = AutoBridge.from_config(hf_cfg)
@@ -261,6 +421,42 @@ def mbridge_export(case, hf_cfg, stored):
     return out
 
 
+def mbridge_export_mla(case, hf_cfg, stored):
+    """deepseek_v3: mbridge 0.15.1's DeepseekV3Bridge export of the stored tensors, each layer
+    under its own number as megatron-core stored it, experts as grouped GEMM names them, and the
+    local spec's separate q/kv layernorms under the fused names mbridge maps
+    (`linear_q_up_proj.layer_norm_weight`: the same module's weight under the TE spec)."""
+    import types
+
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+    class Bridge(DeepseekV3Bridge):
+        def _build_config(self):  # see the module docstring: only these are read by the export
+            return types.SimpleNamespace(mtp_num_layers=None, num_layers=hf_cfg.num_hidden_layers)
+
+    bridge = Bridge(hf_cfg)
+    bridge.make_vocab_size_divisible_by = DIVISIBLE_BY * case["tp"]
+    bridge.vocab_size = hf_cfg.vocab_size
+    bridge.padded_vocab_size = stored["embedding.word_embeddings.weight"].shape[0]
+    fused = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+             "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+    out = {}
+    for key, t in stored.items():
+        parts = key.split(".")
+        if key.startswith("decoder.layers.") and parts[2].isdigit():
+            head, rest = ".".join(parts[:3]), ".".join(parts[3:])
+            if rest.startswith("mlp.experts.experts."):
+                w = rest[len("mlp.experts.experts."):]
+                _convert(bridge, [(f"{head}.mlp.experts.{w}{e}", t[e]) for e in range(t.shape[0])], out)
+            else:
+                _convert(bridge, [(f"{head}.{fused.get(rest, rest)}", t)], out)
+        else:
+            _convert(bridge, [(key, t)], out)
+    if case["tied"]:
+        out.pop("lm_head.weight", None)
+    return out
+
+
 def _convert(bridge, items, out):
     import torch
 
@@ -282,6 +478,73 @@ def stored_tensors(d):
           for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     dcp.load(sd, checkpoint_id=d, no_dist=True)
     return sd
+
+
+def mla_model_parts(case, args):
+    """deepseek_v3: megatron-core's MLATransformerConfig and the decoder block spec (the local
+    spec per layer, dense or MoE by moe_layer_freq, this stage's layers), with the two patches
+    the module docstring names."""
+    import torch
+    import torch.nn.functional as F
+    import megatron.core.transformer.multi_latent_attention as mla_module
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if not isinstance(mla_module.TELinear, type):  # a MagicMock without Transformer Engine
+        mla_module.HAVE_TE = False
+
+    class MLACoreAttention(MegatronModule):
+        """Causal softmax attention over [s, b, heads, d] with MLA's scale and k/v widths (the
+        local DotProductAttention takes no k_channels/v_channels)."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+            self.scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **kw):
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return o.permute(2, 0, 1, 3).reshape(o.shape[2], o.shape[0], -1)
+
+    layers, _ = layer_count(case)
+    groups = args.moe_router_num_groups is not None
+    cfg = MLATransformerConfig(
+        num_layers=layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        rope_type=args.rope_type, rotary_base=args.rotary_base, rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale, mscale_all_dim=args.mscale_all_dim, normalization="RMSNorm",
+        layernorm_epsilon=args.layernorm_epsilon, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, tensor_model_parallel_size=case["tp"],
+        pipeline_model_parallel_size=case["pp"], expert_model_parallel_size=case["ep"], sequence_parallel=False,
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=args.moe_layer_freq, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups if groups else None,
+        moe_router_group_topk=args.moe_router_group_topk if groups else None,
+        moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+
+    def layer_spec(is_moe):
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts if is_moe else None, qk_layernorm=True,
+                                        multi_latent_attention=True, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+        return spec
+
+    offset, n = get_transformer_layer_offset(cfg), get_num_layers_to_build(cfg)
+    specs = [layer_spec(f == 1) for f in args.moe_layer_freq][offset:offset + n]
+    norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)
+    return cfg, TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
 
 def worker(rank, world, init_file, work, out_dir, cases):
@@ -323,19 +586,24 @@ def worker(rank, world, init_file, work, out_dir, cases):
                           moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=False,
                           moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
                           moe_aux_loss_coeff=0.0)
-            cfg = TransformerConfig(
-                num_layers=LAYERS, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-                ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=args.layernorm_epsilon,
-                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
-                qk_layernorm=args.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-                bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-                apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
-                params_dtype=torch.float32, pipeline_dtype=torch.float32,
-                tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
-                expert_model_parallel_size=case["ep"], sequence_parallel=False, **kw)
-            spec = get_gpt_layer_local_spec(num_experts=args.num_experts, qk_layernorm=args.qk_layernorm,
-                                            normalization="RMSNorm")
+            if mla(case):  # MLA: its own config and per-layer spec
+                cfg, spec = mla_model_parts(case, args)
+            else:
+                cfg = TransformerConfig(
+                    num_layers=LAYERS, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                    num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+                    ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm",
+                    layernorm_epsilon=args.layernorm_epsilon,
+                    gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                    add_qkv_bias=args.add_qkv_bias,
+                    qk_layernorm=args.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+                    bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                    apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
+                    params_dtype=torch.float32, pipeline_dtype=torch.float32,
+                    tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
+                    expert_model_parallel_size=case["ep"], sequence_parallel=False, **kw)
+                spec = get_gpt_layer_local_spec(num_experts=args.num_experts, qk_layernorm=args.qk_layernorm,
+                                                normalization="RMSNorm")
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                              max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
