@@ -21,7 +21,15 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-step() { printf '\n=== %s\n' "$*"; }
+# Each step prints its start and the minutes since the run began, and the last line the total:
+# CI time is a budget (35 minutes on the 2-core CI machine), and the log shows where it goes.
+T0=$SECONDS
+LAST=$SECONDS
+step() {
+  printf '\n=== %s   (previous step %d s; %d s so far)\n' "$*" $((SECONDS - LAST)) $((SECONDS - T0))
+  LAST=$SECONDS
+}
+trap 'printf "\n=== tools/test.sh: exit %d after %d s (last step %d s)\n" $? $((SECONDS - T0)) $((SECONDS - LAST))' EXIT
 
 step "set-up"
 VENV=$(tools/setup.sh | tail -n 1)
@@ -64,19 +72,39 @@ step "fuzzing (${CKPTFS_FUZZ_SECONDS:-40}s per target)"
     -Db_lundef=false >/dev/null
 flock /tmp/ckptfs-build.lock ninja -C build-fuzz tests/fuzz_header tests/fuzz_checkpoint \
   tests/fuzz_side_files tests/fuzz_torch tests/fuzz_model_map tests/fuzz_megatron_args
+# Each target is one process on one core: they run two at a time (this machine's cores), each
+# for its whole time, and each prints its own result when the pair is done.
 fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
   mkdir -p "$work"
   build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-40}" -max_len=65536 -timeout=10 \
-    -print_final_stats=1 "$work" "$@" 2>&1 | tail -n 4
+    -print_final_stats=1 "$work" "$@" >"build-fuzz/$target.log" 2>&1
 }
-fuzz fuzz_header tests/fuzz/seeds tests/data/bad/headers
-fuzz fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers
-fuzz fuzz_side_files tests/fuzz/seeds-json
-fuzz fuzz_torch tests/fuzz/seeds-torch
-fuzz fuzz_model_map tests/fuzz/seeds-maps
-fuzz fuzz_megatron_args tests/fuzz/seeds-args
+fuzz_pair() {  # "target seeds..." "target seeds..."
+  local rc=0 a b
+  read -ra a <<<"$1"
+  read -ra b <<<"$2"
+  fuzz "${a[@]}" &
+  local pa=$!
+  fuzz "${b[@]}" &
+  local pb=$!
+  wait "$pa" || rc=1
+  wait "$pb" || rc=1
+  for t in "${a[0]}" "${b[0]}"; do
+    echo "--- $t"
+    tail -n 4 "build-fuzz/$t.log"
+  done
+  if ((rc)); then
+    echo "tools/test.sh: a fuzzer failed; its log:" >&2
+    cat "build-fuzz/${a[0]}.log" "build-fuzz/${b[0]}.log" | tail -n 80 >&2
+    return 1
+  fi
+}
+fuzz_pair "fuzz_header tests/fuzz/seeds tests/data/bad/headers" \
+  "fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers"
+fuzz_pair "fuzz_side_files tests/fuzz/seeds-json" "fuzz_torch tests/fuzz/seeds-torch"
+fuzz_pair "fuzz_model_map tests/fuzz/seeds-maps" "fuzz_megatron_args tests/fuzz/seeds-args"
 
 # Steps 6 and 7: meson's mount and mpi suites (tests/meson.build), pytest over real mounts of
 # the ckptfs the build made; --verbose streams pytest's output (its progress, and on a failure

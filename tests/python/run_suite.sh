@@ -43,6 +43,9 @@ if [[ $tier == mpi ]]; then
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
+# The frameworks' writers' outputs, made in one tier and copied in the next (writer_cache.py);
+# keyed by the writers' sources and command lines. After changing the venv: rm -rf build-writers.
+export CKPTFS_WRITER_CACHE=${CKPTFS_WRITER_CACHE:-$ROOT/build-writers}
 # meson puts the build's library folder first in LD_LIBRARY_PATH (the suites depend on
 # libckptfs_load.so); the tests name that library by its path, so the folder is taken out again.
 if [[ -n ${LD_LIBRARY_PATH:-} ]]; then

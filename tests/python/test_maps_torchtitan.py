@@ -32,6 +32,7 @@ import warnings
 import pytest
 
 import map_ref
+import writer_cache
 from conftest import BIN, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
@@ -57,8 +58,8 @@ def saved(tmp_path_factory):
     src = tmp_path_factory.mktemp("titan-maps") / "src"
     src.mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(WRITERS / "titan_map_save.py"), str(src)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=str(src))
+    r = writer_cache.run([sys.executable, WRITERS / "titan_map_save.py", src], [src], timeout=300, env=env,
+                         cwd=str(src))
     assert r.returncode == 0, f"titan_map_save: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     files = json.loads(r.stdout.strip().splitlines()[-1])
     for name, (_, _, _, own_config) in MODELS.items():

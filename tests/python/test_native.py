@@ -26,6 +26,7 @@ import sys
 
 import pytest
 
+import writer_cache
 from conftest import BIN, ROOT, Mount, have, requires_fuse
 
 torch = pytest.importorskip("torch")
@@ -43,7 +44,10 @@ CASES = {
 }
 
 
-def run_writer(out: pathlib.Path, ranks: int, dtype: str, wrap: bool, tied: bool, accelerate=False) -> list[str]:
+def run_writer(out: pathlib.Path, ranks: int, dtype: str, wrap: bool, tied: bool, accelerate=False,
+               cached=False) -> list[str]:
+    """dcp_fsdp_save.py into `out` (its reference beside it); `cached`: a save into SRC (never into a mount), which the
+    ASan+UBSan tier may take from the plain tier's run (writer_cache)."""
     args = ["--ranks", str(ranks), "--dtype", dtype] + (["--wrap"] if wrap else []) + (["--tied"] if tied else [])
     args += ["--accelerate"] if accelerate else []
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
@@ -52,8 +56,11 @@ def run_writer(out: pathlib.Path, ranks: int, dtype: str, wrap: bool, tied: bool
     # not in ckptfs. A rank that dies that way is retried once, from scratch; every check on
     # what the save left is made on the second save as on a first. Any other failure fails.
     for attempt in (1, 2):
-        r = subprocess.run([sys.executable, str(WRITERS / "dcp_fsdp_save.py"), str(out), *args],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=str(out.parent))
+        argv = [sys.executable, str(WRITERS / "dcp_fsdp_save.py"), str(out), *args]
+        if cached:
+            r = writer_cache.run(argv, [out.parent], timeout=300, env=env, cwd=str(out.parent))
+        else:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=str(out.parent))
         if r.returncode == 0 or attempt == 2 or "terminated with signal SIGABRT" not in r.stderr:
             break
         print(f"dcp_fsdp_save {out}: a rank died of SIGABRT; once more\n{r.stderr[-3000:]}", file=sys.stderr)
@@ -67,7 +74,7 @@ def saved(tmp_path_factory):
     src = tmp_path_factory.mktemp("native") / "src"
     src.mkdir()
     for name, case in CASES.items():
-        files = run_writer(src / name, *case)
+        files = run_writer(src / name, *case, cached=True)
         assert ".metadata" in files and any(f.endswith(".distcp") for f in files), files
     return src
 
@@ -205,7 +212,7 @@ def accelerate_saved(tmp_path_factory):
     SRC/run/checkpoint-1/{config.json, pytorch_model_fsdp_0/, optimizer_0/}."""
     src = tmp_path_factory.mktemp("accelerate") / "src"
     (src / "run").mkdir(parents=True)
-    files = run_writer(src / ACCEL_CK, 2, "bfloat16", False, True, accelerate=True)
+    files = run_writer(src / ACCEL_CK, 2, "bfloat16", False, True, accelerate=True, cached=True)
     assert "pytorch_model_fsdp_0/.metadata" in files and "optimizer_0/.metadata" in files, files
     return src
 
@@ -267,8 +274,8 @@ def test_megatron_torch_dist(tmp_path):
     src.mkdir()
     out = src / "iter_0000010"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(WRITERS / "megatron_save.py"), str(out), "--tp", "2", "--layers", "3"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=str(src))
+    r = writer_cache.run([sys.executable, WRITERS / "megatron_save.py", out, "--tp", "2", "--layers", "3"], [src],
+                         timeout=300, env=env, cwd=str(src))
     assert r.returncode == 0, f"megatron_save: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     files = json.loads(r.stdout.strip().splitlines()[-1])
     assert "metadata.json" in files and "common.pt" in files and len([f for f in files if f.endswith(".distcp")]) >= 2
@@ -291,8 +298,8 @@ def test_torchtitan_native_checkpoint(tmp_path):
     src.mkdir()
     out = src / "t"
     env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(WRITERS / "titan_hf_save.py"), str(out), "--native"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=str(src))
+    r = writer_cache.run([sys.executable, WRITERS / "titan_hf_save.py", out, "--native"], [src], timeout=300,
+                         env=env, cwd=str(src))
     assert r.returncode == 0, f"titan_hf_save --native: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     step = pathlib.Path("t") / "checkpoint" / "step-1"
     assert (src / step / ".metadata").is_file()
@@ -367,8 +374,8 @@ def verl_saved(tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     for name, (ranks, dtype, tied) in VERL_CASES.items():
         args = ["--ranks", str(ranks), "--dtype", dtype] + (["--tied"] if tied else [])
-        r = subprocess.run([sys.executable, str(WRITERS / "verl_save.py"), str(src / name), *args],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=str(src))
+        r = writer_cache.run([sys.executable, WRITERS / "verl_save.py", src / name, *args], [src],
+                             timeout=300, env=env, cwd=str(src))
         assert r.returncode == 0, f"verl_save {name}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
         files = json.loads(r.stdout.strip().splitlines()[-1])
         actor = [f for f in files if f.startswith(str(VERL_ACTOR) + "/")]
