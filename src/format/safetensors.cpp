@@ -173,7 +173,7 @@ Result<Header> parse_header_json(std::string_view text, uint64_t file_size, std:
   return h;
 }
 
-Result<Header> read_header(int fd, uint64_t file_size, std::string_view what) {
+Result<uint64_t> read_header_length(int fd, uint64_t file_size, std::string_view what) {
   if (file_size < kHeaderLenBytes) {
     return make_error(EINVAL, "{}: file of {} bytes is too short for a safetensors header", what,
                       file_size);
@@ -189,9 +189,19 @@ Result<Header> read_header(int fd, uint64_t file_size, std::string_view what) {
     return make_error(EINVAL, "{}: header length {} runs past the end of the {} byte file", what, n,
                       file_size);
   }
-  std::string text(static_cast<size_t>(n), '\0');
-  CKPTFS_CHECK(pread_exact(fd, text.data(), text.size(), kHeaderLenBytes, what));
-  return parse_header_json(text, file_size, what);
+  return n;
+}
+
+Result<std::string> read_header_prefix(int fd, uint64_t n, std::string_view what) {
+  std::string prefix(static_cast<size_t>(kHeaderLenBytes + n), '\0');
+  CKPTFS_CHECK(pread_exact(fd, prefix.data(), prefix.size(), 0, what));
+  return prefix;
+}
+
+Result<Header> read_header(int fd, uint64_t file_size, std::string_view what) {
+  CKPTFS_TRY(const uint64_t n, read_header_length(fd, file_size, what));
+  CKPTFS_TRY(const std::string prefix, read_header_prefix(fd, n, what));
+  return parse_header_json(std::string_view(prefix).substr(kHeaderLenBytes), file_size, what);
 }
 
 Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what) {

@@ -62,19 +62,7 @@ Result<size_t> execute(const ReadPlan& p, char* dst) {
   if (p.direct) return p.direct->read_direct(p.direct_off, static_cast<size_t>(p.size), dst);
   if (p.passthrough()) {
     const auto& seg = p.segs[0];
-    size_t done = 0;
-    while (done < seg.len) {
-      ssize_t n =
-          ::pread(p.src.fds[0], dst + done, seg.len - done, static_cast<off_t>(seg.src + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        int e = errno;
-        return make_error(e, "{}: read failed: {}", p.src.file, std::strerror(e));
-      }
-      if (n == 0) break;
-      done += static_cast<size_t>(n);
-    }
-    return done;
+    return pread_upto(p.src.fds[0], dst, static_cast<size_t>(seg.len), seg.src, p.src.file);
   }
   CKPTFS_CHECK(gather(p.src, p.segs, dst));
   // After the bytes are in: a shard rewritten while they were read shows a new stamp now.

@@ -113,6 +113,22 @@ Result<UniqueFd> reopen(int fd, int flags, std::string_view what) {
   return again;
 }
 
+Result<size_t> pread_upto(int fd, void* buf, size_t len, uint64_t off, std::string_view what) {
+  auto* p = static_cast<char*>(buf);
+  size_t done = 0;
+  while (done < len) {
+    ssize_t n = ::pread(fd, p + done, len - done, static_cast<off_t>(off + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      return make_error(e, "{}: read failed: {}", what, std::strerror(e));
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what) {
   auto* p = static_cast<char*>(buf);
   size_t done = 0;

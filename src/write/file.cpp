@@ -384,15 +384,7 @@ Result<size_t> WriteFile::read(uint64_t off, size_t len, char* dst) {
     case State::Plain:
       break;
   }
-  size_t done = 0;
-  while (done < len) {
-    ssize_t n = ::pread(backing_.get(), dst + done, len - done, static_cast<off_t>(off + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno_error(what_ + ": read failed");
-    if (n == 0) break;
-    done += static_cast<size_t>(n);
-  }
-  return done;
+  return pread_upto(backing_.get(), dst, len, off, what_);
 }
 
 Result<struct stat> WriteFile::stat() {
@@ -606,18 +598,16 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   if (size < format::kHeaderLenBytes + kMinHeaderLen) {
     return whole(EINVAL, fmt::format("{} bytes, not a safetensors file", size));
   }
-  unsigned char len8[8];
-  CKPTFS_CHECK(pread_exact(backing_.get(), len8, 8, 0, what_));
-  const uint64_t n = announced_len(std::string_view(reinterpret_cast<const char*>(len8), 8));
-  if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) {
-    return whole(EINVAL,
-                 fmt::format("header length {} does not fit a {} byte safetensors file", n, size));
+  Result<uint64_t> len = format::read_header_length(backing_.get(), size, what_);
+  if (!len && len.error().code == EINVAL) {  // not a header that fits: the file stays whole
+    whole_ = std::move(len).error();
+    return {};
   }
+  CKPTFS_TRY(const uint64_t n, std::move(len));
   // Parsing and planning a large header costs a multiple of its size: one file at a time.
   std::unique_lock<std::mutex> big;
   if (budget_ && n > MemoryBudget::kBigHeader) big = std::unique_lock(budget_->big());
-  std::string prefix(static_cast<size_t>(format::kHeaderLenBytes + n), '\0');
-  CKPTFS_CHECK(pread_exact(backing_.get(), prefix.data(), prefix.size(), 0, what_));
+  CKPTFS_TRY(const std::string prefix, format::read_header_prefix(backing_.get(), n, what_));
   Sniffed s = sniff(prefix, size, what_);
   if (s.kind == Kind::RankShard) return whole(EINVAL, "a rank shard (it has DCP_SHARDING_INFO)");
   if (s.kind != Kind::Consolidated) return whole(EINVAL, s.why);
@@ -671,15 +661,9 @@ Result<WriteFile::Split> WriteFile::prospect(int fd, const PlanOptions& plan_opt
   if (size < format::kHeaderLenBytes + kMinHeaderLen) {
     return make_error(EINVAL, "{}: {} bytes, not a safetensors file", what, size);
   }
-  unsigned char len8[8];
-  CKPTFS_CHECK(pread_exact(fd, len8, 8, 0, what));
-  const uint64_t n = announced_len(std::string_view(reinterpret_cast<const char*>(len8), 8));
-  if (n > format::kMaxHeaderSize || n > size - format::kHeaderLenBytes) {
-    return make_error(EINVAL, "{}: header length {} does not fit a {} byte file", what, n, size);
-  }
+  CKPTFS_TRY(const uint64_t n, format::read_header_length(fd, size, what));
   Split out;
-  out.header.resize(static_cast<size_t>(format::kHeaderLenBytes + n));
-  CKPTFS_CHECK(pread_exact(fd, out.header.data(), out.header.size(), 0, what));
+  CKPTFS_TRY(out.header, format::read_header_prefix(fd, n, what));
   Sniffed s = sniff(out.header, size, what);
   if (s.kind != Kind::Consolidated) {
     return make_error(EINVAL, "{}",

@@ -64,6 +64,13 @@ Result<Header> parse_header_json(std::string_view json, uint64_t file_size, std:
 // Reads and parses the header of an open file of size `file_size`.
 Result<Header> read_header(int fd, uint64_t file_size, std::string_view what);
 
+// The header read from a descriptor, in two steps for a caller that decides something between
+// them (the write path takes its big-header lock): the announced length, checked against
+// kMaxHeaderSize and the file's size (EINVAL), then the file's first kHeaderLenBytes + n bytes.
+// read_header is these two and parse_header_json.
+Result<uint64_t> read_header_length(int fd, uint64_t file_size, std::string_view what);
+Result<std::string> read_header_prefix(int fd, uint64_t n, std::string_view what);
+
 // Parses a whole in-memory file (header and data); used by the fuzzer and tests.
 Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what);
 

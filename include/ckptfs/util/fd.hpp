@@ -73,6 +73,9 @@ Result<UniqueFd> reopen(int fd, int flags, std::string_view what);
 // Reads exactly `len` bytes at `off`, retrying on EINTR and short reads.
 // A premature end of file is an error (EIO) naming `what`.
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what);
+// Reads up to `len` bytes at `off`, retrying on EINTR and short reads: fewer only where the file
+// ends (a plain file read as the file is). The error names `what`.
+Result<size_t> pread_upto(int fd, void* buf, size_t len, uint64_t off, std::string_view what);
 // Writes all of `len` bytes at `off`.
 Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string_view what);
 
