@@ -209,7 +209,7 @@ if ((status == 0)); then
   ((status == 0)) && { "$PY" tools/demo.py --lora-view "$LACTOR" --tokens 8 || status=$?; }
 fi
 
-step "10/11 torchtitan's checkpointer saves into the mount; served under HF names through the model map torchtitan-llama3"
+step "10/11 torchtitan's checkpointer and megatron-core save into the mount; served under HF names through the model maps torchtitan-llama3, torchtitan-qwen3-moe and megatron-deepseek-v3"
 if ((status == 0)); then
   # torchtitan 0.3.0 stores tok_embeddings, layers.N.attention.qkv_linear.wq (rows permuted for
   # RoPE), feed_forward.w1/w2/w3...: the writer converts an HF Llama with torchtitan's own
@@ -232,6 +232,45 @@ if ((status == 0)); then
   cp "$MNT/run/titan/qwen3-moe/hf/config.json" "$MOE/"
   "$BIN" inspect "$SRC/run/titan/qwen3-moe/checkpoint/step-1" | grep -E "format|model map|experts" | head -n 4 || true
   check_from_pretrained "$MOE" "$MNT/run/titan/qwen3-moe/original.safetensors" || status=$?
+fi
+
+if ((status == 0)); then
+  # Megatron-Core: a DeepSeek-V3-shaped model (multi-latent attention, a dense first layer, then
+  # MoE with 4 routed experts, a router expert bias and a shared expert), TP 2, saved by
+  # megatron-core's own dist_checkpointing into the mount in Megatron-LM's layout. No options:
+  # the map megatron-deepseek-v3 is detected and config.json is made from common.pt's args.
+  rm -rf "$SRC/run/megatron" "$WORK/megatron-ref"
+  "$PY" tests/python/writers/megatron_families_save.py "$MNT/run/megatron" "$WORK/megatron-ref" \
+    dsv3:deepseek_v3:2:1:1:0:float32 >"$WORK/megatron_save.log" 2>&1 ||
+    { tail -n 20 "$WORK/megatron_save.log"; status=1; }
+fi
+if ((status == 0)); then
+  DSV3=$MNT/run/megatron/dsv3/iter_0000010
+  "$BIN" inspect "$SRC/run/megatron/dsv3/iter_0000010" | grep -E "format|model map" | head -n 3 || true
+  # transformers 5 holds these experts fused in memory: the files are compared name by name,
+  # then the model from_pretrained builds through the mount against the original's logits.
+  "$PY" - "$DSV3" "$WORK/megatron-ref/dsv3" <<'PYEOF' || status=$?
+import glob, json, sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+d, ref = sys.argv[1], sys.argv[2]
+served = {}
+for f in sorted(glob.glob(f"{d}/model*.safetensors")):
+    served.update(load_file(f))
+want = load_file(f"{ref}/model.safetensors")
+bad = sorted(k for k in want if k not in served or not torch.equal(served[k], want[k]))
+arch = json.load(open(f"{d}/config.json"))["architectures"]
+model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+ids = torch.tensor([[3, 17, 5, 99, 42, 7]])
+same = torch.equal(model(ids).logits, AutoModelForCausalLM.from_pretrained(ref)(ids).logits)
+print(f"from_pretrained({d}): config.json says {arch}; {len(want)} tensors "
+      f"{'all equal to the original' if not bad else 'DIFFER: ' + str(bad[:4])}; missing "
+      f"{info['missing_keys']}, unexpected {info['unexpected_keys']}; logits "
+      f"{'equal to the original model' if same else 'DIFFER'}")
+sys.exit(0 if not bad and same and not info["missing_keys"] and not info["unexpected_keys"] else 1)
+PYEOF
 fi
 
 step "11/11 unmount"
