@@ -104,8 +104,8 @@ Result<UniqueFd> reopen(int fd, int flags, std::string_view what) {
     int e = errno;
     return make_error(e, "{}: cannot open it again: {}", what, std::strerror(e));
   }
-  struct stat a {
-  }, b{};
+  struct stat a {};
+  struct stat b {};
   if (::fstat(fd, &a) != 0 || ::fstat(again.get(), &b) != 0) return errno_error(what);
   if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {  // /proc not the kernel's own (a chroot)
     return make_error(ESTALE, "{}: opened again, another file answered; refusing it", what);
@@ -121,7 +121,8 @@ Result<size_t> pread_upto(int fd, void* buf, size_t len, uint64_t off, std::stri
     if (n < 0) {
       if (errno == EINTR) continue;
       int e = errno;
-      return make_error(e, "{}: read failed: {}", what, std::strerror(e));
+      return make_error(e, "{}: read of {} bytes at offset {} failed: {}", what, len, off,
+                        std::strerror(e));
     }
     if (n == 0) break;
     done += static_cast<size_t>(n);
@@ -130,21 +131,10 @@ Result<size_t> pread_upto(int fd, void* buf, size_t len, uint64_t off, std::stri
 }
 
 Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view what) {
-  auto* p = static_cast<char*>(buf);
-  size_t done = 0;
-  while (done < len) {
-    ssize_t n = ::pread(fd, p + done, len - done, static_cast<off_t>(off + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      return make_error(e, "{}: read of {} bytes at offset {} failed: {}", what, len, off,
-                        std::strerror(e));
-    }
-    if (n == 0) {
-      return make_error(EIO, "{}: unexpected end of file reading {} bytes at offset {}", what, len,
-                        off);
-    }
-    done += static_cast<size_t>(n);
+  CKPTFS_TRY(const size_t got, pread_upto(fd, buf, len, off, what));
+  if (got < len) {
+    return make_error(EIO, "{}: unexpected end of file reading {} bytes at offset {}", what, len,
+                      off);
   }
   return {};
 }
