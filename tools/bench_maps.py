@@ -14,7 +14,10 @@ vocabulary 32000: about 1.2 GB at 10 layers) is saved four times into DIR/src:
           lora_A/lora_B pair for each of the 7 linear modules of every layer: served through the
           LoRA split (the base model in the directory, the adapter in lora_adapter/);
   base/   the same verl layout of the base weights alone, under HF names: served as stored;
-  unsplit/ lora/'s rank file without lora_train_meta.json: served as stored, under PEFT's names.
+  unsplit/ lora/'s rank file without lora_train_meta.json: served as stored, under PEFT's names;
+  gptoss/, gptoss_hf/ (--pairs gptoss): gpt-oss-20b's expert shapes, 8 experts, 2 layers (about
+          1.0 GB), under torchtitan's names (the experts transposed on read by the built-in map
+          torchtitan-gpt-oss: strided reads through io::gather's window) and under HF's, as stored.
 Pairs compared: titan/hf (the map, DCP: the model files hold the same bytes), lora/base (the
 split against the base model a user would otherwise have: the model files hold the same bytes,
 the rank file 2.5 times the tensors) and lora/unsplit (the same rank file, split or not: the
@@ -27,7 +30,7 @@ of the way). The two directories of a pair alternate within a round, in alternat
 medians of --rounds, and the ratios titan/hf and lora/base. Compare within one run.
 
 Usage (as root, with the venv of tools/setup.sh):
-  bench_maps.py [--layers 10] [--rounds 5] [--pairs titan,lora,split] [--bin build/src/ckptfs]
+  bench_maps.py [--layers 10] [--rounds 5] [--pairs titan,lora,split,gptoss] [--bin build/src/ckptfs]
                 [--dir /var/tmp/ckptfs-bench-maps]
 """
 
@@ -91,6 +94,8 @@ def save(src: str, layers: int, pairs: list[str]) -> None:
         for d in ("titan", "hf"):
             with open(os.path.join(src, d, "config.json"), "w") as f:
                 json.dump(cfg, f)
+    if "gptoss" in pairs:
+        save_gpt_oss(src, w)
     if "lora" in pairs or "split" in pairs:
         r = 16
         peft = {}
@@ -108,6 +113,61 @@ def save(src: str, layers: int, pairs: list[str]) -> None:
         save_verl(os.path.join(src, "base"), hf, cfg)
         # The same rank file with no lora_train_meta.json: served unsplit, under PEFT's names.
         save_verl(os.path.join(src, "unsplit"), peft, cfg)
+
+
+# gpt-oss-20b's expert shapes (hidden 2880, intermediate 2880), 8 experts, 2 layers: the experts
+# are 99% of the bytes.
+GPT_OSS = dict(vocab_size=8192, hidden_size=2880, intermediate_size=2880, num_local_experts=8,
+               num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_hidden_layers=2,
+               tie_word_embeddings=False, architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+               torch_dtype="bfloat16")
+
+
+def save_gpt_oss(src: str, w) -> None:
+    """gptoss/: torchtitan 0.3.0's gpt-oss names and layouts (experts [E, 2F, D] and [E, D, F]),
+    served through torchtitan-gpt-oss, the experts transposed on read; gptoss_hf/: the same bytes
+    as HF's GptOssExperts holds them ([E, D, 2F], [E, F, D], written transposed), served as stored."""
+    import torch.distributed.checkpoint as dcp
+
+    c = GPT_OSS
+    h, f, e, heads, kv, hd = (c["hidden_size"], c["intermediate_size"], c["num_local_experts"],
+                              c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+    tt, hf = {"tok_embeddings.weight": w(c["vocab_size"], h), "norm.weight": w(h),
+              "lm_head.weight": w(c["vocab_size"], h)}, {}
+    for i in range(c["num_hidden_layers"]):
+        q = f"layers.{i}."
+        tt |= {q + "attention.qkv_linear.wq.weight": w(heads * hd, h), q + "attention.qkv_linear.wq.bias": w(heads * hd),
+               q + "attention.qkv_linear.wk.weight": w(kv * hd, h), q + "attention.qkv_linear.wk.bias": w(kv * hd),
+               q + "attention.qkv_linear.wv.weight": w(kv * hd, h), q + "attention.qkv_linear.wv.bias": w(kv * hd),
+               q + "attention.wo.weight": w(h, heads * hd), q + "attention.wo.bias": w(h),
+               q + "attention.sinks": w(heads), q + "attention_norm.weight": w(h), q + "ffn_norm.weight": w(h),
+               q + "moe.router.gate.weight": w(e, h), q + "moe.router.gate.bias": w(e),
+               q + "moe.routed_experts.inner_experts.mlp1_weight_EGD": w(e, 2 * f, h),
+               q + "moe.routed_experts.inner_experts.mlp1_bias_EG": w(e, 2 * f),
+               q + "moe.routed_experts.inner_experts.mlp2_weight_EDF": w(e, h, f),
+               q + "moe.routed_experts.inner_experts.mlp2_bias_ED": w(e, h)}
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    layer = {"attention.qkv_linear.wq": "self_attn.q_proj", "attention.qkv_linear.wk": "self_attn.k_proj",
+             "attention.qkv_linear.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "attention.sinks": "self_attn.sinks", "attention_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm", "moe.router.gate": "mlp.router",
+             "moe.routed_experts.inner_experts.mlp1_weight_EGD": "mlp.experts.gate_up_proj",
+             "moe.routed_experts.inner_experts.mlp1_bias_EG": "mlp.experts.gate_up_proj_bias",
+             "moe.routed_experts.inner_experts.mlp2_weight_EDF": "mlp.experts.down_proj",
+             "moe.routed_experts.inner_experts.mlp2_bias_ED": "mlp.experts.down_proj_bias"}
+    for k, v in tt.items():
+        if k in names:
+            hf[names[k]] = v
+            continue
+        _, i, rest = k.split(".", 2)
+        mod = next(m for m in layer if rest.startswith(m))
+        new = f"model.layers.{i}.{layer[mod]}{rest[len(mod):]}"
+        hf[new] = v.transpose(-2, -1).contiguous() if "_weight_" in rest else v
+    for d, sd in (("gptoss", tt), ("gptoss_hf", hf)):
+        dcp.save(sd, checkpoint_id=os.path.join(src, d), no_dist=True)
+        with open(os.path.join(src, d, "config.json"), "w") as fh:
+            json.dump(c, fh)
 
 
 # The modules verl's LoRA (target_modules="all-linear") wraps in a Llama.
@@ -184,7 +244,8 @@ def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str])
 # pair -> (the directory through the map or split, the one served as stored, what inspect says)
 PAIRS = {"titan": ("titan", "hf", "model map: torchtitan-llama3"),
          "lora": ("lora", "base", "lora: LoRA (r=16"),
-         "split": ("lora", "unsplit", "lora: LoRA (r=16")}
+         "split": ("lora", "unsplit", "lora: LoRA (r=16"),
+         "gptoss": ("gptoss", "gptoss_hf", "model map: torchtitan-gpt-oss")}
 
 
 def main() -> int:
@@ -194,7 +255,8 @@ def main() -> int:
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
     ap.add_argument("--dir", default="/var/tmp/ckptfs-bench-maps")
     ap.add_argument("--pairs", default="titan,lora,split",
-                    help="titan (the map, vs hf), lora (the split, vs base), split (the split, vs unsplit)")
+                    help="titan (the map, vs hf), lora (the split, vs base), split (the split, vs unsplit), "
+                         "gptoss (the map with its experts transposed on read, vs the same bytes stored transposed)")
     a = ap.parse_args()
     pairs = [p for p in a.pairs.split(",") if p]
     assert set(pairs) <= set(PAIRS), f"--pairs: {pairs}: known are {sorted(PAIRS)}"

@@ -180,12 +180,12 @@ class Copier {
     bool cast = false;
     for (const auto& s : segs) {
       shard_segs += s.is_memory() ? 0 : 1;
-      cast = cast || s.is_cast();
+      cast = cast || s.is_transformed();
     }
     const int out = outs_[job.file].get();
     if (!cast && (shard_segs == 0 || job.len / shard_segs >= kCopyRangeMin)) {
       // Long runs: copy_file_range, in the kernel (and shared extents where the file
-      // system can). Cast segments are converted by io::gather, below.
+      // system can). Cast and strided segments are made by io::gather, below.
       if (copybuf.empty()) copybuf.resize(1 << 20);
       // One kernel copy at a time: it needs no CPU from other threads, and several at once
       // interleave their reads and writebacks on the disk (row-sharded, 1 GiB: 0.74x cp cold
@@ -210,6 +210,7 @@ class Copier {
       const uint64_t block = std::min(kGatherBlock, window_);
       if (buf.size() < block) buf.resize(block);
       io::GatherSource gs{&ck_, raw_, f.header, {}};
+      gs.windows = &windows_;
       for (uint64_t off = job.off, end = job.off + job.len; off < end; off += block) {
         const uint64_t n = std::min(block, end - off);
         layout::map_range(ck_, job.file, off, n, segs);
@@ -233,6 +234,7 @@ class Copier {
   const std::atomic<bool>* stop_;
   std::vector<UniqueFd> fds_;
   std::vector<int> raw_;
+  io::StridedWindows windows_;  // transposed tensors' matrices, shared by the copy threads
   std::vector<UniqueFd> outs_;
   std::vector<Job> jobs_;
   std::atomic<size_t> next_{0};

@@ -103,13 +103,12 @@ Status refuse_unknown(const json& j, std::initializer_list<std::string_view> key
                       std::string_view where) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     const auto& k = it.key();
+    if (std::find(keys.begin(), keys.end(), k) != keys.end()) continue;
     if (is_arithmetic(k)) {
       return make_error(
           EINVAL, "{}: '{}' needs arithmetic on the bytes; a zero-copy map cannot do it", where, k);
     }
-    if (std::find(keys.begin(), keys.end(), k) == keys.end()) {
-      return make_error(EINVAL, "{}: unknown key '{}'", where, as_written(k));
-    }
+    return make_error(EINVAL, "{}: unknown key '{}'", where, as_written(k));
   }
   return {};
 }
@@ -158,7 +157,7 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
   }
   CKPTFS_CHECK(refuse_unknown(j,
                               {"hf", "from", "concat", "index", "rows", "let", "for", "shape",
-                               "split_last", "offset", "when", "optional"},
+                               "split_last", "transpose", "offset", "when", "optional"},
                               where));
   MapRule r;
   r.number = number;
@@ -228,6 +227,25 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
       split.push_back(std::move(x));
     }
     r.split_last = std::move(split);
+  }
+  if (auto it = j.find("transpose"); it != j.end()) {
+    // The one permutation served: the last two axes swapped, read with a stride (no arithmetic
+    // on the values). Others are refused, as before, for what they would need.
+    if (!(it->is_array() && it->size() == 2 && (*it)[0].is_number_integer() &&
+          (*it)[1].is_number_integer() && (*it)[0].get<int64_t>() == -2 &&
+          (*it)[1].get<int64_t>() == -1)) {
+      return make_error(EINVAL,
+                        "{}: 'transpose' is {}; only [-2, -1] (the last two axes swapped) is "
+                        "served, another permutation needs arithmetic on the bytes",
+                        where, detail::describe(*it));
+    }
+    if (r.concat || r.parts[0].rows || r.split_last) {
+      return make_error(EINVAL,
+                        "{}: 'transpose' goes with one 'from', without 'rows' or "
+                        "'split_last'",
+                        where);
+    }
+    r.transpose = true;
   }
   if (auto it = j.find("when"); it != j.end()) {
     CKPTFS_TRY(auto w, get_string(*it, "when", where));
@@ -303,6 +321,7 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
     if (p.rows) text += " rows " + p.rows->text;
   }
   for (const auto& [c, e] : r.offset) text += fmt::format(" ({{{}}} + {} in hf)", c, e.text);
+  if (r.transpose) text += " last two axes swapped";
   if (r.split_last) {
     std::vector<std::string> ax;
     for (const auto& e : *r.split_last) ax.push_back(e.text);

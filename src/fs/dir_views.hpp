@@ -17,6 +17,7 @@
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/fs/access.hpp"
 #include "ckptfs/fs/seams.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -67,6 +68,9 @@ struct ShardFds {
   std::vector<int> raw;                           // -1 where not needed
   std::shared_ptr<const io::ShardReader> remote;  // reads the shards whose raw fd is -1
   std::atomic<int64_t>* counter = nullptr;        // Impl::open_shard_fds, released on destruction
+  // The matrices transposed tensors read, shared by the threads reading this View (internally
+  // locked; mutable because readers hold the fds const).
+  mutable io::StridedWindows windows;
   int64_t count = 0;
   ShardFds() = default;
   ShardFds(const ShardFds&) = delete;

@@ -37,6 +37,7 @@ void OutputReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
   layout::map_range(ck, output_, off, len, out.segs);
   out.direct = nullptr;
   out.src = io::GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}, fds_->remote.get()};
+  out.src.windows = &fds_->windows;
   out.size = 0;
   for (const auto& s : out.segs) out.size += s.len;
 }

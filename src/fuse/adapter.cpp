@@ -375,7 +375,7 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
     c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off), size);
   }
   const bool passthrough = plan.passthrough();
-  if (c.opts->splice && plan.direct == nullptr && !plan.has_cast() && !plan.has_remote() &&
+  if (c.opts->splice && plan.direct == nullptr && !plan.has_transformed() && !plan.has_remote() &&
       (passthrough || plan.segs.size() <= 16)) {
     // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory. A short
     // splice would reach the reader as an early end of file, so shrunken shards are an error.

@@ -147,7 +147,184 @@ Status gather_cast(const GatherSource& src, const layout::Segment& g, char* dst,
   return {};
 }
 
+// Copies the elements of strided segment `g` out of `buf`, which holds the shard's bytes from
+// offset `base` and covers [from, to) of the segment's source span (the bytes a block read
+// gives). Returns the output bytes written so far (`done` on entry).
+uint64_t pick(const layout::Segment& g, const char* buf, uint64_t base, uint64_t from, uint64_t to,
+              char* dst, uint64_t done) {
+  const uint64_t es = g.esize;
+  for (uint64_t e = (g.skip + done) / es; done < g.len; ++e) {
+    const uint64_t at = g.src + e * g.stride;
+    if (at < from) continue;
+    if (at + es > to) break;
+    const uint64_t skip = e == 0 ? g.skip : 0;
+    const uint64_t n = std::min(es - skip, g.len - done);
+    std::memcpy(dst + done, buf + (at - base) + skip, n);
+    done += n;
+  }
+  return done;
+}
+
+// Copies element column j of a [n, *] row-major block (rows `stride` bytes apart, elements of
+// sizeof(T)) for j in [0, k) into k consecutive output columns of n elements: a transpose,
+// 64 source rows at a time so the rows stay in cache while every column takes its part.
+template <class T>
+void transpose_cols(const char* in, uint64_t stride, uint64_t n, uint64_t k, char* out) {
+  constexpr uint64_t kRows = 64;
+  for (uint64_t i0 = 0; i0 < n; i0 += kRows) {
+    const uint64_t i1 = std::min(n, i0 + kRows);
+    for (uint64_t j = 0; j < k; ++j) {
+      char* o = out + j * n * sizeof(T);
+      const char* p = in + j * sizeof(T);
+      for (uint64_t i = i0; i < i1; ++i) {
+        T v;
+        std::memcpy(&v, p + i * stride, sizeof(T));
+        std::memcpy(o + i * sizeof(T), &v, sizeof(T));
+      }
+    }
+  }
+}
+
+void transpose_any(const char* in, uint64_t stride, uint64_t n, uint64_t k, uint64_t es,
+                   char* out) {
+  switch (es) {
+    case 1:
+      return transpose_cols<uint8_t>(in, stride, n, k, out);
+    case 2:
+      return transpose_cols<uint16_t>(in, stride, n, k, out);
+    case 4:
+      return transpose_cols<uint32_t>(in, stride, n, k, out);
+    case 8:
+      return transpose_cols<uint64_t>(in, stride, n, k, out);
+    default:
+      for (uint64_t j = 0; j < k; ++j) {
+        for (uint64_t i = 0; i < n; ++i) {
+          std::memcpy(out + (j * n + i) * es, in + i * stride + j * es, es);
+        }
+      }
+  }
+}
+
+// How many strided segments from segs[i] on are the next columns of one matrix: whole columns
+// (no skip, every element) of the same shard, stride and length, each one element after the last.
+size_t column_group(std::span<const layout::Segment> segs, size_t i) {
+  const auto& g = segs[i];
+  if (g.skip != 0 || g.len % g.esize != 0) return 1;
+  size_t k = 1;
+  while (i + k < segs.size()) {
+    const auto& h = segs[i + k];
+    if (!h.is_strided() || h.shard != g.shard || h.stride != g.stride || h.esize != g.esize ||
+        h.skip != 0 || h.len != g.len || h.src != g.src + k * g.esize) {
+      break;
+    }
+    ++k;
+  }
+  return k;
+}
+
+// Reads strided segments segs[i, i + k): k whole columns of one matrix (column_group), or one
+// segment (k == 1) that may start or end inside an element. Their span, when it fits
+// kStridedWindow and the source has StridedWindows, is read whole into a window, extended to the
+// end of its last row, so the next columns (of this read and of the next reads of the file, by
+// any thread) are copied from memory: a transposed tensor is read from its shard about once.
+// Otherwise the span is read in kCastBlock pieces, each giving the elements it holds.
+Status gather_strided(const GatherSource& src, std::span<const layout::Segment> segs, size_t i,
+                      size_t k, char* dst, Scratch& s) {
+  const auto& g = segs[i];
+  const uint64_t es = g.esize;
+  const uint64_t span = g.src_len() + (k - 1) * es;
+  const layout::FileStamp* stamp =
+      src.ckpt && g.shard < src.ckpt->shards.size() ? &src.ckpt->shards[g.shard].stamp : nullptr;
+  if (src.windows && stamp && span <= kStridedWindow) {
+    uint64_t base = 0;
+    auto win = src.windows->find(*stamp, g.src, span, base);
+    if (!win) {
+      // From the start of the first row (the kernel's readahead hands a file's reads to several
+      // threads: a later column may come first) to the end of the last, within the file.
+      const uint64_t back = span + g.stride <= kStridedWindow ? std::min(g.src, g.stride - es) : 0;
+      base = g.src - back;
+      const uint64_t want = std::min(kStridedWindow, back + span - k * es + g.stride);
+      const uint64_t have = stamp->size - std::min(stamp->size, base);
+      const uint64_t len = std::max(back + span, std::min(want, have));
+      auto w = src.windows->take(len);
+      iovec iov{w->bytes.get(), static_cast<size_t>(len)};
+      CKPTFS_CHECK(read_span(src, g.shard, &iov, 1, base));
+      w->size = len;
+      win = w;
+      src.windows->add(*stamp, base, std::move(w));
+    }
+    const char* in = win->bytes.get() + (g.src - base);
+    if (k > 1 || (g.skip == 0 && g.len % es == 0)) {
+      transpose_any(in, g.stride, g.len / es, k, es, dst);
+      return {};
+    }
+    pick(g, in, g.src, g.src, g.src + span, dst, 0);
+    return {};
+  }
+  for (size_t j = 0; j < k; ++j) {  // piece by piece, one segment at a time
+    const auto& h = segs[i + j];
+    const uint64_t hspan = h.src_len();
+    std::vector<char>& buf = s.cast;
+    char* out = dst + j * g.len;
+    uint64_t done = 0;
+    for (uint64_t off = 0; off < hspan && done < h.len;) {
+      // A block starts at an element and holds whole elements: at least one.
+      const uint64_t e = (h.skip + done) / es;
+      const uint64_t at = h.src + e * h.stride;
+      const uint64_t n = std::min<uint64_t>(std::max<uint64_t>(kCastBlock, es), h.src + hspan - at);
+      if (buf.size() < n) buf.resize(n);
+      iovec iov{buf.data(), static_cast<size_t>(n)};
+      CKPTFS_CHECK(read_span(src, h.shard, &iov, 1, at));
+      done = pick(h, buf.data(), at, at, at + n, out, done);
+      off = at + n - h.src;
+    }
+  }
+  return {};
+}
+
 }  // namespace
+
+std::shared_ptr<const StridedWindows::Window> StridedWindows::find(const layout::FileStamp& stamp,
+                                                                   uint64_t off, uint64_t len,
+                                                                   uint64_t& base) const {
+  std::lock_guard lk(mu_);
+  for (auto& e : entries_) {
+    if (e.stamp == stamp && off >= e.off && off + len <= e.off + e.window->size) {
+      e.used = ++tick_;
+      base = e.off;
+      return e.window;
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<StridedWindows::Window> StridedWindows::take(uint64_t size) {
+  {
+    std::lock_guard lk(mu_);
+    if (spare_ && spare_.use_count() == 1 && spare_->capacity >= size) {
+      // Nobody else holds it: no reader copies from it any more, so it may be written.
+      auto w = std::const_pointer_cast<Window>(std::move(spare_));
+      spare_.reset();
+      return w;
+    }
+  }
+  auto w = std::make_shared<Window>();
+  w->bytes = std::make_unique_for_overwrite<char[]>(size);
+  w->capacity = size;
+  return w;
+}
+
+void StridedWindows::add(const layout::FileStamp& stamp, uint64_t off,
+                         std::shared_ptr<const Window> w) {
+  std::lock_guard lk(mu_);
+  if (entries_.size() >= kStridedWindows) {
+    auto lru = std::min_element(entries_.begin(), entries_.end(),
+                                [](const Entry& a, const Entry& b) { return a.used < b.used; });
+    spare_ = std::move(lru->window);
+    entries_.erase(lru);
+  }
+  entries_.push_back(Entry{stamp, off, std::move(w), ++tick_});
+}
 
 std::string GatherSource::name_of(uint32_t shard) const {
   if (ckpt && shard < ckpt->shards.size()) return ckpt->dir + "/" + ckpt->shards[shard].name;
@@ -164,6 +341,13 @@ Status gather(const GatherSource& src, std::span<const layout::Segment> segs, ch
     const auto& g = segs[i];
     if (g.is_memory()) {
       std::memcpy(dst + pos, src.header.data() + g.src, g.len);
+    } else if (g.is_strided()) {
+      const size_t k = column_group(segs, i);
+      CKPTFS_CHECK(gather_strided(src, segs, i, k, dst + pos, s));
+      for (size_t j = 1; j < k; ++j) {
+        pos += segs[i].len;
+        s.dst_off[++i] = pos;
+      }
     } else if (g.is_cast()) {
       CKPTFS_CHECK(gather_cast(src, g, dst + pos, s.cast));
     } else {

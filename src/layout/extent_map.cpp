@@ -10,7 +10,7 @@ inline void emit(std::vector<Segment>& out, uint32_t shard, uint64_t src, uint64
   if (len == 0) return;
   if (!out.empty()) {
     auto& last = out.back();
-    if (last.shard == shard && !last.is_cast() && last.src + last.len == src) {
+    if (last.shard == shard && !last.is_transformed() && last.src + last.len == src) {
       last.len += len;
       return;
     }
@@ -76,8 +76,9 @@ inline void emit_cast(std::vector<Segment>& out, const Tensor& t, uint32_t shard
   if (!out.empty()) {
     auto& last = out.back();
     const uint64_t osz = format::dtype_bits(t.dtype) / 8;
-    if (skip == 0 && last.shard == shard && last.from == t.src_dtype && last.to == t.dtype &&
-        (last.skip + last.len) % osz == 0 && last.src + last.src_len() == src) {
+    if (skip == 0 && last.shard == shard && !last.is_strided() && last.from == t.src_dtype &&
+        last.to == t.dtype && (last.skip + last.len) % osz == 0 &&
+        last.src + last.src_len() == src) {
       last.len += len;
       return;
     }
@@ -145,8 +146,77 @@ void map_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& o
   }
 }
 
+// Maps bytes [a, a + n) of the elements `first`, `first + stride`, ... of stored tensor `s`
+// (`stride` a stride of one of its axes: a transposed matrix's column) to strided segments, one
+// per chunk the column crosses. A cast tensor, or a stride of no axis, is mapped element by
+// element (correct, and slow; no built-in map does either).
+void map_strided(const Tensor& s, uint64_t first, uint64_t stride, uint64_t a, uint64_t n,
+                 std::vector<Segment>& out) {
+  const uint64_t esz = format::dtype_bits(s.dtype) / 8;
+  const size_t rank = s.shape.size();
+  size_t d = rank;
+  for (size_t k = 0; k < rank; ++k) {
+    if (s.strides[k] == stride && s.shape[k] > 1) d = k;
+  }
+  uint64_t j = a / esz;  // the element of the column the next byte is in
+  uint64_t skip = a % esz;
+  const uint64_t end = a + n;
+  uint64_t pos = a;
+  if (s.is_cast() || d == rank || rank > 16) {
+    for (; pos < end; ++j, skip = 0) {
+      const uint64_t e = (first + j * stride) * esz;
+      const uint64_t m = std::min(esz - skip, end - pos);
+      map_tensor(s, e + skip, e + skip + m, out);
+      pos += m;
+    }
+    return;
+  }
+  uint64_t x[16];
+  while (pos < end) {
+    uint64_t elem = first + j * stride;
+    for (size_t k = 0; k < rank; ++k) {
+      x[k] = elem / s.strides[k];
+      elem -= x[k] * s.strides[k];
+    }
+    const uint32_t ci = find_chunk(s, x);
+    if (ci == UINT32_MAX) return;  // unreachable for a validated tensor
+    const Chunk& c = s.chunks[ci];
+    uint64_t local = 0;  // the element's index in the chunk, and the chunk's stride of axis d
+    uint64_t cstride = 1;
+    uint64_t dstride = 1;
+    for (size_t k = rank; k-- > 0;) {
+      if (k == d) dstride = cstride;
+      local += (x[k] - c.offsets[k]) * cstride;
+      cstride *= c.sizes[k];
+    }
+    const uint64_t left = c.offsets[d] + c.sizes[d] - x[d];  // elements of the column in it
+    const uint64_t m = std::min(left * esz - skip, end - pos);
+    Segment g{c.shard, c.file_offset + local * esz, m};
+    g.skip = static_cast<uint8_t>(skip);
+    if (skip + m > esz) {  // more than one element: picked at the chunk's stride
+      g.esize = static_cast<uint8_t>(esz);
+      g.stride = dstride * esz;
+    } else {
+      g.src += skip;  // a part of one element: a plain run
+      g.skip = 0;
+    }
+    if (g.is_strided() && g.stride == esz) {  // the chunk's axis d is its last: contiguous
+      g = Segment{c.shard, c.file_offset + local * esz + skip, m};
+    }
+    if (g.is_strided()) {
+      out.push_back(g);
+    } else {
+      emit(out, g.shard, g.src, g.len);
+    }
+    pos += m;
+    j += (skip + m) / esz;
+    skip = 0;
+  }
+}
+
 // Maps bytes [a, b) of a tensor made by a model map: each block of its runs is a byte range of
-// a stored tensor, mapped as that tensor's own bytes are (its chunks, its cast).
+// a stored tensor, mapped as that tensor's own bytes are (its chunks, its cast); a run of
+// single elements at a stride (a transposed matrix's column) becomes strided segments.
 void map_mapped_tensor(const Checkpoint& ck, const Tensor& t, uint64_t a, uint64_t b,
                        std::vector<Segment>& out) {
   const uint64_t esz = format::dtype_bits(t.dtype) / 8;  // maps refuse sub-byte dtypes
@@ -158,15 +228,25 @@ void map_mapped_tensor(const Checkpoint& ck, const Tensor& t, uint64_t a, uint64
   while (pos < b && i < t.runs.size()) {
     const MapRun& r = t.runs[i];
     const uint64_t block = r.len * esz;
+    const uint64_t rep = block * r.count;  // bytes of one repetition
     const uint64_t rel = pos - r.out_elem * esz;
-    const uint64_t k = rel / block;
-    if (k >= r.count) {
+    const uint64_t q = rel / rep;
+    if (q >= r.reps) {
       ++i;
       continue;
     }
-    const uint64_t within = rel - k * block;
+    const uint64_t in_rep = rel - q * rep;
+    const uint64_t rep_src = r.src_elem + q * r.rep_stride;
+    if (r.len == 1 && r.count > 1) {
+      const uint64_t n = std::min(rep - in_rep, b - pos);
+      map_strided(ck.stored[r.src], rep_src, r.stride, in_rep, n, out);
+      pos += n;
+      continue;
+    }
+    const uint64_t k = in_rep / block;
+    const uint64_t within = in_rep - k * block;
     const uint64_t n = std::min(block - within, b - pos);
-    const uint64_t src = (r.src_elem + k * r.stride) * esz + within;
+    const uint64_t src = (rep_src + k * r.stride) * esz + within;
     map_tensor(ck.stored[r.src], src, src + n, out);
     pos += n;
   }

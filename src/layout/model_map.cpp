@@ -140,7 +140,7 @@ class RunBuilder {
     out_elem_ += cur_.len;
     if (!out_.empty()) {
       auto& l = out_.back();
-      if (l.src == cur_.src && l.len == cur_.len) {
+      if (l.src == cur_.src && l.len == cur_.len && l.reps == 1) {
         const uint64_t next = l.src_elem + l.count * l.stride;
         if (l.count == 1 && cur_.src_elem > l.src_elem) {
           l.stride = cur_.src_elem - l.src_elem;
@@ -647,6 +647,15 @@ class Compiler {
       origins.push_back(s.name);
     }
     t.origin = fmt::format("{} (rule {}: {})", fmt::join(origins, " ++ "), r.number, r.text);
+    if (r.transpose) {  // format/model_map: one part, no `rows`, no `split_last`
+      if (t.shape.size() < 2) {
+        problem(first.name, fmt::format("{}: 'transpose' of a tensor of shape {}: it needs two "
+                                        "axes after 'index'",
+                                        rule_where(r), dims(t.shape)));
+        return false;
+      }
+      std::swap(t.shape[t.shape.size() - 2], t.shape.back());
+    }
     if (r.split_last) {
       // The last axis written as several, row-major: the bytes and their order are unchanged.
       sizes_.scope(&r.let, nullptr, &b);
@@ -714,6 +723,7 @@ class Compiler {
     // refused before its runs outgrow it.
     const uint64_t left = kMaxRunsTotal - total_runs_;
     const uint64_t limit = std::min(kMaxRunsPerTensor, left);
+    if (r.transpose) return emit_transposed(r, plans[0], t, limit, left);
     uint64_t out_elem = 0;
     for (const auto& plan : plans) {
       if (!emit(plan, out_elem, t.runs, limit)) {
@@ -725,6 +735,34 @@ class Compiler {
         return false;
       }
       out_elem += plan.elems();
+    }
+    return true;
+  }
+
+  // A transposed part's runs: one per leading block of its [R, C] matrices, each reading the
+  // matrix column by column (len 1, count R, stride C, reps C). A matrix with one row or one
+  // column is its own transpose: its bytes are read as they lie.
+  bool emit_transposed(const MapRule& r, const PartPlan& p, MappedTensor& t, uint64_t limit,
+                       uint64_t left) {
+    const uint64_t rows = t.shape.back();  // R: the stored matrix's rows, now its columns
+    const uint64_t cols = t.shape[t.shape.size() - 2];
+    const uint64_t mat = rows * cols;  // <= numel: no overflow
+    if (mat == 0) return true;
+    const uint64_t blocks = p.elems() / mat;
+    if (blocks > limit) {
+      problem(t.name, limit < left
+                          ? fmt::format("{}: '{}' needs more than {} runs", rule_where(r), t.name,
+                                        kMaxRunsPerTensor)
+                          : fmt::format("{} needs more than {} runs", where_, kMaxRunsTotal));
+      return false;
+    }
+    if (rows == 1 || cols == 1) {
+      t.runs.push_back(MapRun{p.src, 0, p.base, p.elems(), 1, 0});
+      return true;
+    }
+    t.runs.reserve(blocks);
+    for (uint64_t b = 0; b < blocks; ++b) {
+      t.runs.push_back(MapRun{p.src, b * mat, p.base + b * mat, 1, rows, cols, cols, 1});
     }
     return true;
   }

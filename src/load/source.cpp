@@ -269,6 +269,7 @@ Status Source::read(uint32_t t, uint64_t off, uint64_t len, char* dst, ReadScrat
   for (const auto& g : s.segs) src_bytes += g.is_memory() ? 0 : g.src_len();
   bytes_read_.fetch_add(src_bytes, std::memory_order_relaxed);
   io::GatherSource gs{&ck, raw_, out.header, {}};
+  gs.windows = &windows_;
   if (!direct_) return io::gather(gs, s.segs, dst);
   // Direct: long plain runs through O_DIRECT, the rest (short strided runs, casts) buffered
   // with gather, a consecutive span of segments at a time.
@@ -277,7 +278,8 @@ Status Source::read(uint32_t t, uint64_t off, uint64_t len, char* dst, ReadScrat
   uint64_t pos = 0;
   while (i < segs.size()) {
     const auto& g = segs[i];
-    if (!g.is_memory() && !g.is_cast() && g.len >= kDirectMinRun && direct_fds_[g.shard].valid()) {
+    if (!g.is_memory() && !g.is_transformed() && g.len >= kDirectMinRun &&
+        direct_fds_[g.shard].valid()) {
       CKPTFS_CHECK(read_direct(g.shard, g.src, g.len, dst + pos, s));
       pos += g.len;
       ++i;
@@ -286,7 +288,7 @@ Status Source::read(uint32_t t, uint64_t off, uint64_t len, char* dst, ReadScrat
     size_t j = i;
     uint64_t n = 0;
     while (j < segs.size() &&
-           !(!segs[j].is_memory() && !segs[j].is_cast() && segs[j].len >= kDirectMinRun &&
+           !(!segs[j].is_memory() && !segs[j].is_transformed() && segs[j].len >= kDirectMinRun &&
              direct_fds_[segs[j].shard].valid())) {
       n += segs[j].len;
       ++j;

@@ -129,7 +129,7 @@ Status StreamRouter::route_data(std::string_view bytes) {
   for (const auto& sg : segs_) {
     // The header is behind pos_ here, and written files are never cast: every segment is a
     // run of one rank's shard.
-    if (sg.is_memory() || sg.is_cast()) {
+    if (sg.is_memory() || sg.is_transformed()) {
       return fail(make_error(EIO, "{}: byte {} maps to no shard", what_, pos_));  // a bug
     }
     auto st = sink_->pwrite(sg.shard, sg.src, bytes.substr(0, sg.len));

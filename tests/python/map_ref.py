@@ -17,7 +17,7 @@ works), patterns with {NAME} captures (decimal, no leading zero) and `*` in `dro
 `prefixes`, `axes`, rules (numbered from 1) with `from` or a `concat` list of parts, `index`,
 `rows` (einops-style `LHS -> RHS` over the leading axes with `name[a:b]` slices), `let`,
 `for`, `offset` (a size added to a capture where `hf` writes it), `shape`, `split_last` (the
-last axis written as several, row-major), `when` (`key` /
+last axis written as several, row-major), `transpose` ([-2, -1]: the last two axes swapped), `when` (`key` /
 `!key`), `optional`, `drop`, `refuse` (stored tensors the map cannot serve, and why), and
 `detect` (`all`, `any`, `none`, `format`). What it checks: every capture of `from` appears in `hf`, each HF name is
 made once, every index and slice is within its axis, an `index` by a `for` capture counts
@@ -41,7 +41,7 @@ MAPS = ROOT / "maps"
 ARITHMETIC = ("transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast", "dtype", "reshape", "view")
 TOP_KEYS = {"ckptfs_map", "name", "about", "detect", "prefixes", "axes", "tensors", "drop", "hf_config",
             "hf_config_requires", "refuse"}
-RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "offset", "shape", "split_last", "when",
+RULE_KEYS = {"hf", "from", "concat", "index", "rows", "let", "for", "offset", "shape", "split_last", "transpose", "when",
              "optional"}
 PART_KEYS = {"from", "index", "rows", "let"}
 DETECT_KEYS = {"all", "any", "none", "format"}
@@ -68,10 +68,11 @@ def _check_keys(obj, allowed, what):
     if not isinstance(obj, dict):
         raise MapError(f"{what}: not an object")
     for k in obj:
+        if k in allowed:
+            continue
         if k in ARITHMETIC:
             raise MapError(f"{what}: {k!r} needs arithmetic on the bytes; a zero-copy map cannot do it")
-        if k not in allowed:
-            raise MapError(f"{what}: unknown key {k!r}")
+        raise MapError(f"{what}: unknown key {k!r}")
 
 
 def _str_list(v, what):
@@ -143,6 +144,12 @@ def load(src) -> dict:
             _size_list(r["shape"], f"{what}: shape")
         if "split_last" in r and (not _size_list(r["split_last"], f"{what}: split_last") or len(r["split_last"]) > 16):
             raise MapError(f"{what}: 'split_last' must be a list of 1 to 16 sizes")
+        if "transpose" in r:
+            if r["transpose"] != [-2, -1] or any(isinstance(x, bool) for x in r["transpose"]):
+                raise MapError(f"{what}: 'transpose' is {r['transpose']!r}; only [-2, -1] (the last two axes "
+                               f"swapped) is served, another permutation needs arithmetic on the bytes")
+            if "concat" in r or "rows" in r or "split_last" in r:
+                raise MapError(f"{what}: 'transpose' goes with one 'from', without 'rows' or 'split_last'")
         if "when" in r and (not isinstance(r["when"], str) or not r["when"].lstrip("!")):
             raise MapError(f"{what}: 'when' must be a config key or its negation")
         if "optional" in r and not isinstance(r["optional"], bool):
@@ -652,6 +659,10 @@ def apply(m, stored, config, *, check_coverage=True):
             allid = torch.cat(ids)
             if allid.unique().numel() != allid.numel():
                 raise MapError(f"{what}: HF tensor {name!r} reads a stored row twice")
+            if rule.get("transpose"):
+                if t.dim() < 2:
+                    raise MapError(f"{what}: 'transpose' of a tensor of shape {list(t.shape)}: it needs two axes")
+                t = t.transpose(-2, -1)
             if "split_last" in rule:
                 benv = env.child(let=rule.get("let", {}), extra=b)
                 split = [benv.eval(e) for e in rule["split_last"]]

@@ -67,7 +67,9 @@ def test_index_for_concat_when_drop():
 
 
 @pytest.mark.parametrize("rule,stored,config,message", [
-    ({"hf": "x", "from": "w", "transpose": True}, {"w": [4, 4]}, {}, "'transpose' needs arithmetic"),
+    ({"hf": "x", "from": "w", "permute": True}, {"w": [4, 4]}, {}, "'permute' needs arithmetic"),
+    ({"hf": "x", "from": "w", "transpose": True}, {"w": [4, 4]}, {}, "is True; only"),
+    ({"hf": "x", "from": "w", "transpose": [-2, -1]}, {"w": [4]}, {}, "it needs two axes"),
     ({"hf": "x", "from": "w", "rows": "(a b) -> (b a)", "let": {"a": "3"}}, {"w": [8, 2]}, {}, "does not divide"),
     ({"hf": "x", "from": "w", "rows": "(a b) -> (a b)", "let": {"a": "3", "b": "3"}}, {"w": [8, 2]}, {}, "3 x 3 = 9"),
     ({"hf": "x", "from": "w", "rows": "v -> v[0:n]"}, {"w": [8, 2]}, {"n": 9}, "outside"),

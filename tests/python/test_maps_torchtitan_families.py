@@ -11,14 +11,16 @@ start from random torchtitan weights. For each:
     to_hf bit for bit (names, dtypes, shapes, bytes), and the HF checkpoint it started from;
     Qwen 3.5 MoE's routed experts are served per expert, as transformers 5.23 saves and loads
     them (to_hf's fused, transposed gate_up_proj is refused by transformers 5.23's loader: shown
-    here), equal to to_hf's tensors transposed back; gpt-oss is refused by name (its experts need
-    a transpose), and its other renames equal to_hf's;
+    here), equal to to_hf's tensors transposed back; gpt-oss's experts, which torchtitan 0.3.0's
+    to_hf drops (shown here), are served as HF's GptOssExperts holds them (`transpose`: the last
+    two axes swapped), checked by running torchtitan's own GptOssGroupedExperts on the stored
+    tensors against HF's GptOssExperts as loaded through the mount;
   * a config.json that disagrees with the stored shapes is refused naming the tensor (map_ref,
     and `ckptfs inspect --map` on the C++ side);
   * one mount of all five (Qwen 3.5 MoE gets its config.json from `-o hf_config=`): each step
     directory serves to_hf's tensors exactly, and `from_pretrained` on it gives the original
-    transformers model's state dict bit for bit (Kimi: the same as from_pretrained of to_hf's output
-    written to a plain directory); gpt-oss stays under its stored names, inspect saying why.
+    transformers model's state dict bit for bit (Kimi, gpt-oss: the same as from_pretrained of the
+    expected tensors written to a plain directory).
 Skipped (never faked) without torchtitan or transformers, the Qwen 3.5 cases without
 flash-linear-attention (fla-core: torchtitan's Qwen 3.5 model code imports it), the mount tests
 without FUSE.
@@ -39,6 +41,7 @@ from conftest import BIN, Mount, have, requires_fuse
 from test_maps_torchtitan import STEP, assert_same, load, read_dcp, same_bits, served
 
 torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.skipif(not have("torchtitan.components.checkpointer"),
@@ -52,7 +55,7 @@ MODELS = {
     "kimi-k2.7": ("torchtitan-kimi-k2.7", torch.float32, "to_hf"),
     "qwen3.5": ("torchtitan-qwen3.5", torch.float32, "original"),
     "qwen3.5-moe": ("torchtitan-qwen3.5", torch.float32, "original"),
-    "gpt-oss": ("torchtitan-gpt-oss", torch.float32, None),
+    "gpt-oss": ("torchtitan-gpt-oss", torch.float32, "expected"),
 }
 WRITTEN = [n for n in MODELS if QWEN_OK or not n.startswith("qwen3.5")]
 
@@ -62,10 +65,11 @@ def params(names):
             for n in names]
 
 
-SERVED = [n for n in MODELS if n != "gpt-oss"]
+SERVED = list(MODELS)
 NO_STEP_CONFIG = "qwen3.5-moe"  # its step directory has no config.json: the mount's hf_config gives it
 AUTO = {"kimi-k2.7": "AutoModelForImageTextToText", "qwen3.5": "AutoModelForImageTextToText",
-        "qwen3.5-moe": "AutoModelForImageTextToText", "deepseek-v3": "AutoModelForCausalLM"}
+        "qwen3.5-moe": "AutoModelForImageTextToText", "deepseek-v3": "AutoModelForCausalLM",
+        "gpt-oss": "AutoModelForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +122,30 @@ def experts_per_expert(to_hf: dict) -> dict:
     return out
 
 
+GPT_OSS_EXPERTS = {"mlp1_weight_EGD": "gate_up_proj", "mlp1_bias_EG": "gate_up_proj_bias",
+                   "mlp2_weight_EDF": "down_proj", "mlp2_bias_ED": "down_proj_bias"}
+
+
+def gpt_oss_experts(saved) -> dict:
+    """gpt-oss's experts as HF's GptOssExperts holds them, from the stored tensors (torchtitan's
+    to_hf drops them): weights [E, in, out] (torchtitan's are [E, out, in]), biases as stored."""
+    stored = load(saved / "gpt-oss" / "stored.safetensors")
+    out = {}
+    for k, v in stored.items():
+        p, _, leaf = k.rpartition(".")
+        if leaf in GPT_OSS_EXPERTS:
+            layer = p.split(".")[1]
+            out[f"model.layers.{layer}.mlp.experts.{GPT_OSS_EXPERTS[leaf]}"] = \
+                (v.transpose(-2, -1) if "weight" in leaf else v).contiguous()
+    return out
+
+
 def expected(saved, name) -> dict:
-    """What the view must serve: to_hf's output (Qwen 3.5 MoE: its experts per expert)."""
+    """What the view must serve: to_hf's output (Qwen 3.5 MoE: its experts per expert; gpt-oss: with
+    its experts)."""
     want = load(saved / name / "to_hf.safetensors")
+    if name == "gpt-oss":
+        return {**want, **gpt_oss_experts(saved)}
     return experts_per_expert(want) if name == "qwen3.5-moe" else want
 
 
@@ -173,16 +198,46 @@ def test_qwen35_moe_to_hf_layout_is_refused_by_transformers(saved, tmp_path):
         transformers.AutoModelForImageTextToText.from_pretrained(str(plain), dtype=torch.float32)
 
 
-def test_gpt_oss_is_refused_by_name_and_its_renames_match_to_hf(saved, stored):
-    m = map_ref.load(map_ref.MAPS / "torchtitan-gpt-oss.json")
-    with pytest.raises(map_ref.MapError, match=r"mlp1_weight_EGD.*transpose"):
-        map_ref.apply(m, stored["gpt-oss"], config(saved, "gpt-oss"))
-    # Every other tensor: the renames of to_hf, which (torchtitan 0.3.0) drops the experts.
-    rest = {k: v for k, v in stored["gpt-oss"].items() if ".inner_experts." not in k}
-    hf, _ = map_ref.apply(m, rest, config(saved, "gpt-oss"))
+def test_gpt_oss_to_hf_drops_the_experts_the_map_serves(saved, stored):
+    """torchtitan 0.3.0's to_hf maps 'mlp1_weight', not the stored 'mlp1_weight_EGD': it drops every
+    expert tensor. The reference is then to_hf plus the experts in HF's layout (gpt_oss_experts)."""
     want = load(saved / "gpt-oss" / "to_hf.safetensors")
     assert not any("experts" in k for k in want), sorted(want)
-    assert_same(hf, want, "gpt-oss without its experts: map vs to_hf")
+    experts = gpt_oss_experts(saved)
+    assert len(experts) == 4 * 2 and list(experts["model.layers.0.mlp.experts.gate_up_proj"].shape) == [4, 64, 96]
+
+
+def test_gpt_oss_experts_as_served_compute_what_torchtitans_compute(saved):
+    """The transpose is the right one: HF's GptOssExperts holding the served layout gives, token
+    for token, what torchtitan's own GptOssGroupedExperts computes from the stored tensors."""
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    stored = load(saved / "gpt-oss" / "stored.safetensors")
+    prefix = "layers.1.moe.routed_experts.inner_experts."
+    tt = GptOssGroupedExperts(GptOssGroupedExperts.Config(dim=64, hidden_dim=48, num_experts=4))
+    tt.load_state_dict({k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)})
+    hf = GptOssExperts(transformers.GptOssConfig(**{k: v for k, v in config(saved, "gpt-oss").items()
+                                                    if k in ("hidden_size", "intermediate_size", "num_local_experts")}))
+    served = gpt_oss_experts(saved)
+    hf.load_state_dict({k.rpartition(".")[2]: v for k, v in served.items() if k.startswith("model.layers.1.")})
+    torch.manual_seed(0)
+    x = torch.randn(7, 64)
+    route = torch.tensor([0, 0, 1, 2, 3, 3, 3])  # tokens sorted by expert, as torchtitan takes them
+    with torch.no_grad():
+        want = tt(x, torch.bincount(route, minlength=4)).float()
+        got = hf(x.bfloat16().float(), route[:, None], torch.ones(7, 1)).float()
+    # torchtitan computes in bf16 (weights and activations): compare as a relative error.
+    def rel(a):
+        return float((a - want).norm() / want.norm())
+    assert rel(got) < 1e-2, rel(got)
+    # A layout that is not the transpose (the same bytes reshaped) computes something else.
+    bad = {k: (v.reshape(v.shape[0], v.shape[2], v.shape[1]) if v.dim() == 3 else v) for k, v in stored.items()
+           if k.startswith(prefix)}
+    hf.load_state_dict({GPT_OSS_EXPERTS[k[len(prefix):]]: v for k, v in bad.items()})
+    with torch.no_grad():
+        wrong = hf(x.bfloat16().float(), route[:, None], torch.ones(7, 1)).float()
+    assert rel(wrong) > 0.3, rel(wrong)
 
 
 # A config.json value that disagrees with the stored shapes: (key path, value, the stored tensor
@@ -196,6 +251,8 @@ WRONG = {
                 "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"),
     "qwen3.5-moe": (("text_config", "num_experts"), 3, "layers.0.moe.router.gate.weight",
                     "model.language_model.layers.0.mlp.gate.weight"),
+    "gpt-oss": (("intermediate_size",), 40, "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD",
+                "model.layers.0.mlp.experts.gate_up_proj"),
 }
 
 
@@ -275,24 +332,14 @@ def test_mount_serves_to_hf_and_from_pretrained_loads_it(saved, mounted, name, t
         common = [k for k in orig if k in got]
         bad = [k for k in common if not same_bits(got[k].to(orig[k].dtype), orig[k])]
         assert not bad and len(common) >= len(orig) // 2, (bad, len(common), len(orig))
-    else:  # Kimi: to_hf's output written to a plain directory
+    else:  # Kimi: to_hf's output (gpt-oss: with its experts) written to a plain directory
         plain = tmp_path / "plain"
         plain.mkdir()
-        (plain / "model.safetensors").symlink_to(saved / name / "to_hf.safetensors")
+        if name == "gpt-oss":
+            st_torch.save_file(want, str(plain / "model.safetensors"))
+        else:
+            (plain / "model.safetensors").symlink_to(saved / name / "to_hf.safetensors")
         (plain / "config.json").write_text((saved / name / "config.json").read_text())
-        assert_same(got, loaded_state(name, plain), f"{name}: from_pretrained(mount) vs from_pretrained(to_hf)")
-    assert mounted.proc.poll() is None
-
-
-@requires_fuse
-def test_mount_leaves_gpt_oss_under_its_stored_names_saying_why(saved, stored, mounted):
-    d = pathlib.Path(mounted.mnt) / "gpt-oss" / STEP
-    assert_same(served(d), stored["gpt-oss"], "gpt-oss: served under its stored names")
-    r = subprocess.run([BIN, "inspect", str(saved / "gpt-oss" / STEP)], capture_output=True, text=True, timeout=60)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and "torchtitan-gpt-oss" in out and "transpose" in out and "mlp1_weight_EGD" in out, out
-    r = subprocess.run([BIN, "inspect", "--map", "torchtitan-gpt-oss", str(saved / "gpt-oss" / STEP)],
-                       capture_output=True, text=True, timeout=60)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0 and "cannot serve" in out and "mlp1_weight_EGD" in out, out
+        ref = loaded_state(name, plain)
+        assert_same(got, ref, f"{name}: from_pretrained(mount) vs from_pretrained(to_hf)")
     assert mounted.proc.poll() is None

@@ -2,6 +2,7 @@
 // build_checkpoint, and the bytes map_range serves for mapped tensors, checked against naive
 // element-by-element references (fixed maps, a random-map property test, hostile maps).
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <iostream>
@@ -25,9 +26,11 @@
 #include "ckptfs/format/cast.hpp"
 #include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/model_map.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/layout/model_map.hpp"
+#include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
 
 using namespace ckptfs;
@@ -155,6 +158,8 @@ View build_view(std::vector<Stored>& stored, const layout::BuildOptions& opts, s
     layout::ShardInput si;
     si.name = fmt::format("__{}_0.distcp", i);
     si.stamp.size = v.shards[static_cast<size_t>(i)].size();
+    // Files of other bytes are other files (io::gather's window is keyed by the stamp).
+    si.stamp.ino = std::hash<std::string>{}(v.shards[static_cast<size_t>(i)]);
     in.shards.push_back(std::move(si));
   }
   in.declared = std::move(d);
@@ -219,6 +224,12 @@ std::string read_range(const View& v, uint32_t file, uint64_t off, uint64_t len)
     const uint64_t n = s.src_len();
     EXPECT_LE(s.src + n, f.size()) << "a segment reads past its shard";
     if (s.src + n > f.size()) return out;
+    if (s.is_strided()) {  // element e at src + e * stride; the first `skip` bytes dropped
+      std::string picked;
+      for (uint64_t e = 0; e < s.elems(); ++e) picked += f.substr(s.src + e * s.stride, s.esize);
+      out += picked.substr(s.skip, s.len);
+      continue;
+    }
     if (!s.is_cast()) {
       out += f.substr(s.src, s.len);
       continue;
@@ -250,6 +261,20 @@ std::string tensor_bytes(const View& v, std::string_view name) {
 std::string rows_of(const std::string& data, uint64_t row_bytes, const std::vector<uint64_t>& r) {
   std::string out;
   for (auto i : r) out += data.substr(i * row_bytes, row_bytes);
+  return out;
+}
+
+// The last two axes of row-major `data` ([blocks, r, c] elements of `es` bytes) swapped.
+std::string transposed(const std::string& data, uint64_t blocks, uint64_t r, uint64_t c,
+                       size_t es) {
+  std::string out(data.size(), '\0');
+  for (uint64_t b = 0; b < blocks; ++b) {
+    for (uint64_t i = 0; i < r; ++i) {
+      for (uint64_t j = 0; j < c; ++j) {
+        out.replace(((b * c + j) * r + i) * es, es, data, ((b * r + i) * c + j) * es, es);
+      }
+    }
+  }
   return out;
 }
 
@@ -362,13 +387,19 @@ TEST(MapParse, ArithmeticOnTheBytesIsRefusedByName) {
   for (const char* word : {"transpose", "permute", "sum", "add", "mean", "scale", "mul", "cast",
                            "dtype", "reshape", "view"}) {
     SCOPED_TRACE(word);
-    // In the 4th rule: the message numbers it and quotes its HF name.
+    // In the 4th rule: the message numbers it and quotes its HF name. A rule's `transpose`
+    // swaps the last two axes ([-2, -1]); every other permutation is refused for what it needs.
     json rules = json::array();
     for (int i = 0; i < 3; ++i) rules.push_back({{"hf", fmt::format("x{}", i)}, {"from", "y"}});
     rules.push_back({{"hf", "lm_head.weight"}, {"from", "output.weight"}, {word, true}});
-    expect_refused(
-        map_with(rules),
-        {"rule 4", fmt::format("'{}' needs arithmetic on the bytes", word), "zero-copy"});
+    if (std::string_view(word) == "transpose") {
+      expect_refused(map_with(rules), {"rule 4", "'transpose' is true", "only [-2, -1]",
+                                       "needs arithmetic on the bytes"});
+    } else {
+      expect_refused(
+          map_with(rules),
+          {"rule 4", fmt::format("'{}' needs arithmetic on the bytes", word), "zero-copy"});
+    }
     // In a concat part, and at the top level.
     expect_refused(
         one_rule({{"hf", "a"}, {"concat", json::array({{{"from", "b"}, {word, "0 1"}}})}}),
@@ -382,9 +413,9 @@ TEST(MapParse, ArithmeticOnTheBytesIsRefusedByName) {
 TEST(MapParse, MessagesQuoteTheRuleAndTheKeyAsWritten) {
   json rules = json::array();
   for (int i = 0; i < 3; ++i) rules.push_back({{"hf", fmt::format("x{}", i)}, {"from", "y"}});
-  rules.push_back({{"hf", "lm_head.weight"}, {"from", "output.weight"}, {"transpose", true}});
+  rules.push_back({{"hf", "lm_head.weight"}, {"from", "output.weight"}, {"permute", true}});
   EXPECT_EQ(refusal(map_with(rules)),
-            "test.json: rule 4 ('lm_head.weight'): 'transpose' needs arithmetic on the bytes; a "
+            "test.json: rule 4 ('lm_head.weight'): 'permute' needs arithmetic on the bytes; a "
             "zero-copy map cannot do it");
   expect_refused(one_rule({{"hf", "a"}, {"from", "b"}, {"hf_name", "c"}}),
                  {"rule 1 ('a'): unknown key 'hf_name'"});
@@ -996,28 +1027,47 @@ TEST(MapBuiltins, EachTorchtitanFamilyIsDetectedByExactlyOneBuiltIn) {
   }
 }
 
-TEST(MapBuiltins, GptOssIsDetectedButLeftUnderItsStoredNamesSayingWhy) {
+TEST(MapBuiltins, GptOssIsServedWithItsExpertsTransposed) {
   std::vector<Stored> stored = {
-      st("tok_embeddings.weight", {11, 8}), st("layers.0.attention.sinks", {4}),
+      st("tok_embeddings.weight", {11, 8}),
+      st("layers.0.attention.sinks", {4}),
+      st("layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD", {2, 6, 8}),
+      st("layers.0.moe.routed_experts.inner_experts.mlp1_bias_EG", {2, 6}),
+      st("layers.0.moe.routed_experts.inner_experts.mlp2_weight_EDF", {2, 8, 3}),
+      st("layers.0.moe.routed_experts.inner_experts.mlp2_bias_ED", {2, 8}),
       st("layers.0.attention.qkv_linear.wq.weight", {8, 8}),
-      st("layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD", {2, 6, 8})};
+      st("layers.0.attention.qkv_linear.wq.bias", {8}),
+      st("layers.0.attention.qkv_linear.wk.weight", {4, 8}),
+      st("layers.0.attention.qkv_linear.wk.bias", {4}),
+      st("layers.0.attention.qkv_linear.wv.weight", {4, 8}),
+      st("layers.0.attention.qkv_linear.wv.bias", {4}),
+      st("layers.0.attention.wo.weight", {8, 8}),
+      st("layers.0.attention.wo.bias", {8}),
+      st("layers.0.attention_norm.weight", {8}),
+      st("layers.0.ffn_norm.weight", {8}),
+      st("layers.0.moe.router.gate.weight", {2, 8}),
+      st("layers.0.moe.router.gate.bias", {2}),
+      st("norm.weight", {8})};
   std::mt19937_64 rng(5);
   layout::BuildOptions opts;
-  opts.hf_config = json({{"hidden_size", 8}, {"vocab_size", 11}}).dump();
+  opts.hf_config = json({{"hidden_size", 8},
+                         {"vocab_size", 11},
+                         {"intermediate_size", 3},
+                         {"num_local_experts", 2},
+                         {"num_attention_heads", 4},
+                         {"tie_word_embeddings", true}})
+                       .dump();
   auto v = build_view(stored, opts, rng, 1);
   ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
-  EXPECT_EQ(v.ck->map, "");
-  EXPECT_NE(v.ck->map_note.find("torchtitan-gpt-oss"), std::string::npos) << v.ck->map_note;
-  EXPECT_NE(v.ck->map_note.find("mlp1_weight_EGD"), std::string::npos) << v.ck->map_note;
-  EXPECT_NE(v.ck->map_note.find("transpose"), std::string::npos) << v.ck->map_note;
-  EXPECT_NE(find_tensor(*v.ck, "layers.0.attention.sinks"), nullptr);
-  // Named, it is refused, naming the tensor and why.
-  std::mt19937_64 rng2(5);
-  opts.map = format::find_builtin_map("torchtitan-gpt-oss");
-  ASSERT_NE(opts.map, nullptr);
-  auto named = build_view(stored, opts, rng2, 1);
-  EXPECT_PROBLEM(named, "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD",
-                 "torchtitan-gpt-oss", "cannot serve", "transpose");
+  EXPECT_EQ(v.ck->map, "torchtitan-gpt-oss");
+  const auto* up = find_tensor(*v.ck, "model.layers.0.mlp.experts.gate_up_proj");
+  ASSERT_NE(up, nullptr);
+  EXPECT_EQ(up->shape, (std::vector<uint64_t>{2, 8, 6}));
+  EXPECT_EQ(tensor_bytes(v, up->name), transposed(stored[2].data, 2, 6, 8, 4));
+  EXPECT_EQ(tensor_bytes(v, "model.layers.0.mlp.experts.down_proj"),
+            transposed(stored[4].data, 2, 8, 3, 4));
+  EXPECT_EQ(tensor_bytes(v, "model.layers.0.mlp.experts.gate_up_proj_bias"), stored[3].data);
+  EXPECT_EQ(tensor_bytes(v, "model.layers.0.mlp.experts.down_proj_bias"), stored[5].data);
 }
 
 TEST(MapBuiltins, AConfigThatDisagreesNamesTheTensorAndTheAxis) {
@@ -1364,6 +1414,125 @@ TEST(MapCompile, RowsSizesComeFromLetAxesAndConfig) {
     for (uint64_t x = 0; x < 4; ++x) p.push_back(x * 6 + y);
   }
   EXPECT_EQ(tensor_bytes(v, "p"), rows_of(stored[0].data, 5, p));
+}
+
+// `transpose: [-2, -1]` (gpt-oss's experts): the HF tensor is the stored one with its last two
+// axes swapped, whatever grid of chunks (every axis cut at random) holds it; one run per
+// matrix, read column by column as strided segments; every sub-range, unaligned too.
+TEST(MapCompile, TransposeSwapsTheLastTwoAxesWhateverTheChunks) {
+  for (DType dt : {DType::BF16, DType::F32, DType::U8}) {
+    for (uint64_t seed = 1; seed <= 12; ++seed) {
+      SCOPED_TRACE(fmt::format("{} seed {}", format::dtype_name(dt), seed));
+      const json map = map_with(json::array(
+          {{{"hf", "up"}, {"from", "w1"}, {"transpose", {-2, -1}}, {"shape", {3, 5, 4}}},
+           {{"hf", "down.{E}"},
+            {"from", "w2"},
+            {"for", {{"E", 2}}},
+            {"index", {"E"}},
+            {"transpose", {-2, -1}}}}));
+      std::vector<Stored> stored = {st("w1", {3, 4, 5}, dt), st("w2", {2, 6, 7}, dt)};
+      auto v = compile(map, json::object(), stored, seed);
+      ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+      const size_t es = esize(dt);
+      const std::string want = transposed(stored[0].data, 3, 4, 5, es);
+      const auto* t = find_tensor(*v.ck, "up");
+      ASSERT_NE(t, nullptr);
+      EXPECT_EQ(t->shape, (std::vector<uint64_t>{3, 5, 4}));
+      EXPECT_EQ(t->runs.size(), 3u);  // one per matrix, not one per element
+      EXPECT_EQ(tensor_bytes(v, "up"), want);
+      for (uint64_t a = 0; a < t->nbytes; a += 3) {
+        for (uint64_t n : {1u, 2u, 5u, 17u}) {
+          const uint64_t len = std::min<uint64_t>(n, t->nbytes - a);
+          ASSERT_EQ(read_range(v, t->output, t->out_offset + a, len), want.substr(a, len))
+              << a << "+" << len;
+        }
+      }
+      const std::string w2 = transposed(stored[1].data, 2, 6, 7, es);
+      for (int e = 0; e < 2; ++e) {
+        const auto* d = find_tensor(*v.ck, fmt::format("down.{}", e));
+        ASSERT_NE(d, nullptr);
+        EXPECT_EQ(d->shape, (std::vector<uint64_t>{7, 6}));
+        EXPECT_EQ(tensor_bytes(v, d->name), w2.substr(e * 42 * es, 42 * es));
+      }
+    }
+  }
+}
+
+TEST(MapCompile, TransposeIsRefusedWhereItCannotApply) {
+  // One axis: nothing to swap. Named in the problem, with the rule.
+  auto v = compile(one_rule({{"hf", "b"}, {"from", "bias"}, {"transpose", {-2, -1}}}),
+                   json::object(), {st("bias", {6})});
+  EXPECT_PROBLEM(v, "bias", "rule 1 ('b')", "'transpose' of a tensor of shape [6]");
+  // A shape check sees the swapped shape.
+  auto w =
+      compile(one_rule({{"hf", "t"}, {"from", "w"}, {"transpose", {-2, -1}}, {"shape", {4, 5}}}),
+              json::object(), {st("w", {4, 5})});
+  EXPECT_PROBLEM(w, "", "axis 0 of 't' is 5");
+  // Only the last two axes, and only with one `from`, no `rows`, no `split_last`.
+  expect_refused(one_rule({{"hf", "t"}, {"from", "w"}, {"transpose", {0, 1}}}),
+                 {"'transpose' is an array of 2 elements", "only [-2, -1]"});
+  expect_refused(
+      one_rule({{"hf", "t"}, {"from", "w"}, {"transpose", {-2, -1}}, {"rows", "a -> a"}}),
+      {"'transpose' goes with one 'from'"});
+  expect_refused(one_rule({{"hf", "t"},
+                           {"concat", json::array({{{"from", "a"}}, {{"from", "b"}}})},
+                           {"transpose", {-2, -1}}}),
+                 {"'transpose' goes with one 'from'"});
+  expect_refused(
+      one_rule({{"hf", "t"}, {"from", "w"}, {"transpose", {-2, -1}}, {"split_last", {2, 2}}}),
+      {"'transpose' goes with one 'from'"});
+}
+
+// The same through io::gather, from real descriptors (memfds): the strided segments read through
+// the per-thread window give the transposed bytes, and a shard rewritten under a new stamp is
+// read again, not served from the window of the old one.
+TEST(MapCompile, TransposedReadsGatherFromDescriptorsAndTheWindowFollowsTheStamp) {
+  const json map = one_rule({{"hf", "up"}, {"from", "w1"}, {"transpose", {-2, -1}}});
+  io::StridedWindows windows;  // shared by every checkpoint: keyed by each shard's stamp
+  size_t grouped = 0;          // reads with whole columns one after another (column groups)
+  for (uint64_t layout_seed : {5u, 6u, 7u, 8u, 9u, 10u})
+    for (uint64_t seed : {3u, 4u}) {
+      std::vector<Stored> stored = {st("w1", {2, 9, 13}, DType::BF16)};
+      std::mt19937_64 bytes(seed);
+      stored[0].data = test::random_bytes(bytes, 2 * 9 * 13 * 2);
+      // The same chunks and offsets for both seeds; the second reads its ranges in reverse, so
+      // its first read is the one whose window the first left (another file's: another stamp).
+      auto v = compile(map, json::object(), stored, layout_seed);
+      ASSERT_TRUE(v.ck->valid()) << problems(*v.ck);
+      std::vector<UniqueFd> fds;
+      std::vector<int> raw;
+      for (const auto& f : v.shards) {
+        int fd = ::memfd_create("shard", MFD_CLOEXEC);
+        ASSERT_EQ(::pwrite(fd, f.data(), f.size(), 0), static_cast<ssize_t>(f.size()));
+        fds.emplace_back(fd);
+        raw.push_back(fd);
+      }
+      const auto* t = find_tensor(*v.ck, "up");
+      ASSERT_NE(t, nullptr);
+      const std::string want = transposed(stored[0].data, 2, 9, 13, 2);
+      std::vector<uint64_t> starts;
+      for (uint64_t a = 0; a < t->nbytes; a += 37) starts.push_back(a);
+      if (seed == 4) std::reverse(starts.begin(), starts.end());
+      for (uint64_t a : starts) {
+        const uint64_t len = std::min<uint64_t>(a % 5 == 0 ? t->nbytes : 53, t->nbytes - a);
+        std::vector<layout::Segment> segs;
+        layout::map_range(*v.ck, t->output, t->out_offset + a, len, segs);
+        for (size_t i = 1; i < segs.size(); ++i) {
+          grouped += segs[i].is_strided() && segs[i - 1].is_strided() && segs[i].skip == 0 &&
+                     segs[i].src == segs[i - 1].src + 2 && segs[i].len == segs[i - 1].len;
+        }
+        for (bool windowed : {false, true}) {  // in pieces, and through the shared windows
+          std::string got(len, '\0');
+          io::GatherSource src{v.ck.get(), raw, v.ck->outputs[t->output].header, {}};
+          if (windowed) src.windows = &windows;
+          auto g = io::gather(src, segs, got.data());
+          ASSERT_TRUE(g.ok()) << g.error().message;
+          ASSERT_EQ(got, want.substr(a, len))
+              << "seed " << seed << " at " << a << "+" << len << (windowed ? " windowed" : "");
+        }
+      }
+    }
+  EXPECT_GT(grouped, 0u);  // the column-group path was taken
 }
 
 TEST(MapCompile, AMappedCastViewReadsAndConvertsElementsAtAnyOffset) {

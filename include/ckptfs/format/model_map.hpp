@@ -111,6 +111,9 @@ struct MapRule {
   // `split_last`: the HF tensor's last axis written as these axes, row-major (their product is
   // the stored last axis): the same bytes in the same order, only the shape differs.
   std::optional<std::vector<MapExpr>> split_last;
+  // `transpose: [-2, -1]`: the HF tensor is the stored one (after `index`) with its last two
+  // axes swapped; read element by element with a stride (layout::MapRun, layout::Segment).
+  bool transpose = false;
   std::string when;  // a config key, "" when absent
   bool when_not = false;
   bool optional = false;

@@ -131,11 +131,12 @@ struct ReadPlan {
   const FileReader* direct = nullptr;
   uint64_t direct_off = 0;
 
-  // Some segment converts a dtype (layout::Segment::is_cast): its bytes exist only once
-  // gathered, so such a plan is never spliced.
-  [[nodiscard]] bool has_cast() const {
+  // Some segment converts a dtype or picks elements at a stride
+  // (layout::Segment::is_transformed): its bytes exist only once gathered, so such a plan is
+  // never spliced.
+  [[nodiscard]] bool has_transformed() const {
     return std::any_of(segs.begin(), segs.end(),
-                       [](const layout::Segment& s) { return s.is_cast(); });
+                       [](const layout::Segment& s) { return s.is_transformed(); });
   }
 
   // Some segment reads a shard on a node-local target (no fd here): never spliced either.

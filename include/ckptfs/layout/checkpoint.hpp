@@ -92,6 +92,9 @@ struct ChunkGrid {
 // A run of a tensor made by a model map (layout/model_map): `count` blocks of `len` elements,
 // block b read from element `src_elem + b * stride` of stored tensor `src` (an index into
 // Checkpoint::stored), placed one after another from element `out_elem` of the mapped tensor.
+// That pattern is repeated `reps` times, repetition q starting at stored element `src_elem +
+// q * rep_stride`: a transposed matrix [R, C] is one run (len 1, count R, stride C, reps C,
+// rep_stride 1), so its runs stay as few as its leading blocks.
 struct MapRun {
   uint32_t src = 0;
   uint64_t out_elem = 0;
@@ -99,6 +102,9 @@ struct MapRun {
   uint64_t len = 0;
   uint64_t count = 1;
   uint64_t stride = 0;
+  uint64_t reps = 1;
+  uint64_t rep_stride = 0;
+  [[nodiscard]] uint64_t elems() const { return len * count * reps; }
   bool operator==(const MapRun&) const = default;
 };
 

@@ -1,8 +1,9 @@
 // The extent map: which bytes produce a byte range of a consolidated file.
 //
 // Forward (reads): consolidated (file, offset, length) -> ordered segments, each either
-// header bytes from memory, a run of bytes in one shard file, or (a tensor served in another
-// dtype than stored) a run of elements in one shard file to convert. Adjacent runs that are
+// header bytes from memory, a run of bytes in one shard file, (a tensor served in another
+// dtype than stored) a run of elements in one shard file to convert, or (a transposed tensor)
+// elements picked at a stride. Adjacent runs that are
 // contiguous in the same shard are coalesced, so a row-sharded tensor is one run per chunk.
 //
 // The one byte geometry between chunks and consolidated files: reads of the mount, the write
@@ -28,15 +29,25 @@ struct Segment {
   format::DType from = format::DType::U8;
   format::DType to = format::DType::U8;
   uint8_t skip = 0;
+  // A strided segment (stride != 0; a transposed tensor's column, layout::MapRun): elements of
+  // `esize` bytes at `src`, `src + stride`, ...; the `len` bytes produced start `skip` bytes into
+  // the first. Never cast, never spliced.
+  uint8_t esize = 0;
+  uint64_t stride = 0;
 
   [[nodiscard]] bool is_memory() const { return shard == kMemory; }
   [[nodiscard]] bool is_cast() const { return from != to; }
-  // Elements converted (cast segments) and source bytes read (every shard segment).
+  [[nodiscard]] bool is_strided() const { return stride != 0; }
+  // Its bytes are not a run of the shard as it lies: they exist only once gathered.
+  [[nodiscard]] bool is_transformed() const { return is_cast() || is_strided(); }
+  // Elements converted (cast segments) or picked (strided ones), and the source bytes they
+  // span (every shard segment).
   [[nodiscard]] uint64_t elems() const {
-    const uint64_t osz = format::dtype_bits(to) / 8;
+    const uint64_t osz = is_strided() ? esize : format::dtype_bits(to) / 8;
     return (skip + len + osz - 1) / osz;
   }
   [[nodiscard]] uint64_t src_len() const {
+    if (is_strided()) return (elems() - 1) * stride + esize;
     return is_cast() ? elems() * (format::dtype_bits(from) / 8) : len;
   }
   bool operator==(const Segment&) const = default;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ckptfs/format/dtype.hpp"
+#include "ckptfs/io/gather.hpp"
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -112,6 +113,7 @@ class Source {
   std::vector<std::string> names_;  // consolidated file names
   std::vector<UniqueFd> fds_;
   std::vector<int> raw_;
+  mutable io::StridedWindows windows_;        // transposed tensors' matrices (internally locked)
   std::vector<UniqueFd> direct_fds_;          // O_DIRECT descriptors (invalid where refused)
   std::map<std::string, std::string> index_;  // consolidated: weight_map of the index
   bool has_index_ = false;
