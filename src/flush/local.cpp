@@ -102,10 +102,10 @@ Status roll_forward(int dirfd, int statefd, const format::Record& rec, int txfd,
   }
   if (auto recs = source::list_dir(statefd); recs) {
     for (const auto& e : *recs) {
-      if (!e.name.ends_with(format::kRecordSuffix)) continue;
-      std::string file = e.name.substr(0, e.name.size() - format::kRecordSuffix.size());
-      auto mn = format::parse_model_name(file);
-      if (mn && mn->k == rec.k && mn->m == rec.m && file != rec.name) {
+      const auto file = format::parse_record_name(e.name);
+      if (!file) continue;
+      auto mn = format::parse_model_name(*file);
+      if (mn && mn->k == rec.k && mn->m == rec.m && *file != rec.name) {
         ::unlinkat(statefd, e.name.c_str(), 0);
       }
     }
@@ -348,7 +348,7 @@ class LocalFlusher final : public Flusher {
     std::vector<std::string> referenced;
     bool changed = false;
     for (const auto& e : *list) {
-      if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
+      if (!S_ISREG(e.st.st_mode) || !format::parse_record_name(e.name)) continue;
       auto text = read_small_file_beneath(state->get(), e.name, format::kMaxSideFileSize);
       if (!text) continue;
       auto rec = format::parse_record(*text, e.name);
@@ -386,9 +386,9 @@ class LocalFlusher final : public Flusher {
     if (auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW); state) {
       CKPTFS_TRY(auto recs, source::list_dir(state->get()));
       for (const auto& e : recs) {
-        if (!e.name.ends_with(format::kRecordSuffix)) continue;
-        auto mn = format::parse_model_name(
-            std::string_view(e.name).substr(0, e.name.size() - format::kRecordSuffix.size()));
+        const auto file = format::parse_record_name(e.name);
+        if (!file) continue;
+        auto mn = format::parse_model_name(*file);
         if (mn && mn->k == k && mn->m == m && ::unlinkat(state->get(), e.name.c_str(), 0) != 0 &&
             errno != ENOENT) {
           return errno_error(fmt::format("{}/{}/{}: cannot remove", t.display, kState, e.name));

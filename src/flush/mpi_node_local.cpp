@@ -34,9 +34,8 @@ std::vector<std::pair<int, std::string>> remote_dirs(int dirfd, uint32_t k, uint
   if (!entries) return out;
   // Trusted records only (source::record_files): one anyone else could write names nothing.
   for (const auto& [rel, st] : source::record_files(dirfd, *entries)) {
-    const size_t base = format::kStateDirName.size() + 1;
-    auto mn = format::parse_model_name(
-        std::string_view(rel).substr(base, rel.size() - base - format::kRecordSuffix.size()));
+    const auto file = format::parse_record_name(rel);
+    auto mn = file ? format::parse_model_name(*file) : std::nullopt;
     if (!mn || mn->k != k || mn->m != m) continue;
     auto text = read_small_file_beneath(dirfd, rel, format::kMaxSideFileSize);
     if (!text) continue;

@@ -13,6 +13,16 @@ std::string record_file_name(std::string_view file_name) {
   return std::string(file_name) + std::string(kRecordSuffix);
 }
 
+std::optional<std::string_view> parse_record_name(std::string_view name) {
+  if (name.starts_with(kStateDirName) && name.size() > kStateDirName.size() &&
+      name[kStateDirName.size()] == '/') {
+    name.remove_prefix(kStateDirName.size() + 1);
+  }
+  if (!name.ends_with(kRecordSuffix) || name.size() == kRecordSuffix.size()) return std::nullopt;
+  name.remove_suffix(kRecordSuffix.size());
+  return name;
+}
+
 namespace {
 
 // The owner, path and header of a node-local shard (version 2); `s` has its name and size.

@@ -195,9 +195,7 @@ auto Filesystem::Impl::name_state(int dirfd, const std::vector<source::DirEntry>
   }
   bool mine_recorded = false, other_same_km = false;
   for (const auto& [rel, st] : source::record_files(dirfd, entries)) {
-    const std::string_view file = std::string_view(rel).substr(
-        format::kStateDirName.size() + 1,
-        rel.size() - format::kStateDirName.size() - 1 - format::kRecordSuffix.size());
+    const std::string_view file = format::parse_record_name(rel).value_or("");
     if (file == name) {
       mine_recorded = true;
       continue;

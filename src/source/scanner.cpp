@@ -142,7 +142,7 @@ std::vector<std::pair<std::string, struct stat>> record_files(int dirfd,
   if (!list) return out;
   const bool dir_ok = trusted_state(sst);
   for (auto& e : *list) {
-    if (!S_ISREG(e.st.st_mode) || !e.name.ends_with(format::kRecordSuffix)) continue;
+    if (!S_ISREG(e.st.st_mode) || !format::parse_record_name(e.name)) continue;
     if (!dir_ok || !trusted_state(e.st)) {
       if (untrusted) ++*untrusted;
       continue;

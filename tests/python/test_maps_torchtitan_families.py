@@ -240,6 +240,16 @@ def test_gpt_oss_experts_as_served_compute_what_torchtitans_compute(saved):
     assert rel(wrong) > 0.3, rel(wrong)
 
 
+def test_gpt_oss_consolidate_writes_the_transposed_experts(saved, tmp_path):
+    """`ckptfs consolidate` (its copy threads through io::gather's shared windows, not the FUSE
+    path) writes the same experts in HF's layout, bit for bit."""
+    dst = tmp_path / "out"
+    r = subprocess.run([BIN, "consolidate", str(saved / "gpt-oss" / STEP), str(dst), "--threads", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert_same(served(dst), expected(saved, "gpt-oss"), "gpt-oss: consolidate vs to_hf with its experts")
+
+
 # A config.json value that disagrees with the stored shapes: (key path, value, the stored tensor
 # the C++ side names, the HF tensor map_ref names).
 WRONG = {

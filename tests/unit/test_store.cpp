@@ -150,6 +150,24 @@ format::Record remote_record() {
 
 }  // namespace
 
+// The one parser of record file names, record_file_name's inverse.
+TEST(Record, RecordNamesParseBackToTheirFile) {
+  for (const char* f : {"model.safetensors", "model-00002-of-00003.safetensors", "x.commit"}) {
+    EXPECT_EQ(format::parse_record_name(format::record_file_name(f)), std::string_view(f));
+    EXPECT_EQ(format::parse_record_name(".ckptfs/" + format::record_file_name(f)),
+              std::string_view(f));
+  }
+  for (const char* bad : {"", ".commit", ".ckptfs/.commit", "model.safetensors", "model.commi",
+                          ".ckptfs/", ".ckptfsX.commit"}) {
+    SCOPED_TRACE(bad);
+    if (std::string_view(bad) == ".ckptfsX.commit") {  // a file named so, not the state dir
+      EXPECT_EQ(format::parse_record_name(bad), std::string_view(".ckptfsX"));
+      continue;
+    }
+    EXPECT_FALSE(format::parse_record_name(bad).has_value());
+  }
+}
+
 TEST(Record, Version2NamesOwnerPathAndHeader) {
   auto r = remote_record();
   const std::string text = format::serialize_record(r);

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -75,5 +76,11 @@ Result<Record> parse_record(std::string_view text, std::string_view what);
 
 // The record file name for a file.
 std::string record_file_name(std::string_view file_name);
+
+// The file a record file name stands for, record_file_name's inverse: "model.safetensors" for
+// "model.safetensors.commit" (also as ".ckptfs/model.safetensors.commit", the path
+// source::record_files gives); nullopt for a name that is no record's (no suffix, or nothing
+// before it). The one parser of record names.
+std::optional<std::string_view> parse_record_name(std::string_view name);
 
 }  // namespace ckptfs::format
