@@ -147,15 +147,14 @@ Status gather_cast(const GatherSource& src, const layout::Segment& g, char* dst,
   return {};
 }
 
-// Copies the elements of strided segment `g` out of `buf`, which holds the shard's bytes from
-// offset `base` and covers [from, to) of the segment's source span (the bytes a block read
-// gives). Returns the output bytes written so far (`done` on entry).
-uint64_t pick(const layout::Segment& g, const char* buf, uint64_t base, uint64_t from, uint64_t to,
-              char* dst, uint64_t done) {
+// Copies the elements of strided segment `g` out of `buf`, which holds the shard's bytes
+// [base, to), from element (skip + done) / esize on (it starts at or after `base`) while they
+// lie in the buffer. Returns the output bytes written so far (`done` on entry).
+uint64_t pick(const layout::Segment& g, const char* buf, uint64_t base, uint64_t to, char* dst,
+              uint64_t done) {
   const uint64_t es = g.esize;
   for (uint64_t e = (g.skip + done) / es; done < g.len; ++e) {
     const uint64_t at = g.src + e * g.stride;
-    if (at < from) continue;
     if (at + es > to) break;
     const uint64_t skip = e == 0 ? g.skip : 0;
     const uint64_t n = std::min(es - skip, g.len - done);
@@ -258,7 +257,7 @@ Status gather_strided(const GatherSource& src, std::span<const layout::Segment> 
       transpose_any(in, g.stride, g.len / es, k, es, dst);
       return {};
     }
-    pick(g, in, g.src, g.src, g.src + span, dst, 0);
+    pick(g, in, g.src, g.src + span, dst, 0);
     return {};
   }
   for (size_t j = 0; j < k; ++j) {  // piece by piece, one segment at a time
@@ -267,16 +266,15 @@ Status gather_strided(const GatherSource& src, std::span<const layout::Segment> 
     std::vector<char>& buf = s.cast;
     char* out = dst + j * g.len;
     uint64_t done = 0;
-    for (uint64_t off = 0; off < hspan && done < h.len;) {
-      // A block starts at an element and holds whole elements: at least one.
-      const uint64_t e = (h.skip + done) / es;
-      const uint64_t at = h.src + e * h.stride;
+    while (done < h.len) {
+      // A block starts at an element and holds whole elements: at least one, so each turn
+      // gives some.
+      const uint64_t at = h.src + (h.skip + done) / es * h.stride;
       const uint64_t n = std::min<uint64_t>(std::max<uint64_t>(kCastBlock, es), h.src + hspan - at);
       if (buf.size() < n) buf.resize(n);
       iovec iov{buf.data(), static_cast<size_t>(n)};
       CKPTFS_CHECK(read_span(src, h.shard, &iov, 1, at));
-      done = pick(h, buf.data(), at, at, at + n, out, done);
-      off = at + n - h.src;
+      done = pick(h, buf.data(), at, at + n, out, done);
     }
   }
   return {};

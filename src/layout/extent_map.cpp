@@ -191,22 +191,15 @@ void map_strided(const Tensor& s, uint64_t first, uint64_t stride, uint64_t a, u
     }
     const uint64_t left = c.offsets[d] + c.sizes[d] - x[d];  // elements of the column in it
     const uint64_t m = std::min(left * esz - skip, end - pos);
-    Segment g{c.shard, c.file_offset + local * esz, m};
-    g.skip = static_cast<uint8_t>(skip);
-    if (skip + m > esz) {  // more than one element: picked at the chunk's stride
+    const uint64_t at = c.file_offset + local * esz;
+    if (skip + m > esz && dstride > 1) {  // several elements apart: picked at the chunk's stride
+      Segment g{c.shard, at, m};
+      g.skip = static_cast<uint8_t>(skip);
       g.esize = static_cast<uint8_t>(esz);
       g.stride = dstride * esz;
-    } else {
-      g.src += skip;  // a part of one element: a plain run
-      g.skip = 0;
-    }
-    if (g.is_strided() && g.stride == esz) {  // the chunk's axis d is its last: contiguous
-      g = Segment{c.shard, c.file_offset + local * esz + skip, m};
-    }
-    if (g.is_strided()) {
       out.push_back(g);
-    } else {
-      emit(out, g.shard, g.src, g.len);
+    } else {  // a part of one element, or axis d is the chunk's last: a plain run
+      emit(out, c.shard, at + skip, m);
     }
     pos += m;
     j += (skip + m) / esz;

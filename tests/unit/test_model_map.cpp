@@ -242,6 +242,19 @@ std::string read_range(const View& v, uint32_t file, uint64_t off, uint64_t len)
   return out;
 }
 
+// Every sub-range of tensor `t` starting each `step` bytes, of each length in `lens` (also
+// unaligned to elements), read through map_range, equals the same bytes of `want`.
+void expect_every_subrange(const View& v, const layout::Tensor& t, const std::string& want,
+                           uint64_t step, std::initializer_list<uint64_t> lens) {
+  for (uint64_t a = 0; a < t.nbytes; a += step) {
+    for (uint64_t n : lens) {
+      const uint64_t len = std::min<uint64_t>(n, t.nbytes - a);
+      ASSERT_EQ(read_range(v, t.output, t.out_offset + a, len), want.substr(a, len))
+          << a << "+" << len;
+    }
+  }
+}
+
 const layout::Tensor* find_tensor(const layout::Checkpoint& ck, std::string_view name) {
   for (const auto& t : ck.tensors) {
     if (t.name == name) return &t;
@@ -1440,13 +1453,7 @@ TEST(MapCompile, TransposeSwapsTheLastTwoAxesWhateverTheChunks) {
       EXPECT_EQ(t->shape, (std::vector<uint64_t>{3, 5, 4}));
       EXPECT_EQ(t->runs.size(), 3u);  // one per matrix, not one per element
       EXPECT_EQ(tensor_bytes(v, "up"), want);
-      for (uint64_t a = 0; a < t->nbytes; a += 3) {
-        for (uint64_t n : {1u, 2u, 5u, 17u}) {
-          const uint64_t len = std::min<uint64_t>(n, t->nbytes - a);
-          ASSERT_EQ(read_range(v, t->output, t->out_offset + a, len), want.substr(a, len))
-              << a << "+" << len;
-        }
-      }
+      expect_every_subrange(v, *t, want, 3, {1, 2, 5, 17});
       const std::string w2 = transposed(stored[1].data, 2, 6, 7, es);
       for (int e = 0; e < 2; ++e) {
         const auto* d = find_tensor(*v.ck, fmt::format("down.{}", e));
@@ -1554,13 +1561,7 @@ TEST(MapCompile, AMappedCastViewReadsAndConvertsElementsAtAnyOffset) {
   format::convert(DType::BF16, DType::F32, bf.data(), want.data(), bf.size() / 2);
   EXPECT_EQ(tensor_bytes(v, "q"), want);
   // Every sub-range, also unaligned to elements.
-  for (uint64_t a = 0; a < t->nbytes; a += 7) {
-    for (uint64_t n : {1u, 3u, 5u, 41u}) {
-      const uint64_t len = std::min<uint64_t>(n, t->nbytes - a);
-      ASSERT_EQ(read_range(v, t->output, t->out_offset + a, len), want.substr(a, len))
-          << a << "+" << len;
-    }
-  }
+  expect_every_subrange(v, *t, want, 7, {1, 3, 5, 41});
 }
 
 // =========================================================================================
