@@ -368,8 +368,9 @@ bool is_computed(const json& j) {
 
 // A template value: a JSON literal, or a computed value `{"$int": EXPR}`, `{"$bool": "KEY" |
 // "!KEY"}`, `{"$copy": "KEY | KEY"}`, `{"$leading": "KEY", "of": S, "then": S}` (S a number or
-// a bool), `{"$map": "KEY", "cases": {TEXT: LITERAL, ...}}`, each with an optional "if" (a
-// condition) and "else" (a template value). Objects and lists are walked.
+// a bool), `{"$map": "KEY", "cases": {TEXT: VALUE, ...}}` (each VALUE a template value),
+// `{"$refuse": "WHY"}`, each with an optional "if" (a condition) and "else" (a template value).
+// Objects and lists are walked.
 Status check_template(const json& j, const std::string& where, size_t& nodes) {
   if (++nodes > kMaxTemplateNodes) {
     return make_error(EINVAL, "hf_config: more than {} values", kMaxTemplateNodes);
@@ -408,6 +409,11 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
       if (!v.is_string() || !is_copy_list(v.get<std::string>())) {
         return make_error(EINVAL, "{} is not 'field | field ...'", at);
       }
+    } else if (k == "$refuse") {
+      ++kinds;
+      if (!v.is_string() || v.get<std::string>().empty() || v.get<std::string>().size() > 512) {
+        return make_error(EINVAL, "{} is not a reason of 1 to 512 bytes", at);
+      }
     } else if (k == "$leading" || k == "$map") {
       ++kinds;
       if (!v.is_string() || !is_key_path(v.get<std::string>())) {
@@ -422,14 +428,11 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
         return make_error(EINVAL, "{} is not an object of 1 to {} cases", at, kMaxExprNames);
       }
       for (auto c = v.begin(); c != v.end(); ++c) {
-        if (c.key().empty() || c.key().size() > 128 || is_computed(c.value())) {
-          return make_error(EINVAL, "{}: case '{}' is not a value's text and a literal", at,
-                            as_written(c.key()));
+        if (c.key().empty() || c.key().size() > 128) {
+          return make_error(EINVAL, "{}: case '{}' is not a value's text", at, as_written(c.key()));
         }
-        nodes += 1 + c.value().size();
-        if (nodes > kMaxTemplateNodes) {
-          return make_error(EINVAL, "hf_config: more than {} values", kMaxTemplateNodes);
-        }
+        CKPTFS_CHECK(
+            check_template(c.value(), fmt::format("{}[{}]", where, as_written(c.key())), nodes));
       }
     } else if (k == "if") {
       if (!v.is_string() || !is_condition(v.get<std::string>())) {
@@ -442,14 +445,14 @@ Status check_template(const json& j, const std::string& where, size_t& nodes) {
     } else {
       return make_error(EINVAL,
                         "{}: unknown key (a computed value has one of $int, $bool, "
-                        "$copy, $leading, $map, and 'if', 'else')",
+                        "$copy, $leading, $map, $refuse, and 'if', 'else')",
                         at);
     }
   }
   if (kinds != 1) {
     return make_error(EINVAL,
                       "hf_config '{}': a computed value has exactly one of $int, $bool, "
-                      "$copy, $leading, $map",
+                      "$copy, $leading, $map, $refuse",
                       where);
   }
   // `of` and `then` belong to $leading (both required), `cases` to $map (required).

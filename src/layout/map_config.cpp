@@ -2,6 +2,8 @@
 // a map's hf_config template makes of a native config (docs/maps.md).
 #include "ckptfs/layout/map_config.hpp"
 
+#include <charconv>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -91,23 +93,22 @@ class Renderer {
       return std::optional<nlohmann::json>(v != neg);
     }
     if (auto e = t.find("$leading"); e != t.end()) return leading(t, e->get<std::string>(), where);
+    if (auto e = t.find("$refuse"); e != t.end()) {
+      return make_error(EINVAL, "hf_config '{}': {} in {}", where, e->get<std::string>(), what_);
+    }
     if (auto e = t.find("$map"); e != t.end()) {
       const auto key = e->get<std::string>();
-      const auto* f = config_field(native_, key);
-      if (!f) return otherwise(fmt::format("no value for {}", key));
-      std::string text;
-      if (f->is_string()) {
-        text = f->get<std::string>();
-      } else if (f->is_boolean() || f->is_number_integer()) {
-        text = f->dump();  // true, false, 17
-      } else {
-        return otherwise(
-            fmt::format("'{}' is {}, not a string, an integer or a bool", key, f->type_name()));
-      }
       const auto& cases = t.at("cases");
-      if (auto c = cases.find(text); c != cases.end()) return std::optional<nlohmann::json>(*c);
+      const auto* f = config_field(native_, key);
+      const auto c = map_case(cases, f);
+      if (c != cases.end()) return value(*c, fmt::format("{}[{}]", where, c.key()));
+      if (!f) return otherwise(fmt::format("no value for {}", key));
+      if (!(f->is_string() || f->is_boolean() || f->is_number())) {
+        return otherwise(
+            fmt::format("'{}' is {}, not a string, a number or a bool", key, f->type_name()));
+      }
       std::vector<std::string> names;
-      for (auto c = cases.begin(); c != cases.end(); ++c) names.push_back(c.key());
+      for (auto n = cases.begin(); n != cases.end(); ++n) names.push_back(n.key());
       return otherwise(
           fmt::format("{} is {}, not one of {}", key, f->dump(), fmt::join(names, ", ")));
     }
@@ -164,6 +165,27 @@ class Renderer {
       }
     }
     return std::optional<nlohmann::json>(n);
+  }
+
+  // The case of `cases` a field's value selects: a string as it is; true, false; a number whose
+  // case text is the same number (`1`, `1.0` and `1e0` alike); "null" for no value (absent or
+  // null). cases.end() for none.
+  static nlohmann::json::const_iterator map_case(const nlohmann::json& cases,
+                                                 const nlohmann::json* f) {
+    if (!f) return cases.find("null");
+    if (f->is_string()) return cases.find(f->get<std::string>());
+    if (f->is_boolean() || f->is_number_integer()) {
+      if (auto c = cases.find(f->dump()); c != cases.end()) return c;  // true, 17
+    }
+    if (!f->is_number()) return cases.end();
+    const double want = f->get<double>();
+    for (auto c = cases.begin(); c != cases.end(); ++c) {
+      double got = 0;
+      const auto& k = c.key();
+      const auto [end, ec] = std::from_chars(k.data(), k.data() + k.size(), got);
+      if (ec == std::errc() && end == k.data() + k.size() && got == want) return c;
+    }
+    return cases.end();
   }
 
   bool holds(const std::string& cond) const {

@@ -750,10 +750,11 @@ def _render(t, native, where, what):
             if x is not _OMIT:
                 out[k] = x
         return out
-    kinds = [k for k in t if k in ("$int", "$bool", "$copy", "$leading", "$map")]
-    if len(kinds) != 1 or set(t) - {"$int", "$bool", "$copy", "$leading", "$map", "of", "then", "cases", "if", "else"}:
+    kinds = [k for k in t if k in ("$int", "$bool", "$copy", "$leading", "$map", "$refuse")]
+    if len(kinds) != 1 or set(t) - {"$int", "$bool", "$copy", "$leading", "$map", "$refuse", "of", "then", "cases",
+                                    "if", "else"}:
         raise MapError(f"hf_config {where!r}: a computed value has exactly one of $int, $bool, $copy, $leading, "
-                       f"$map, and 'if', 'else'")
+                       f"$map, $refuse, and 'if', 'else'")
     if ("$leading" in t) != ("of" in t and "then" in t) or ("$leading" not in t and ("of" in t or "then" in t)):
         raise MapError(f"hf_config {where!r}: 'of' and 'then' go together with $leading")
     if ("$map" in t) != ("cases" in t):
@@ -802,19 +803,34 @@ def _render(t, native, where, what):
                 raise MapError(f"hf_config {where!r}: {key}[{i}] is {v[i]!r}: after the leading {t['of']!r} every "
                                f"element must be {t['then']!r} in {what}")
         return n
+    if "$refuse" in t:
+        raise MapError(f"hf_config {where!r}: {t['$refuse']} in {what}")
     if "$map" in t:
-        key, v = t["$map"], _native(native, t["$map"])
+        # the case a value selects: a string as it is, true/false, a number equal to the case's
+        # number (1, 1.0, 1e0 alike), "null" for no value (absent or null)
+        key, v, cases = t["$map"], _native(native, t["$map"]), t["cases"]
+
+        def number(text):
+            try:
+                return float(text)
+            except ValueError:
+                return None
+
+        if v is None:
+            hit = "null" if "null" in cases else None
+        elif isinstance(v, bool):
+            hit = ("true" if v else "false") if ("true" if v else "false") in cases else None
+        elif isinstance(v, str):
+            hit = v if v in cases else None
+        elif isinstance(v, (int, float)):
+            hit = next((c for c in cases if number(c) is not None and number(c) == v), None)
+        else:
+            return otherwise(f"{key!r} is {type(v).__name__}, not a string, a number or a bool")
+        if hit is not None:
+            return _render(cases[hit], native, f"{where}[{hit}]", what)
         if v is None:
             return otherwise(f"no value for {key}")
-        if isinstance(v, bool):
-            text = "true" if v else "false"
-        elif isinstance(v, (int, str)):
-            text = str(v)
-        else:
-            return otherwise(f"{key!r} is {type(v).__name__}, not a string, an integer or a bool")
-        if text in t["cases"]:
-            return t["cases"][text]
-        return otherwise(f"{key} is {v!r}, not one of {', '.join(t['cases'])}")
+        return otherwise(f"{key} is {v!r}, not one of {', '.join(cases)}")
     for alt in (a.strip() for a in t["$copy"].split("|")):
         v = _native(native, alt)
         if v is not None:

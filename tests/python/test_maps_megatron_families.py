@@ -55,9 +55,11 @@ CASES = {
     "deepseekv3-ep2": ("deepseek_v3", 1, 1, 2, False, "bfloat16", "megatron-deepseek-v3"),
     "deepseekv3-tp2": ("deepseek_v3", 2, 1, 1, False, "float32", "megatron-deepseek-v3"),
     "deepseekv3-pp2": ("deepseek_v3", 1, 2, 1, False, "float32", "megatron-deepseek-v3"),
+    # MLA's default rope: YaRN (Megatron-LM's args: rope_type None, rotary_scaling_factor, mscale)
+    "deepseekv3-yarn": ("deepseek_v3", 2, 1, 1, False, "bfloat16", "megatron-deepseek-v3"),
 }
-# The writer's flags (megatron_families_save.py): group-limited routing; no expert bias.
-FLAGS = {"deepseekv3-ep2": "groups", "deepseekv3-pp2": "nobias"}
+# The writer's flags (megatron_families_save.py): group-limited routing; no expert bias; YaRN.
+FLAGS = {"deepseekv3-ep2": "groups", "deepseekv3-pp2": "nobias", "deepseekv3-yarn": "yarn"}
 
 
 @pytest.fixture(scope="module")

@@ -2650,8 +2650,17 @@ TEST(MapParse, HfConfigTemplatesAreChecked) {
   expect_refused(with({{"m", {{"$map", "a"}}}}), {"'cases' goes with $map"});
   expect_refused(with({{"m", {{"$copy", "a"}, {"cases", {{"x", 1}}}}}}), {"'cases' goes with"});
   expect_refused(with({{"m", {{"$map", "a"}, {"cases", json::object()}}}}), {"1 to"});
-  expect_refused(with({{"m", {{"$map", "a"}, {"cases", {{"x", {{"$int", "b"}}}}}}}}),
-                 {"case 'x'", "literal"});
+  // A case's value is a template value itself, checked as one; $refuse takes a reason.
+  EXPECT_EQ(refusal(with({{"m", {{"$map", "a"}, {"cases", {{"x", {{"$int", "b"}}}}}}},
+                          {"r", {{"$refuse", "why"}, {"if", "c"}}}})),
+            "");
+  expect_refused(with({{"m", {{"$map", "a"}, {"cases", {{"x", {{"$int", "b +"}}}}}}}}),
+                 {"hf_config 'm[x]'", "expression"});
+  expect_refused(with({{"m", {{"$map", "a"}, {"cases", {{"x", {{"$copy", "a"}, {"u", 1}}}}}}}}),
+                 {"'u'", "unknown key"});
+  expect_refused(with({{"r", {{"$refuse", ""}}}}), {"'$refuse'", "reason"});
+  expect_refused(with({{"r", {{"$refuse", 1}}}}), {"'$refuse'", "reason"});
+  expect_refused(with({{"r", {{"$refuse", "a"}, {"$copy", "b"}}}}), {"exactly one of"});
   // Deep templates are bounded by the strict JSON's depth; wide ones by a count.
   json wide = json::object();
   for (int i = 0; i < 5000; ++i) wide[fmt::format("k{}", i)] = i;
@@ -2848,7 +2857,78 @@ TEST(MapNative, LeadingCountsASplitPointAndMapLooksUpAValue) {
   }
   {
     auto r = config({{"rope_type", 1.5}});
-    EXPECT_PROBLEM(r, "", "'rope_type'", "not a string");
+    EXPECT_PROBLEM(r, "", "'rope_type'", "rope_type is 1.5, not one of rope");
+  }
+  {
+    auto r = config({{"rope_type", json::array()}});
+    EXPECT_PROBLEM(r, "", "'rope_type'", "not a string, a number or a bool");
+  }
+}
+
+TEST(MapNative, DeepSeekRopeIsDefaultOrYarnAsMegatronCoreComputesIt) {
+  // The built-in megatron-deepseek-v3 template's rope_parameters: $map cases that are templates
+  // themselves, a "null" case (rope_type None: yarn under MLA, Megatron-LM's default), numbers
+  // matched as numbers (mscale 1 and 1.0 alike), and $refuse where HF's DeepSeek V3 would compute
+  // another rotary embedding than Megatron-Core's YarnRotaryEmbedding.
+  const auto builtin = format::find_builtin_map("megatron-deepseek-v3");
+  ASSERT_NE(builtin, nullptr);
+  json map = meg_template_map();
+  map["hf_config"]["rope_parameters"] = builtin->hf_config.at("rope_parameters");
+  const auto rope = [&](const json& changes) {
+    json a = meg_args();
+    a["rotary_base"] = 10000.0;
+    a.update(changes);
+    return build_native(map, a, true);
+  };
+  const auto rendered = [&](const json& changes) {
+    auto v = rope(changes);
+    EXPECT_TRUE(v.ck->valid()) << changes.dump() << problems(*v.ck);
+    return v.ck->valid() ? json::parse(v.ck->config_json)["rope_parameters"] : json();
+  };
+  EXPECT_EQ(rendered({{"rope_type", "rope"}, {"rotary_scaling_factor", 40.0}}),
+            json({{"rope_type", "default"}, {"rope_theta", 10000.0}}));
+  // Megatron-LM's args for DeepSeek V2-Lite: --rotary-scaling-factor 40 --mscale 0.707
+  // --mscale-all-dim 0.707; beta_fast, beta_slow and original_max_position_embeddings are not
+  // Megatron-LM arguments: MLATransformerConfig's defaults, unless the args carry them.
+  const json v2lite = {{"rope_type", nullptr},
+                       {"rotary_scaling_factor", 40.0},
+                       {"mscale", 0.707},
+                       {"mscale_all_dim", 0.707}};
+  const json yarn = {{"rope_type", "yarn"}, {"rope_theta", 10000.0},
+                     {"factor", 40.0},      {"original_max_position_embeddings", 4096},
+                     {"beta_fast", 32},     {"beta_slow", 1},
+                     {"mscale", 0.707},     {"mscale_all_dim", 0.707}};
+  EXPECT_EQ(rendered(v2lite), yarn);
+  json named = v2lite;
+  named["rope_type"] = "yarn";
+  EXPECT_EQ(rendered(named), yarn);
+  json absent = v2lite;
+  absent.erase("rope_type");
+  EXPECT_EQ(rendered(absent), yarn);
+  json carried = v2lite;
+  carried.update({{"original_max_position_embeddings", 16}, {"beta_fast", 8}, {"beta_slow", 2}});
+  EXPECT_EQ(rendered(carried)["original_max_position_embeddings"], 16);
+  EXPECT_EQ(rendered(carried)["beta_fast"], 8);
+  // Megatron-LM's defaults (mscale 1.0, mscale_all_dim 0.0): HF computes the same with the 0.
+  auto d = rendered({{"rope_type", "yarn"},
+                     {"rotary_scaling_factor", 4.0},
+                     {"mscale", 1},
+                     {"mscale_all_dim", 0.0}});
+  EXPECT_EQ(d["mscale"], 1);
+  EXPECT_EQ(d["mscale_all_dim"], 0.0);
+  EXPECT_EQ(d["factor"], 4.0);
+  {
+    auto r = rope({{"rope_type", "yarn"}, {"mscale", 0.707}, {"mscale_all_dim", 0.0}});
+    EXPECT_PROBLEM(r, "", "'rope_parameters[yarn].mscale_all_dim[0]'", "would ignore mscale",
+                   "common.pt");
+  }
+  {
+    auto r = rope({{"rope_type", nullptr}, {"mscale", 0}, {"mscale_all_dim", 1.0}});
+    EXPECT_PROBLEM(r, "", "'rope_parameters[null].mscale[0]'", "mscale 0 under yarn");
+  }
+  {
+    auto r = rope({{"rope_type", "ntk"}});
+    EXPECT_PROBLEM(r, "", "rope_type is \"ntk\", not one of null, rope, yarn");
   }
 }
 

@@ -66,7 +66,7 @@ def parse_case(s):
     name, family, tp, pp, ep, tied, dtype, *flags = s.split(":")
     assert family in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"), s
     flags = set(flags[0].split(",")) if flags else set()
-    assert flags <= {"nobias", "groups"} and (not flags or family == "deepseek_v3"), s
+    assert flags <= {"nobias", "groups", "yarn"} and (not flags or family == "deepseek_v3"), s
     return {"name": name, "family": family, "tp": int(tp), "pp": int(pp), "ep": int(ep),
             "tied": tied == "1", "dtype": dtype, "flags": flags}
 
@@ -100,6 +100,14 @@ def hf_model(case, vocab):
         layers, dense = layer_count(case)
         groups = "groups" in case["flags"]
         common.update(num_hidden_layers=layers, num_key_value_heads=4)
+        if "yarn" in case["flags"]:
+            # YaRN as DeepSeek V2-Lite sets it (factor 40 there, mscale and mscale_all_dim 0.707);
+            # original_max_position_embeddings is MLATransformerConfig's default, since
+            # Megatron-LM has no argument for it
+            common.pop("rope_theta")
+            common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
         cfg = tf.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
                                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense,
                                   q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -369,7 +377,13 @@ def megatron_args(case, hf):
         a.multi_latent_attention, a.qk_layernorm = True, True
         a.q_lora_rank, a.kv_lora_rank = c.q_lora_rank, c.kv_lora_rank
         a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        a.rope_type, a.rotary_scaling_factor, a.mscale, a.mscale_all_dim = "rope", 1.0, 1.0, 0.0
+        if "yarn" in case["flags"]:  # --rotary-scaling-factor 4 --mscale 0.707 --mscale-all-dim 0.707,
+            # no --rope-type: None, which Megatron-LM makes yarn under MLA
+            rp = c.rope_parameters
+            a.rope_type, a.rotary_scaling_factor = None, rp["factor"]
+            a.mscale, a.mscale_all_dim = rp["mscale"], rp["mscale_all_dim"]
+        else:
+            a.rope_type, a.rotary_scaling_factor, a.mscale, a.mscale_all_dim = "rope", 1.0, 1.0, 0.0
         a.num_experts, a.moe_ffn_hidden_size = c.n_routed_experts, c.moe_intermediate_size
         a.moe_shared_expert_intermediate_size = c.moe_intermediate_size * c.n_shared_experts
         a.moe_layer_freq = [0] * c.first_k_dense_replace + [1] * (c.num_hidden_layers - c.first_k_dense_replace)
@@ -517,7 +531,7 @@ def mla_model_parts(case, args):
         num_layers=layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
         qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
-        rope_type=args.rope_type, rotary_base=args.rotary_base, rotary_scaling_factor=args.rotary_scaling_factor,
+        rope_type=args.rope_type or "yarn", rotary_base=args.rotary_base, rotary_scaling_factor=args.rotary_scaling_factor,
         mscale=args.mscale, mscale_all_dim=args.mscale_all_dim, normalization="RMSNorm",
         layernorm_epsilon=args.layernorm_epsilon, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
