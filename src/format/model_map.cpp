@@ -257,9 +257,17 @@ Result<MapRule> get_rule(const json& j, uint32_t number) {
       return make_error(EINVAL, "{}: 'when' is not a config key or '!key'", where);
     }
   }
+  // `optional`: true (the rule may find no stored tensor; two or more rules making one HF tensor
+  // are alternatives, one of which must), or "absent" (the HF tensor itself may be absent: none
+  // of its rules need find one).
   if (auto it = j.find("optional"); it != j.end()) {
-    if (!it->is_boolean()) return make_error(EINVAL, "{}: 'optional' is not true or false", where);
-    r.optional = it->get<bool>();
+    if (it->is_boolean()) {
+      r.optional = it->get<bool>();
+    } else if (it->is_string() && it->get<std::string>() == "absent") {
+      r.optional = r.may_be_absent = true;
+    } else {
+      return make_error(EINVAL, "{}: 'optional' is not true, false or \"absent\"", where);
+    }
   }
 
   // Captures: each from-capture names its HF tensor; `for` binds the others.

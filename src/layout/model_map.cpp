@@ -193,9 +193,14 @@ class Compiler {
       if (!r.optional || !when_holds(r)) made_[r.hf.text] += 1;  // not an alternative
     }
     // Optional rules naming the same HF tensor are alternatives (a norm fused into a linear or
-    // separate): when none of them found a stored tensor, the tensor would be silently missing.
+    // separate): when none of them found a stored tensor, the tensor would be silently missing,
+    // unless one of them says the tensor may be absent.
     for (const auto& r : map_.rules) {
       if (!r.optional || made_[r.hf.text] > 0) continue;
+      if (std::any_of(map_.rules.begin(), map_.rules.end(),
+                      [&](const auto& o) { return o.hf.text == r.hf.text && o.may_be_absent; })) {
+        continue;
+      }
       const auto alternatives =
           std::count_if(map_.rules.begin(), map_.rules.end(),
                         [&](const auto& o) { return o.hf.text == r.hf.text; });

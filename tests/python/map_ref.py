@@ -152,8 +152,8 @@ def load(src) -> dict:
                 raise MapError(f"{what}: 'transpose' goes with one 'from', without 'rows' or 'split_last'")
         if "when" in r and (not isinstance(r["when"], str) or not r["when"].lstrip("!")):
             raise MapError(f"{what}: 'when' must be a config key or its negation")
-        if "optional" in r and not isinstance(r["optional"], bool):
-            raise MapError(f"{what}: 'optional' must be true or false")
+        if "optional" in r and not (isinstance(r["optional"], bool) or r["optional"] == "absent"):
+            raise MapError(f"{what}: 'optional' must be true, false or \"absent\"")
         hf_caps = set(CAPTURE_RE.findall(r["hf"]))
         for p in parts:
             missing = set(CAPTURE_RE.findall(p["from"])) - hf_caps

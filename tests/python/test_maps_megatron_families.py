@@ -57,9 +57,14 @@ CASES = {
     "deepseekv3-pp2": ("deepseek_v3", 1, 2, 1, False, "float32", "megatron-deepseek-v3"),
     # MLA's default rope: YaRN (Megatron-LM's args: rope_type None, rotary_scaling_factor, mscale)
     "deepseekv3-yarn": ("deepseek_v3", 2, 1, 1, False, "bfloat16", "megatron-deepseek-v3"),
+    # every layer MoE (moe_layer_freq 1): megatron-core stores the layers stacked, [layers, ...];
+    # no q_lora_rank (DeepSeek V2-Lite's one q projection)
+    "deepseekv3-allmoe-pp2": ("deepseek_v3", 1, 2, 1, False, "float32", "megatron-deepseek-v3"),
 }
-# The writer's flags (megatron_families_save.py): group-limited routing; no expert bias; YaRN.
-FLAGS = {"deepseekv3-ep2": "groups", "deepseekv3-pp2": "nobias", "deepseekv3-yarn": "yarn"}
+# The writer's flags (megatron_families_save.py): group-limited routing; no expert bias; YaRN; every
+# layer MoE, and no q_lora_rank.
+FLAGS = {"deepseekv3-ep2": "groups", "deepseekv3-pp2": "nobias", "deepseekv3-yarn": "yarn",
+         "deepseekv3-allmoe-pp2": "allmoe,noqlora"}
 
 
 @pytest.fixture(scope="module")

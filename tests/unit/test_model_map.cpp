@@ -762,7 +762,10 @@ TEST(MapParse, BadRuleShapes) {
   }
   EXPECT_EQ(refusal(one_rule({{"hf", "q"}, {"from", "w"}, {"when", "text_config.tie"}})), "");
   expect_refused(one_rule({{"hf", "q"}, {"from", "w"}, {"optional", 1}}),
-                 {"'optional' is not true or false"});
+                 {"'optional' is not true, false or \"absent\""});
+  expect_refused(one_rule({{"hf", "q"}, {"from", "w"}, {"optional", "maybe"}}),
+                 {"'optional' is not true, false"});
+  EXPECT_EQ(refusal(one_rule({{"hf", "q"}, {"from", "w"}, {"optional", "absent"}})), "");
   expect_refused(one_rule({{"hf", "q"}, {"from", "w"}, {"shape", "n"}}), {"'shape'", "not a list"});
   expect_refused(one_rule({{"hf", "q"}, {"from", "w"}, {"shape", json(std::vector<int>(17, 1))}}),
                  {"'shape'", "at most 16"});
@@ -1213,6 +1216,36 @@ TEST(MapCompile, RenamesPrefixesDropAndWhen) {
     ASSERT_EQ(v.ck->left_out.size(), 1u);
     EXPECT_NE(v.ck->left_out[0].find(tie ? "4 stored" : "3 stored"), std::string::npos)
         << v.ck->left_out[0];
+  }
+  // Optional rules making one HF tensor are alternatives: one must find a stored tensor (a
+  // layer stored one by one, or stacked), unless one of them says the tensor may be absent
+  // (megatron-core's expert bias). A `when` that does not hold counts as found.
+  {
+    const json per_layer = {{"hf", "w.{L}"}, {"from", "w.{L}"}, {"optional", true}};
+    const json stacked = {{"hf", "w.{L}"},
+                          {"from", "ws"},
+                          {"for", {{"L", "n"}}},
+                          {"index", {"L"}},
+                          {"optional", true}};
+    const json alternatives = map_with(json::array({per_layer, stacked}));
+    auto one = compile(alternatives, {{"n", 2}}, {st("w.0", {3}), st("w.1", {3})});
+    ASSERT_TRUE(one.ck->valid()) << problems(*one.ck);
+    auto other = compile(alternatives, {{"n", 2}}, {st("ws", {2, 3})});
+    ASSERT_TRUE(other.ck->valid()) << problems(*other.ck);
+    EXPECT_EQ(other.ck->tensors.size(), 2u);
+    auto none = compile(alternatives, {{"n", 2}}, {st("x", {1})});
+    EXPECT_PROBLEM(none, "w.{L}", "none of the 2 rules making 'w.{L}' found a stored tensor");
+    json absent = stacked;
+    absent["optional"] = "absent";
+    auto allowed = compile(map_with(json::array({per_layer, absent, {{"hf", "x"}, {"from", "x"}}})),
+                           {{"n", 2}}, {st("x", {1})});
+    ASSERT_TRUE(allowed.ck->valid()) << problems(*allowed.ck);
+    EXPECT_EQ(allowed.ck->tensors.size(), 1u);
+    json unless = stacked;
+    unless["when"] = "stacked";
+    auto skipped = compile(map_with(json::array({per_layer, unless, {{"hf", "x"}, {"from", "x"}}})),
+                           {{"n", 2}}, {st("x", {1})});
+    ASSERT_TRUE(skipped.ck->valid()) << problems(*skipped.ck);
   }
   // Without `optional`, a rule that reads nothing is an error naming it.
   auto v = compile(one_rule({{"hf", "opt"}, {"from", "missing"}}), json::object(), {st("x", {1})});

@@ -117,7 +117,8 @@ struct MapRule {
   std::string when;  // a config key, "" when absent
   bool when_not = false;
   bool optional = false;
-  std::string text;  // one line describing the rule, for inspect
+  bool may_be_absent = false;  // `"optional": "absent"`: the HF tensor may have no source at all
+  std::string text;            // one line describing the rule, for inspect
 };
 
 struct MapDetect {

@@ -66,7 +66,7 @@ def parse_case(s):
     name, family, tp, pp, ep, tied, dtype, *flags = s.split(":")
     assert family in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"), s
     flags = set(flags[0].split(",")) if flags else set()
-    assert flags <= {"nobias", "groups", "yarn"} and (not flags or family == "deepseek_v3"), s
+    assert flags <= {"nobias", "groups", "yarn", "allmoe", "noqlora"} and (not flags or family == "deepseek_v3"), s
     return {"name": name, "family": family, "tp": int(tp), "pp": int(pp), "ep": int(ep),
             "tied": tied == "1", "dtype": dtype, "flags": flags}
 
@@ -80,10 +80,12 @@ def mla(case):
 
 
 def layer_count(case):
-    """(layers, leading dense layers): deepseek_v3 3 and 1, under PP 2 4 and 2; the others 2, 0."""
+    """(layers, leading dense layers): deepseek_v3 3 and 1, under PP 2 4 and 2, with the flag
+    allmoe none dense (megatron-core then stacks the layers: moe_layer_freq 1); the others 2, 0."""
     if not mla(case):
         return LAYERS, 0
-    return (4, 2) if case["pp"] > 1 else (3, 1)
+    layers, dense = (4, 2) if case["pp"] > 1 else (3, 1)
+    return (layers, 0) if "allmoe" in case["flags"] else (layers, dense)
 
 
 def hf_model(case, vocab):
@@ -110,7 +112,7 @@ def hf_model(case, vocab):
                                          "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
         cfg = tf.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
                                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense,
-                                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                  q_lora_rank=None if "noqlora" in case["flags"] else 32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                   v_head_dim=16, n_group=2 if groups else 1, topk_group=1, norm_topk_prob=True,
                                   routed_scaling_factor=2.5, num_nextn_predict_layers=0, **common)
     elif f == "llama":
@@ -172,6 +174,10 @@ def to_megatron_mla(sd, cfg):
              "q_up": "self_attn.q_b_proj.weight", "kv_down": "self_attn.kv_a_proj_with_mqa.weight",
              "kv_ln": "self_attn.kv_a_layernorm.weight", "kv_up": "self_attn.kv_b_proj.weight",
              "proj": "self_attn.o_proj.weight"}
+    if cfg.q_lora_rank is None:  # DeepSeek V2-Lite: one q projection, no q down/up and norm
+        for k in ("q_down", "q_ln", "q_up"):
+            del names[k]
+        names["q"] = "self_attn.q_proj.weight"
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for k, n in names.items():
@@ -263,9 +269,12 @@ def rank_state_dict_mla(full, case, tp_rank, pp_rank, ep_rank, etp_rank, experts
         p = f"decoder.layers.{local}."
         a = p + "self_attention."
         sd[p + "input_layernorm.weight"] = full[(i, "ln1")]
-        sd[a + "linear_q_down_proj.weight"] = rows(full[(i, "q_down")])
-        sd[a + "q_layernorm.weight"] = full[(i, "q_ln")]
-        sd[a + "linear_q_up_proj.weight"] = rows(full[(i, "q_up")])
+        if (i, "q") in full:
+            sd[a + "linear_q_proj.weight"] = rows(full[(i, "q")])
+        else:
+            sd[a + "linear_q_down_proj.weight"] = rows(full[(i, "q_down")])
+            sd[a + "q_layernorm.weight"] = full[(i, "q_ln")]
+            sd[a + "linear_q_up_proj.weight"] = rows(full[(i, "q_up")])
         sd[a + "linear_kv_down_proj.weight"] = rows(full[(i, "kv_down")])
         sd[a + "kv_layernorm.weight"] = full[(i, "kv_ln")]
         sd[a + "linear_kv_up_proj.weight"] = rows(full[(i, "kv_up")])
@@ -387,6 +396,8 @@ def megatron_args(case, hf):
         a.num_experts, a.moe_ffn_hidden_size = c.n_routed_experts, c.moe_intermediate_size
         a.moe_shared_expert_intermediate_size = c.moe_intermediate_size * c.n_shared_experts
         a.moe_layer_freq = [0] * c.first_k_dense_replace + [1] * (c.num_hidden_layers - c.first_k_dense_replace)
+        if "allmoe" in case["flags"]:
+            a.moe_layer_freq = 1  # --moe-layer-freq 1: every layer MoE, stored stacked
         a.moe_router_topk = c.num_experts_per_tok
         a.moe_router_score_function = "sigmoid"
         a.moe_router_enable_expert_bias = "nobias" not in case["flags"]
@@ -439,7 +450,8 @@ def mbridge_export_mla(case, hf_cfg, stored):
     """deepseek_v3: mbridge 0.15.1's DeepseekV3Bridge export of the stored tensors, each layer
     under its own number as megatron-core stored it, experts as grouped GEMM names them, and the
     local spec's separate q/kv layernorms under the fused names mbridge maps
-    (`linear_q_up_proj.layer_norm_weight`: the same module's weight under the TE spec)."""
+    (`linear_q_up_proj.layer_norm_weight`: the same module's weight under the TE spec). Layers
+    stored stacked (every layer alike) are exported one by one, as mbridge reads them."""
     import types
 
     from mbridge.models.deepseek_v3 import DeepseekV3Bridge
@@ -457,7 +469,15 @@ def mbridge_export_mla(case, hf_cfg, stored):
     out = {}
     for key, t in stored.items():
         parts = key.split(".")
-        if key.startswith("decoder.layers.") and parts[2].isdigit():
+        if key.startswith("decoder.layers.") and not parts[2].isdigit():  # stacked [layers, ...]
+            for i in range(t.shape[0]):
+                head, rest = f"decoder.layers.{i}", ".".join(parts[2:])
+                if rest.startswith("mlp.experts.experts."):
+                    w = rest[len("mlp.experts.experts."):]
+                    _convert(bridge, [(f"{head}.mlp.experts.{w}{e}", t[i, e]) for e in range(t.shape[1])], out)
+                else:
+                    _convert(bridge, [(f"{head}.{fused.get(rest, rest)}", t[i])], out)
+        elif key.startswith("decoder.layers.") and parts[2].isdigit():
             head, rest = ".".join(parts[:3]), ".".join(parts[3:])
             if rest.startswith("mlp.experts.experts."):
                 w = rest[len("mlp.experts.experts."):]
@@ -556,7 +576,8 @@ def mla_model_parts(case, args):
         return spec
 
     offset, n = get_transformer_layer_offset(cfg), get_num_layers_to_build(cfg)
-    specs = [layer_spec(f == 1) for f in args.moe_layer_freq][offset:offset + n]
+    freq = args.moe_layer_freq if isinstance(args.moe_layer_freq, list) else [1] * layers
+    specs = [layer_spec(f == 1) for f in freq][offset:offset + n]
     norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)
     return cfg, TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
