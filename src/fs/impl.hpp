@@ -232,6 +232,10 @@ struct Filesystem::Impl {
   Status may_delete_entry(const DirRef& d, const std::string& name, const Caller& who);
   void retire_if_last(int dirfd, const std::string& name);
   bool hidden_removable(const Node& dir);
+  // Directory `n` of `d` (child `n` of inode `parent`), which the view shows empty: what it
+  // holds in SRC is hidden, and goes (rmdir, and a directory renamed over it); ENOTEMPTY if the
+  // view shows anything, or `who` could not have removed what is hidden.
+  Status empty_hidden(const DirRef& d, Ino parent, const std::string& n, const Caller& who);
 
   Result<CreateOut> create(Ino parent, std::string_view name, mode_t mode, int flags,
                            const Caller& who);

@@ -358,9 +358,20 @@ Status Filesystem::Impl::rmdir(Ino parent, std::string_view name, const Caller& 
     return {};
   }
   if (errno != ENOTEMPTY && errno != EEXIST) return errno_error(source_path(rel));
+  CKPTFS_CHECK(empty_hidden(d, parent, n, who));
+  if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) != 0) {
+    return errno_error(source_path(rel));
+  }
+  writes.touched(d.dev, d.ino);
+  return {};
+}
+
+Status Filesystem::Impl::empty_hidden(const DirRef& d, Ino parent, const std::string& n,
+                                      const Caller& who) {
   // Not empty in SRC. If the view shows nothing in it, what remains is hidden (the write
   // path's state, a broken checkpoint's shards, an empty .hf_metadata): it goes too, as the
   // caller cannot see or remove it.
+  const std::string rel = join_rel(d.node.rel, n);
   std::optional<Node> child = nodes.child(parent, n);
   if (!child || child->kind != Kind::Dir || child->rel != rel) {
     return make_error(ENOTEMPTY, "{}: not empty", source_path(rel));
@@ -377,10 +388,6 @@ Status Filesystem::Impl::rmdir(Ino parent, std::string_view name, const Caller& 
     return make_error(ENOTEMPTY, "{}: not empty ({})", source_path(rel), may.error().message);
   }
   for (const auto& e : left) flush::remove_tree(cfd.get(), e.name);
-  if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) != 0) {
-    return errno_error(source_path(rel));
-  }
-  writes.touched(d.dev, d.ino);
   return {};
 }
 

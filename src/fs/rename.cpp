@@ -24,6 +24,13 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
     return make_error(EXDEV, "{}: a consolidated file is not renamed in place (copy it)",
                       join_rel(from.node.rel, name));
   }
+  // The source first, as the kernel looks it up first: a missing one is ENOENT, whatever the
+  // target is.
+  const std::string o(name), nn(new_name);
+  struct stat src_st {};
+  if (::fstatat(from.fd.get(), o.c_str(), &src_st, AT_SYMLINK_NOFOLLOW) != 0) {
+    return errno_error(source_path(join_rel(from.node.rel, name)));
+  }
   const auto shown_over = shown_output(to, new_name);
   const bool over_virtual = shown_over.v != nullptr;
   if (over_virtual && (flags & RENAME_NOREPLACE)) {
@@ -33,7 +40,6 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
     return make_error(EXDEV, "{}: a consolidated file is not exchanged",
                       join_rel(to.node.rel, new_name));
   }
-  const std::string o(name), nn(new_name);
   if (format::parse_model_name(new_name) && !(flags & RENAME_EXCHANGE)) {
     // Onto a model name of a directory of other files' rank shards: only a consolidated file
     // that fits its checkpoint (split into shards here) can be seen there. Anything else would
@@ -99,7 +105,15 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
       !(from.dev == to.dev && from.ino == to.ino && o == nn)) {
     retire_if_last(to.fd.get(), nn);  // the entry replaced, if any
   }
-  if (::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags) != 0) {
+  int moved = ::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags);
+  if (moved != 0 && (errno == ENOTEMPTY || errno == EEXIST) && S_ISDIR(src_st.st_mode) &&
+      !(flags & (RENAME_EXCHANGE | RENAME_NOREPLACE))) {
+    // A directory over one the view shows empty, holding only what is hidden (the write path's
+    // .ckptfs): that goes, as rmdir would remove it, and the rename is tried again.
+    CKPTFS_CHECK(empty_hidden(to, new_parent, nn, who));
+    moved = ::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags);
+  }
+  if (moved != 0) {
     return errno_error(fmt::format("rename {} to {}", source_path(join_rel(from.node.rel, name)),
                                    source_path(join_rel(to.node.rel, new_name))));
   }

@@ -142,6 +142,12 @@ Status Filesystem::Impl::settle_file(FileHandle& h, const SettleFn& fn) {
   const bool real = n->kind == Kind::File;
   const std::string dir_rel = real ? parent_of(n->rel) : n->rel;
   const std::string name = real ? last_of(n->rel) : n->key.name;
+  if (!h.wf->linked() && h.wf->state() != write::WriteFile::State::Committed) {
+    // An orphan: its last name was unlinked or renamed over while it was open. As in a plain
+    // directory, its close succeeds and its bytes go with it; what its old name holds now
+    // (another file, another file's shards) is no business of it.
+    return fn(*h.wf, write::Place{-1, "", source_path(dir_rel)});
+  }
   auto dfd = open_beneath(root.get(), dir_rel, O_RDONLY | O_DIRECTORY);
   struct stat dst {};
   if (!dfd || ::fstat(dfd->get(), &dst) != 0) {
