@@ -134,6 +134,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
   }
   if (auto open = writes.find(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
       open && open->writers.load() > 0) {
+    open->renamed();
     return {};  // stored when its writer closes it, under the name it has then
   }
   CKPTFS_TRY(UniqueFd fd, open_at(to.fd.get(), nn, O_RDWR | O_NOFOLLOW | O_NONBLOCK));

@@ -156,8 +156,7 @@ int env_int(const char* name, int dflt) {
 
 class Sequence {
  public:
-  Sequence(uint64_t seed, int ops, Counters& cov)
-      : seed_(seed), ops_(ops), rng_(seed), leftovers_(~seed), cov_(cov) {}
+  Sequence(uint64_t seed, int ops, Counters& cov) : seed_(seed), ops_(ops), rng_(seed), cov_(cov) {}
 
   // Runs the sequence; returns the first discrepancy, with what led to it.
   std::optional<std::string> go() {
@@ -625,7 +624,7 @@ class Sequence {
     for (int i = 0; i < 3 && !root_.entries.count(a); ++i) a = pick_of(kDirNames);
     std::string b = pick_of(kDirNames);
     if (pick(4) == 0) b = pick_of(kPlainNames);
-    if (leftovers_() % 3 == 0) {
+    if (pick(3) == 0) {
       // Over a directory the view shows empty whose .ckptfs holds what a killed daemon left
       // (its staging): ckptfs removes its own empty state as it goes, so that is how such a
       // directory comes about. Rare by chance, so made.
@@ -634,7 +633,7 @@ class Sequence {
         if (n != a && e.kind == Entry::Directory && e.dir->entries.empty()) empty.push_back(n);
       }
       if (!empty.empty()) {
-        b = empty[leftovers_() % empty.size()];
+        b = pick_of(empty);
         note(fmt::format("SRC: leftover {}/.ckptfs/staging", b));
         stdfs::create_directories(src_path(b) + "/.ckptfs");
         std::ofstream(src_path(b) + "/.ckptfs/staging") << "left by a killed daemon";
@@ -974,9 +973,6 @@ class Sequence {
   const uint64_t seed_;
   const int ops_;
   std::mt19937_64 rng_;
-  // Draws for leftovers planted in SRC (rename_dir), apart from rng_: sequences without them
-  // stay what they were.
-  std::mt19937_64 leftovers_;
   Counters& cov_;
   test::TempDir tmp_;
   std::shared_ptr<fs::ManualClock> clock_;

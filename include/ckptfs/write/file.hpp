@@ -121,6 +121,10 @@ class WriteFile {
   // Written since the last finalize. Lock-free: the fs layer polls it under its own locks,
   // which must not wait behind a long copy holding this file's mutex.
   [[nodiscard]] bool dirty() const { return dirty_.load(std::memory_order_relaxed); }
+  // Renamed while open: the next finalize decides again under the name it has then (a file
+  // finalized under another name, then renamed onto a model name, is split at its close even
+  // with no write since).
+  void renamed() { dirty_.store(true, std::memory_order_relaxed); }
   // Handles open for writing on this file (kept by the fs layer): with none, nothing will
   // finalize it, so a rename onto a model name stores it at once.
   std::atomic<int> writers{0};
