@@ -1,127 +1,30 @@
-// fuse/adapter: translates libfuse's low-level requests to fs::Filesystem calls and back (one
-// cohesive thing: one short translation per operation, the session and its notify thread).
+// fuse/adapter: translates libfuse's low-level requests to fs::Filesystem calls and back, one
+// short translation per operation, and wires a mount together (run_mount). The session and its
+// signals (session.*), the notify thread (notify.*) and the decided options (config.*) are their
+// own rooms.
 #include "ckptfs/fuse/adapter.hpp"
 
 #include <fuse_lowlevel.h>
-#include <pthread.h>
-#include <signal.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <fstream>
 #include <mutex>
-#include <span>
-#include <sstream>
-#include <thread>
 
-#include <spdlog/sinks/basic_file_sink.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/sinks/syslog_sink.h>
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/fs/prefetch.hpp"
 #include "ckptfs/fuse/backing.hpp"
 #include "ckptfs/util/sd_notify.hpp"
-#include "ckptfs/util/text.hpp"
+#include "config.hpp"
+#include "notify.hpp"
+#include "session.hpp"
 
 namespace ckptfs::fuse {
 namespace {
 
 constexpr size_t kMaxRead = 1 << 20;  // FUSE requests are at most 256 pages
-
-// Kernel invalidations, sent from their own thread: fuse_lowlevel_notify_inval_* must not run
-// on a thread that is answering a request for the same directory (it would deadlock).
-class NotifyQueue final : public fs::Notifier {
- public:
-  explicit NotifyQueue(fuse_session* se) : se_(se), thread_([this] { run(); }) {}
-  ~NotifyQueue() override {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void inval_entry(fs::Ino parent, const std::string& name) override { push({parent, name}); }
-  void inval_inode(fs::Ino ino) override { push({ino, std::nullopt}); }
-  // The kernel has processed a notification once its write to /dev/fuse returned, so waiting
-  // for the thread to get past what is queued now is waiting for the kernel to have dropped it.
-  void sync(std::chrono::milliseconds timeout) override {
-    std::unique_lock lock(mu_);
-    const uint64_t want = pushed_;
-    if (!done_cv_.wait_for(lock, timeout, [&] { return stop_ || done_ >= want; })) {
-      spdlog::debug("kernel invalidations still queued after {} ms", timeout.count());
-    }
-  }
-
- private:
-  struct Item {
-    fs::Ino ino;
-    std::optional<std::string> name;
-  };
-  void push(Item it) {
-    {
-      std::lock_guard lock(mu_);
-      q_.push_back(std::move(it));
-      ++pushed_;
-    }
-    cv_.notify_one();
-  }
-  void run() {
-    std::unique_lock lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
-      if (stop_) break;
-      Item it = std::move(q_.front());
-      q_.pop_front();
-      lock.unlock();
-      int rc =
-          it.name ? fuse_lowlevel_notify_inval_entry(se_, it.ino, it.name->c_str(), it.name->size())
-                  : fuse_lowlevel_notify_inval_inode(se_, it.ino, 0, 0);
-      if (rc != 0 && rc != -ENOENT) {
-        spdlog::debug("invalidation of inode {} failed: {}", it.ino, std::strerror(-rc));
-      }
-      lock.lock();
-      ++done_;
-      done_cv_.notify_all();
-    }
-    done_cv_.notify_all();  // stop_: nobody waits for what will never be sent
-  }
-
-  fuse_session* se_;
-  std::mutex mu_;                    // guards q_, stop_, pushed_ and done_
-  std::condition_variable cv_;       // an item queued, or stopping
-  std::condition_variable done_cv_;  // an item sent (done_ advanced), or stopping
-  std::deque<Item> q_;
-  uint64_t pushed_ = 0;  // items queued since start
-  uint64_t done_ = 0;    // items whose notification returned
-  bool stop_ = false;
-  std::thread thread_;
-};
-
-// The kernel side of a prefetch push: fuse_lowlevel_notify_store.
-class FusePusher final : public fs::PagePusher {
- public:
-  explicit FusePusher(fuse_session* se) : se_(se) {}
-  int store(fs::Ino ino, uint64_t off, std::span<const char> bytes) override {
-    fuse_bufvec bv = FUSE_BUFVEC_INIT(bytes.size());
-    bv.buf[0].mem = const_cast<char*>(bytes.data());
-    return fuse_lowlevel_notify_store(se_, ino, static_cast<off_t>(off), &bv,
-                                      static_cast<fuse_buf_copy_flags>(0));
-  }
-  uint64_t mem_available() override { return fs::read_mem_available(); }
-
- private:
-  fuse_session* se_;
-};
-
-void set_read_ahead(const std::string& devnum, unsigned kb);
 
 struct Context {
   fs::Filesystem* fs = nullptr;
@@ -611,150 +514,11 @@ fuse_lowlevel_ops make_ops() {
 
 // --- session lifecycle ------------------------------------------------------------------
 
-// The stop signals (SIGTERM, SIGINT, SIGHUP). libfuse's own handler only sets the session's
-// exit flag, and the loop's thread notices it when its wait is interrupted: a signal the
-// kernel delivers to another thread of the daemon (the close watcher, the notify queue, a
-// prefetch worker, all blocked in waits of their own) interrupts nothing there, and the
-// daemon went on serving until the next request came. This handler sets the flag and passes
-// the signal on to the loop's thread. Both calls are async-signal-safe (libfuse's handler
-// makes the first; pthread_kill is on POSIX's list).
-std::atomic<fuse_session*> g_stop_session{nullptr};  // the session a stop signal ends
-pthread_t g_loop_thread;  // the thread running the loop; written before the handler is set
-
-void on_stop_signal(int sig) {
-  if (fuse_session* se = g_stop_session.load()) fuse_session_exit(se);
-  if (!pthread_equal(pthread_self(), g_loop_thread)) pthread_kill(g_loop_thread, sig);
-}
-
-constexpr int kStopSignals[] = {SIGTERM, SIGINT, SIGHUP};
-
-// Owns a fuse_session: created, optionally mounted, and always torn down in order.
-class Session {
- public:
-  Session() = default;
-  Session(const Session&) = delete;
-  Session& operator=(const Session&) = delete;
-  ~Session() {
-    if (!se_) return;
-    if (signals_) {
-      struct sigaction dfl {};
-      dfl.sa_handler = SIG_DFL;
-      for (int sig : kStopSignals) ::sigaction(sig, &dfl, nullptr);
-      g_stop_session.store(nullptr);
-      fuse_remove_signal_handlers(se_);
-    }
-    if (mounted_) fuse_session_unmount(se_);
-    fuse_session_destroy(se_);
-  }
-  bool create(fuse_args* args, const fuse_lowlevel_ops& ops, Context* c) {
-    se_ = fuse_session_new(args, &ops, sizeof(ops), c);
-    return se_ != nullptr;
-  }
-  bool mount(const std::string& mnt) {
-    mounted_ = fuse_session_mount(se_, mnt.c_str()) == 0;
-    return mounted_;
-  }
-  // libfuse's handlers (SIGPIPE ignored among them), then on_stop_signal for the stop
-  // signals; called on the thread that will run the loop.
-  bool signals() {
-    signals_ = fuse_set_signal_handlers(se_) == 0;
-    if (!signals_) return false;
-    g_loop_thread = pthread_self();
-    g_stop_session.store(se_);
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = 0;  // no SA_RESTART: the loop's wait must return
-    for (int sig : kStopSignals) {
-      if (::sigaction(sig, &sa, nullptr) != 0) return false;
-    }
-    return true;
-  }
-  fuse_session* get() const { return se_; }
-
- private:
-  fuse_session* se_ = nullptr;
-  bool mounted_ = false;
-  bool signals_ = false;
-};
-
-void raise_fd_limit() {
-  struct rlimit rl {};
-  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
-    rl.rlim_cur = rl.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &rl);
-  }
-}
-
-// The mount's "major:minor" from /proc/self/mountinfo (no stat: that would call ourselves).
-std::string mount_devnum(const std::string& mnt) {
-  char real[PATH_MAX];
-  std::string want = ::realpath(mnt.c_str(), real) ? std::string(real) : mnt;
-  std::ifstream f("/proc/self/mountinfo");
-  std::string line, found;
-  while (std::getline(f, line)) {
-    std::istringstream ss(line);
-    std::string id, parent, dev, root, point;
-    ss >> id >> parent >> dev >> root >> point;
-    std::string unescaped;
-    for (size_t i = 0; i < point.size(); ++i) {
-      if (point[i] == '\\' && i + 3 < point.size()) {
-        unescaped += static_cast<char>(std::stoi(point.substr(i + 1, 3), nullptr, 8));
-        i += 3;
-      } else {
-        unescaped += point[i];
-      }
-    }
-    if (unescaped == want) found = dev;  // the last match is the topmost mount
-  }
-  return found;
-}
-
-void set_read_ahead(const std::string& dev, unsigned kb) {
-  if (kb == 0 || dev.empty()) return;
-  std::ofstream f("/sys/class/bdi/" + dev + "/read_ahead_kb");
-  f << kb;
-  f.close();
-  if (!f) {
-    spdlog::warn("could not set read_ahead_kb={} (bdi {})", kb, dev);
-  } else {
-    spdlog::debug("read_ahead_kb={} for bdi {}", kb, dev);
-  }
-}
-
-void setup_background_logging(const MountOptions& o) {
-  const auto level = spdlog::get_level();
-  spdlog::drop("ckptfs");  // the foreground logger of the same name (also the default one)
-  std::shared_ptr<spdlog::logger> logger;
-  if (!o.log_file.empty()) {
-    logger = spdlog::basic_logger_mt("ckptfs", o.log_file);
-  } else {
-    logger = spdlog::syslog_logger_mt("ckptfs", "ckptfs", LOG_PID, LOG_DAEMON);
-  }
-  logger->set_formatter(safe_log_formatter());
-  logger->set_level(level);
-  logger->flush_on(spdlog::level::info);
-  spdlog::set_default_logger(logger);
-}
-
 }  // namespace
 
 int run_mount(const MountOptions& given) {
-  raise_fd_limit();
-  MountOptions o = given;
-  const fs::Machine machine = fs::probe_machine();
-  const fs::ReadTuning tune = fs::tune_read_path(machine);
-  if (!o.threads) o.threads = tune.fuse_threads;
-  if (!o.prefetch) o.prefetch = tune.prefetch;
-  if (!o.prefetch_threads) o.prefetch_threads = tune.prefetch_threads;
-  // The kernel already applied the caller's umask to the modes it sends: the daemon's own
-  // must not mask them again.
-  ::umask(0);
-  if (o.passthrough.value_or(o.fs.read_only) && ::geteuid() != 0) {
-    if (o.passthrough) spdlog::warn("passthrough=on needs root (CAP_SYS_ADMIN): off");
-    o.passthrough = false;
-  }
-  o.fs.backing = o.passthrough.value_or(o.fs.read_only);
+  const Decided decided = decide(given);
+  MountOptions o = decided.opts;
   auto fsr = fs::Filesystem::create(o.source, o.fs);
   if (!fsr) {
     fmt::print(stderr, "ckptfs mount: {}\n", fsr.error().message);
@@ -814,24 +578,20 @@ int run_mount(const MountOptions& given) {
   }
   spdlog::info("mounted {} at {}", o.source, o.mountpoint);
   sd_notify(fmt::format("READY=1\nSTATUS=serving {} at {}", o.source, o.mountpoint));
-  spdlog::info(
-      "read path: {} cores, {} MiB available: threads={} prefetch={} (threads {}) splice={} "
-      "passthrough={}",
-      machine.cores, machine.mem_available >> 20, *o.threads, *o.prefetch ? "on" : "off",
-      *o.prefetch_threads, o.splice ? "on" : "off", c.backing ? "on" : "off");
+  log_read_path(decided, c.backing != nullptr);
 
   int rc;
   {
-    NotifyQueue notify(se.get());
-    fsys.set_notifier(&notify);
-    FusePusher pusher(se.get());
+    auto notify = make_notify_queue(se.get());
+    fsys.set_notifier(notify.get());
+    auto pusher = make_page_pusher(se.get());
     std::unique_ptr<fs::Prefetcher> pf;
     if (o.prefetch.value_or(false)) {
       fs::PrefetchConfig pc;
       pc.threads = o.prefetch_threads.value_or(2);
       pc.per_inode = pc.threads;
       pc.lead = uint64_t{std::max(o.read_ahead_kb, 128u)} << 10;
-      pf = std::make_unique<fs::Prefetcher>(pusher, pc);
+      pf = std::make_unique<fs::Prefetcher>(*pusher, pc);
     }
     c.prefetch = pf.get();
     if (pf) fsys.set_status_extra([p = pf.get()] { return p->figures(); });
