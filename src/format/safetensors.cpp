@@ -221,6 +221,15 @@ Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what) {
   return parse_header_json(bytes.substr(kHeaderLenBytes, n), bytes.size(), what);
 }
 
+Status append_packed(std::vector<TensorEntry>& list, TensorEntry e, uint64_t bytes) {
+  e.begin = list.empty() ? 0 : list.back().end;
+  auto end = checked_add(e.begin, bytes);
+  if (!end) return make_error(EOVERFLOW, "tensor '{}': the data size overflows", e.name);
+  e.end = *end;
+  list.push_back(std::move(e));
+  return {};
+}
+
 std::string serialize_header(std::span<const TensorEntry> tensors,
                              const std::map<std::string, std::string>& metadata, size_t align) {
   // Written by hand rather than through an ordered JSON object: insertion into nlohmann's

@@ -738,7 +738,6 @@ class Builder {
       }
       std::vector<format::TensorEntry> entries;
       entries.reserve(f.tensors.size());
-      uint64_t pos = 0;
       std::set<uint32_t> shards;
       for (uint32_t ti : f.tensors) {
         const auto& t = ck_->tensors[ti];
@@ -746,16 +745,11 @@ class Builder {
         e.name = t.name;
         e.dtype = t.dtype;
         e.shape = t.shape;
-        e.begin = pos;
-        auto end = checked_add(pos, t.nbytes);
-        if (!end) {
+        if (!format::append_packed(entries, std::move(e), t.nbytes)) {
           problem(f.name, t.name, "output file size overflows");
           ck_->outputs.clear();
           return;
         }
-        e.end = *end;
-        pos = *end;
-        entries.push_back(std::move(e));
         for (const auto& c : t.chunks) shards.insert(c.shard);
         for (const auto& r : t.runs) {
           for (const auto& c : ck_->stored[r.src].chunks) shards.insert(c.shard);
@@ -774,7 +768,7 @@ class Builder {
           f.data_tensors.push_back(f.tensors[i]);
         }
       }
-      f.size = f.header.size() + pos;
+      f.size = f.header.size() + (entries.empty() ? 0 : entries.back().end);
       f.shards.assign(shards.begin(), shards.end());
     }
     // No model file in the directory (a LoRA adapter alone): no index either.

@@ -163,19 +163,14 @@ Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::stri
                           "out of range",
                           what, t.name, c.rank, p.ranks);
       }
-      auto& list = entries[c.rank];
       format::TensorEntry e;
       e.name = t.name;
       e.dtype = t.dtype;
       e.shape = c.sizes;
-      e.begin = list.empty() ? 0 : list.back().end;
-      auto end = checked_add(e.begin, c.nbytes);
-      if (!end) {
+      if (auto st = format::append_packed(entries[c.rank], std::move(e), c.nbytes); !st) {
         return make_error(EOVERFLOW, "{}: tensor '{}': rank {} shard size overflows", what, t.name,
                           c.rank);
       }
-      e.end = *end;
-      list.push_back(std::move(e));
       info[c.rank][t.name] = format::ShardingEntry{c.offsets, t.shape};
     }
   }

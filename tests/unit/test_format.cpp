@@ -154,6 +154,33 @@ TEST(Safetensors, RejectsBadLengthPrefix) {
   expect_error(parse_file_bytes(le64(~0ull) + "{}", "f.safetensors"), "exceeds the");
 }
 
+TEST(Safetensors, EntriesArePackedBackToBackAndOverflowIsRefused) {
+  std::vector<format::TensorEntry> list;
+  format::TensorEntry a;
+  a.name = "a";
+  ASSERT_TRUE(format::append_packed(list, a, 12).ok());
+  format::TensorEntry b;
+  b.name = "b";
+  ASSERT_TRUE(format::append_packed(list, b, 0).ok());  // an empty tensor takes no bytes
+  format::TensorEntry c;
+  c.name = "c";
+  ASSERT_TRUE(format::append_packed(list, c, 4).ok());
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0].begin, 0u);
+  EXPECT_EQ(list[0].end, 12u);
+  EXPECT_EQ(list[1].begin, 12u);
+  EXPECT_EQ(list[1].end, 12u);
+  EXPECT_EQ(list[2].begin, 12u);
+  EXPECT_EQ(list[2].end, 16u);
+  format::TensorEntry d;
+  d.name = "huge";
+  auto st = format::append_packed(list, d, UINT64_MAX - 8);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EOVERFLOW);
+  EXPECT_NE(st.error().message.find("huge"), std::string::npos);
+  EXPECT_EQ(list.size(), 3u);
+}
+
 TEST(Safetensors, SerializeRoundTripsAndPadsToEight) {
   std::vector<TensorEntry> entries(2);
   entries[0] = {"w\"eird\\name", DType::BF16, {3, 5}, 0, 30};

@@ -74,6 +74,11 @@ Result<std::string> read_header_prefix(int fd, uint64_t n, std::string_view what
 // Parses a whole in-memory file (header and data); used by the fuzzer and tests.
 Result<Header> parse_file_bytes(std::string_view bytes, std::string_view what);
 
+// Appends `e` to `list` packed after the entries already there (its data right after the last
+// one's, as every writer of a safetensors file here lays them out): sets e.begin and e.end.
+// EOVERFLOW when the data would pass 2^64 bytes.
+Status append_packed(std::vector<TensorEntry>& list, TensorEntry e, uint64_t bytes);
+
 // Serializes a header: the 8-byte length followed by compact JSON with `__metadata__` first
 // (omitted when empty) and the tensors in the given order, padded with spaces so the data
 // buffer starts at a multiple of `align`. Offsets must already be set.
