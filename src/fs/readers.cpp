@@ -71,6 +71,13 @@ Result<size_t> execute(const ReadPlan& p, char* dst) {
   return static_cast<size_t>(p.size);
 }
 
+Result<bool> splice_ready(const ReadPlan& p) {
+  if (p.direct != nullptr || p.has_transformed() || p.has_remote()) return false;
+  if (!p.passthrough() && p.segs.size() > 16) return false;
+  CKPTFS_CHECK(check_extents(p));
+  return true;
+}
+
 Status check_extents(const ReadPlan& p) {
   if (p.src.ckpt == nullptr) return {};  // a plain file reads like the file: short at its end
   const auto& shards = p.src.ckpt->shards;

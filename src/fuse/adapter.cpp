@@ -277,12 +277,10 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
   if (c.prefetch && plan.src.ckpt != nullptr) {
     c.prefetch->on_miss(ino, c.fs->reader(fi->fh), static_cast<uint64_t>(off), size);
   }
-  const bool passthrough = plan.passthrough();
-  if (c.opts->splice && plan.direct == nullptr && !plan.has_transformed() && !plan.has_remote() &&
-      (passthrough || plan.segs.size() <= 16)) {
-    // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory. A short
-    // splice would reach the reader as an early end of file, so shrunken shards are an error.
-    if (auto ok = fs::check_extents(plan); !ok) return reply_error(req, ok.error(), "read");
+  auto splice = c.opts->splice ? fs::splice_ready(plan) : Result<bool>(false);
+  if (!splice) return reply_error(req, splice.error(), "read");
+  if (*splice) {
+    // Zero-copy: fd-backed buffers the kernel splices, header bytes from memory.
     const size_t n = plan.segs.size();
     std::vector<char> storage(sizeof(fuse_bufvec) + n * sizeof(fuse_buf));
     auto* bv = new (storage.data()) fuse_bufvec{};

@@ -823,6 +823,43 @@ TEST(Fs, ASpliceOfAShrunkenShardIsAnError) {
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.error().code, EIO);
   EXPECT_NE(st.error().message.find(format::shard_file_name(2, 1, 1)), std::string::npos);
+  // The adapter's one question before splicing asks the same.
+  auto ready = fs::splice_ready(plan);
+  ASSERT_FALSE(ready.ok());
+  EXPECT_EQ(ready.error().code, EIO);
+  t.f->release(o->fh);
+}
+
+TEST(Fs, OnlyPlansOfShardBytesAsTheyLieAreSpliced) {
+  Fs t;
+  fs::Ino file = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
+  auto o = t.f->open(file, O_RDONLY);
+  ASSERT_TRUE(o.ok());
+  auto size = t.f->reader(o->fh)->size();
+  fs::ReadPlan plan;
+  ASSERT_TRUE(t.f->read(o->fh, 0, size, plan).ok());
+  ASSERT_TRUE(fs::splice_ready(plan).ok());
+  EXPECT_TRUE(*fs::splice_ready(plan));
+  // A segment that converts or picks at a stride exists only once gathered.
+  fs::ReadPlan strided = plan;
+  for (auto& s : strided.segs) {
+    if (!s.is_memory()) {
+      s.stride = 4;
+      s.esize = 2;
+      break;
+    }
+  }
+  ASSERT_TRUE(strided.has_transformed());
+  EXPECT_FALSE(*fs::splice_ready(strided));
+  // More than 16 segments: copied (fuse_reply_data's vector stays small).
+  fs::ReadPlan many = plan;
+  while (many.segs.size() <= 16) many.segs.push_back(many.segs.back());
+  EXPECT_FALSE(*fs::splice_ready(many));
+  // A node-local shard (no fd here): its owner reads it.
+  fs::ReadPlan remote = plan;
+  const std::vector<int> none(plan.src.fds.size(), -1);
+  remote.src.fds = none;
+  EXPECT_FALSE(*fs::splice_ready(remote));
   t.f->release(o->fh);
 }
 

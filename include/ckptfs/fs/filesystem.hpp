@@ -160,6 +160,11 @@ Result<size_t> execute(const ReadPlan& plan, char* dst);
 // view's bytes (a rewrite during the read shows then); a spliced reply cannot report an error
 // after the fact, so the adapter calls it before splicing.
 Status check_extents(const ReadPlan& plan);
+// Whether the plan's bytes may be handed to the kernel as buffers it splices from the shards'
+// fds: nothing converted or strided, no node-local shard, a plain file or at most 16
+// segments; and its shards unchanged since the view was built (a short splice would reach the
+// reader as an early end of file, so a shrunken shard is an error here).
+Result<bool> splice_ready(const ReadPlan& plan);
 
 // Everything a read of one open file depends on, kept alive by handles and the prefetcher.
 class FileReader {
