@@ -235,13 +235,14 @@ if ((status == 0)); then
 fi
 
 if ((status == 0)); then
-  # Megatron-Core: a DeepSeek-V3-shaped model (multi-latent attention, a dense first layer, then
-  # MoE with 4 routed experts, a router expert bias and a shared expert), TP 2, saved by
-  # megatron-core's own dist_checkpointing into the mount in Megatron-LM's layout. No options:
-  # the map megatron-deepseek-v3 is detected and config.json is made from common.pt's args.
+  # Megatron-Core: a DeepSeek-V3-shaped model (multi-latent attention with YaRN RoPE, MLA's
+  # default, a dense first layer, then MoE with 4 routed experts, a router expert bias and a
+  # shared expert), TP 2, saved by megatron-core's own dist_checkpointing into the mount in
+  # Megatron-LM's layout. No options: the map megatron-deepseek-v3 is detected and config.json
+  # (rope_parameters included) is made from common.pt's args.
   rm -rf "$SRC/run/megatron" "$WORK/megatron-ref"
   "$PY" tests/python/writers/megatron_families_save.py "$MNT/run/megatron" "$WORK/megatron-ref" \
-    dsv3:deepseek_v3:2:1:1:0:float32 >"$WORK/megatron_save.log" 2>&1 ||
+    dsv3:deepseek_v3:2:1:1:0:float32:yarn >"$WORK/megatron_save.log" 2>&1 ||
     { tail -n 20 "$WORK/megatron_save.log"; status=1; }
 fi
 if ((status == 0)); then
@@ -261,11 +262,12 @@ for f in sorted(glob.glob(f"{d}/model*.safetensors")):
     served.update(load_file(f))
 want = load_file(f"{ref}/model.safetensors")
 bad = sorted(k for k in want if k not in served or not torch.equal(served[k], want[k]))
-arch = json.load(open(f"{d}/config.json"))["architectures"]
+config = json.load(open(f"{d}/config.json"))
+arch, rope = config["architectures"], config["rope_parameters"]["rope_type"]
 model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
 ids = torch.tensor([[3, 17, 5, 99, 42, 7]])
 same = torch.equal(model(ids).logits, AutoModelForCausalLM.from_pretrained(ref)(ids).logits)
-print(f"from_pretrained({d}): config.json says {arch}; {len(want)} tensors "
+print(f"from_pretrained({d}): config.json says {arch}, {rope} RoPE; {len(want)} tensors "
       f"{'all equal to the original' if not bad else 'DIFFER: ' + str(bad[:4])}; missing "
       f"{info['missing_keys']}, unexpected {info['unexpected_keys']}; logits "
       f"{'equal to the original model' if same else 'DIFFER'}")
