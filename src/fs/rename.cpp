@@ -54,12 +54,10 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
                         source_path(join_rel(to.node.rel, new_name)), ns.native, o);
     }
     if (ns.others) {
-      struct stat sst {};
       Status why = make_error(EINVAL, "{}: not a regular file", o);
-      if (::fstatat(from.fd.get(), o.c_str(), &sst, AT_SYMLINK_NOFOLLOW) == 0 &&
-          S_ISREG(sst.st_mode)) {
+      if (S_ISREG(src_st.st_mode)) {
         auto open =
-            writes.find(static_cast<uint64_t>(sst.st_dev), static_cast<uint64_t>(sst.st_ino));
+            writes.find(static_cast<uint64_t>(src_st.st_dev), static_cast<uint64_t>(src_st.st_ino));
         if (open && open->writers.load() > 0) {
           why = {};
         } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); !fd) {
