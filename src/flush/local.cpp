@@ -149,7 +149,7 @@ class LocalTransaction final : public Transaction {
   }
 
   static Result<std::unique_ptr<LocalTransaction>> begin(const Target& t,
-                                                         const write::ShardSet& set,
+                                                         const layout::ShardSet& set,
                                                          std::string what,
                                                          std::shared_ptr<Live> live) {
     static std::atomic<uint64_t> counter{0};
@@ -324,7 +324,7 @@ class LocalFlusher final : public Flusher {
  public:
   uint32_t default_ranks() const override { return 1; }
 
-  Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
+  Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                              std::string what) override {
     CKPTFS_TRY(auto tx, LocalTransaction::begin(t, set, std::move(what), live_));
     return std::unique_ptr<Transaction>(std::move(tx));

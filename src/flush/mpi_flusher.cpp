@@ -51,13 +51,13 @@ class MpiFlusherImpl final : public MpiFlusher {
 
   uint32_t default_ranks() const override { return static_cast<uint32_t>(rt_.size()); }
 
-  Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
+  Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                              std::string what) override {
     CKPTFS_TRY(auto rel, relative_to(opts_.source, t.display));
     const uint64_t n = next_tx_.fetch_add(1) + 1;
     if (owners_) {
       // Node-local: SRC gets only the lock (and, at the commit, the record).
-      CKPTFS_TRY(auto local, local_->begin(t, write::ShardSet{}, what));
+      CKPTFS_TRY(auto local, local_->begin(t, layout::ShardSet{}, what));
       int d = ::fcntl(t.dirfd, F_DUPFD_CLOEXEC, 0);
       if (d < 0) return errno_error(fmt::format("{}: dup failed", t.display));
       return begin_node_local(

@@ -70,7 +70,7 @@ class NodeLocalTransaction final : public Transaction {
  public:
   NodeLocalTransaction(std::unique_ptr<Transaction> local, Owners& owners, uint64_t tx,
                        std::string txname, std::string rel, UniqueFd dir, std::string display,
-                       const write::ShardSet& set, int nranks, std::string what, RateLimiter& rate)
+                       const layout::ShardSet& set, int nranks, std::string what, RateLimiter& rate)
       : local_(std::move(local)),
         self_(owners.self),
         shards_(owners.link, tx, owners_of(set.shards.size(), nranks), std::move(what)),
@@ -317,7 +317,7 @@ Result<std::unique_ptr<Transaction>> begin_node_local(std::unique_ptr<Transactio
                                                       Owners& owners, uint64_t tx,
                                                       std::string txname, std::string rel,
                                                       UniqueFd dir, std::string display,
-                                                      const write::ShardSet& set, int nranks,
+                                                      const layout::ShardSet& set, int nranks,
                                                       std::string what, RateLimiter& rate) {
   auto t = std::make_unique<NodeLocalTransaction>(
       std::move(local), owners, tx, std::move(txname), std::move(rel), std::move(dir),

@@ -35,7 +35,7 @@ Result<std::unique_ptr<Transaction>> begin_node_local(std::unique_ptr<Transactio
                                                       Owners& owners, uint64_t tx,
                                                       std::string txname, std::string rel,
                                                       UniqueFd dir, std::string display,
-                                                      const write::ShardSet& set, int nranks,
+                                                      const layout::ShardSet& set, int nranks,
                                                       std::string what, RateLimiter& rate);
 
 // Committed node-local shards, read for the view: rank 0's from its own store, the others'

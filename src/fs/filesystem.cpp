@@ -20,7 +20,11 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
       root(std::move(root_fd)),
       clock(opts.clock ? opts.clock : system_clock()),
       writes(clock),
-      status(clock->realtime_ns()) {
+      status(clock->realtime_ns()),
+      checks(headers, opts.build, [this](uint64_t dev, uint64_t ino) {
+        auto w = writes.find(dev, ino);
+        return w && w->writers.load() > 0;
+      }) {
   struct rlimit rl {};
   ::getrlimit(RLIMIT_NOFILE, &rl);
   const int64_t limit =

@@ -29,6 +29,7 @@
 #include "ckptfs/util/path.hpp"
 #include "ckptfs/write/budget.hpp"
 #include "ckptfs/write/file.hpp"
+#include "ckptfs/write/store_checks.hpp"
 #include "dir_views.hpp"
 #include "handles.hpp"
 #include "io_modes.hpp"
@@ -88,6 +89,9 @@ struct Filesystem::Impl {
   WriteRegistry writes;  // files being written, and evidence of this daemon's changes
   StatusFile status;     // figures for .ckptfs/status.json
   source::HeaderCache headers;
+  // May a file under a model name be stored as rank shards (write/store_checks.hpp): the views'
+  // header cache and build options, and `writes` for files open for writing.
+  write::StoreChecks checks;
   std::atomic<int64_t> open_shard_fds{0};
   std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
   LogLimiter logs;                       // repeated lines about one directory
@@ -261,23 +265,6 @@ struct Filesystem::Impl {
   uint64_t adopt_writer(std::shared_ptr<write::WriteFile> wf, Ino ino);
   using SettleFn = std::function<Status(write::WriteFile&, const write::Place&)>;
   Status settle_file(FileHandle& h, const SettleFn& fn);
-  struct NameState {
-    bool stored = false;  // the name has a stored form (its record and shards, or DCP shards)
-    bool others = false;  // the directory holds rank shards or records of other files
-    // The directory is a native checkpoint (torch DCP, accelerate's folder, verl): its view
-    // owns every model name, and a file written under one would be hidden. Its format.
-    std::string native;
-  };
-  // The format of the native checkpoint directory `dirfd` is (empty: none).
-  static std::string native_format(int dirfd);
-  NameState name_state(int dirfd, const std::vector<source::DirEntry>& entries,
-                       std::string_view name);
-  Status place_whole(int dirfd, const std::string& display, const std::string& name,
-                     const Error& why);
-  bool split_hides_plain(int dirfd, std::string_view name);
-  Status validate_store(int dirfd, const std::string& display, std::string_view name,
-                        const write::Prospect& p);
-  write::StoreRules store_rules(int dirfd, const std::string& display, std::string_view name);
   Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
   Status flush(uint64_t fh, const Caller& who);
   Status fsync(uint64_t fh, bool datasync);

@@ -46,7 +46,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
     // be hidden: refused now, before anything moves. A file still being written is decided
     // when its writer closes it.
     CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
-    const NameState ns = name_state(to.fd.get(), entries, nn);
+    const auto ns = write::StoreChecks::name_state(to.fd.get(), entries, nn);
     if (!ns.native.empty()) {
       return make_error(EINVAL,
                         "{}: in a {} checkpoint directory every model name shows the "
@@ -68,8 +68,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
                    !sp) {
           why = std::move(sp).error();
         } else {
-          why = validate_store(to.fd.get(), source_path(to.node.rel), nn,
-                               write::Prospect{sp->header, sp->shard_headers});
+          why = checks.validate(to.fd.get(), source_path(to.node.rel), nn, sp->prospect());
         }
       }
       if (!why) {
@@ -143,7 +142,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
   dst->built.wait(lock, [&] { return !dst->building; });
   const std::string to_display = source_path(to.node.rel);
   CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, to_display},
-                         store_rules(to.fd.get(), to_display, nn)));
+                         checks.rules(to.fd.get(), to_display, nn)));
   if (wf->state() == write::WriteFile::State::Committed) {
     // Its backing file is gone (the shards are the file now): the kernel's entry for the name
     // still holds that file's node, which must look the name up again (ESTALE, then the view).
@@ -155,7 +154,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
     // if other files' shards remain, it is hidden (the check above let only consolidated
     // files through: splitting this one failed).
     CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
-    const auto ns = name_state(to.fd.get(), entries, nn);
+    const auto ns = write::StoreChecks::name_state(to.fd.get(), entries, nn);
     if (ns.others) {
       // It would be hidden (it could not be split after all: memory, staging, a header too
       // large): the rename is undone, and fails.

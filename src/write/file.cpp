@@ -30,9 +30,10 @@ uint64_t announced_len(std::string_view prefix) {
 
 // What a routed file keeps in memory until it is closed: its header, every shard header and a
 // descriptor per chunk (an estimate, on the generous side).
-uint64_t retained_bytes(const format::Header& h, const ShardSet& s) {
+uint64_t retained_bytes(const format::Header& h, const layout::ShardSet& s) {
   uint64_t n = format::kHeaderLenBytes + h.json_len + 256 * h.tensors.size();
-  for (const auto& sh : s.shards) n += sh.header.size();
+  // Each shard header as parsed (about its text, plus a descriptor per chunk).
+  for (const auto& sh : s.shards) n += sh.header.size() + 128 * sh.parsed->tensors.size();
   return n;
 }
 
@@ -132,7 +133,7 @@ Status WriteFile::spill_locked(std::string_view why) {
   return to_plain_locked(true);
 }
 
-std::optional<Error> WriteFile::admit_locked(const format::Header& h, const ShardSet& s,
+std::optional<Error> WriteFile::admit_locked(const format::Header& h, const layout::ShardSet& s,
                                              uint64_t extra) {
   // The commit record holds the header and, for node-local shards, every shard header, each as
   // a JSON string: valid JSON text escapes to at most twice its size (a quote, a backslash or
@@ -224,7 +225,7 @@ Status WriteFile::decide_locked() {
 
 Status WriteFile::enter_routed_locked(const format::Header& h) {
   auto p = plan(h, plan_opts_, what_);
-  auto s = p ? shard_headers(h, *p, what_) : Result<ShardSet>(p.error());
+  auto s = p ? shard_headers(h, *p, what_) : Result<layout::ShardSet>(p.error());
   if (!s) {
     spdlog::warn("{}: stored whole, not split: {}", what_, s.error().message);
     return to_plain_locked(true);
@@ -490,12 +491,14 @@ Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
 std::optional<Error> WriteFile::refused_locked(const Place& where, const StoreRules& rules) {
   if (rules.whole) return rules.whole;
   if (!rules.validate) return std::nullopt;
-  // Parsing the file's headers again costs a multiple of their size: one large one at a time.
+  // Building the directory's checkpoint with this file in it costs a multiple of its header's
+  // size: one large one at a time.
   std::unique_lock<std::mutex> big;
   if (budget_ && router_->header().size() > MemoryBudget::kBigHeader) {
     big = std::unique_lock(budget_->big());
   }
-  if (auto st = rules.validate(where.name, Prospect{router_->header(), router_->shard_headers()});
+  if (auto st = rules.validate(
+          where.name, Prospect{router_->header(), router_->parsed(), router_->shard_parsed()});
       !st) {
     return std::move(st).error();
   }
@@ -612,7 +615,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   if (s.kind == Kind::RankShard) return whole(EINVAL, "a rank shard (it has DCP_SHARDING_INFO)");
   if (s.kind != Kind::Consolidated) return whole(EINVAL, s.why);
   auto p = plan(*s.header, plan_opts_, what_);
-  auto set = p ? shard_headers(*s.header, *p, what_) : Result<ShardSet>(p.error());
+  auto set = p ? shard_headers(*s.header, *p, what_) : Result<layout::ShardSet>(p.error());
   if (!set) {
     whole_ = set.error();
     return {};
@@ -622,9 +625,10 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
     return {};
   }
   if (rules.validate) {
-    std::vector<std::string> shard_headers;
-    for (const auto& sh : set->shards) shard_headers.push_back(sh.header);
-    if (auto st = rules.validate(where.name, Prospect{prefix, shard_headers}); !st) {
+    const auto parsed = std::make_shared<const format::Header>(*s.header);
+    std::vector<std::shared_ptr<const format::Header>> shards;
+    for (const auto& sh : set->shards) shards.push_back(sh.parsed);
+    if (auto st = rules.validate(where.name, Prospect{prefix, parsed, shards}); !st) {
       charge_.reset();
       whole_ = std::move(st).error();
       return {};
@@ -673,7 +677,8 @@ Result<WriteFile::Split> WriteFile::prospect(int fd, const PlanOptions& plan_opt
   }
   CKPTFS_TRY(auto p, plan(*s.header, plan_opts, what));
   CKPTFS_TRY(auto set, shard_headers(*s.header, p, what));
-  for (auto& sh : set.shards) out.shard_headers.push_back(std::move(sh.header));
+  for (auto& sh : set.shards) out.shards.push_back(std::move(sh.parsed));
+  out.parsed = std::make_shared<const format::Header>(std::move(*s.header));
   return out;
 }
 

@@ -2,6 +2,7 @@
 #include "ckptfs/write/plan.hpp"
 
 #include <algorithm>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -139,14 +140,15 @@ Result<Plan> plan(const format::Header& h, const PlanOptions& opts, std::string_
   return p;
 }
 
-Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::string_view what) {
+Result<layout::ShardSet> shard_headers(const format::Header& h, const Plan& p,
+                                       std::string_view what) {
   if (p.tensors.size() != h.tensors.size() || p.rank_bytes.size() != p.ranks) {
     return make_error(EINVAL, "{}: plan has {} tensors for a header of {}", what, p.tensors.size(),
                       h.tensors.size());
   }
   std::vector<std::vector<format::TensorEntry>> entries(p.ranks);
   std::vector<format::ShardingInfo> info(p.ranks);
-  ShardSet s;
+  layout::ShardSet s;
   s.chunk_offset.resize(p.tensors.size());
   for (size_t i = 0; i < p.tensors.size(); ++i) {
     const auto& t = h.tensors[i];
@@ -175,6 +177,7 @@ Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::stri
     }
   }
   s.shards.resize(p.ranks);
+  std::vector<std::shared_ptr<format::Header>> parsed(p.ranks);
   for (uint32_t r = 0; r < p.ranks; ++r) {
     std::map<std::string, std::string> md{
         {std::string(format::kShardingInfoKey), format::serialize_sharding_info(info[r])},
@@ -194,6 +197,12 @@ Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::stri
                         what, r, sh.header.size() - format::kHeaderLenBytes,
                         format::kMaxHeaderSize);
     }
+    // The same header parsed, made from what it was serialized from: the store checks read
+    // it, so no one parses bytes written here.
+    parsed[r] = std::make_shared<format::Header>();
+    parsed[r]->json_len = sh.header.size() - format::kHeaderLenBytes;
+    parsed[r]->data_size = sh.data_size;
+    parsed[r]->metadata = std::move(md);
   }
   // Absolute chunk offsets, now that each header's length is known.
   std::vector<size_t> next(p.ranks, 0);
@@ -202,6 +211,10 @@ Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::stri
       const uint32_t r = p.tensors[i].chunks[c].rank;
       s.chunk_offset[i][c] = s.shards[r].header.size() + entries[r][next[r]++].begin;
     }
+  }
+  for (uint32_t r = 0; r < p.ranks; ++r) {
+    parsed[r]->tensors = std::move(entries[r]);
+    s.shards[r].parsed = std::move(parsed[r]);
   }
   return s;
 }

@@ -11,7 +11,7 @@
 namespace ckptfs::write {
 
 Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format::Header& h,
-                                          const Plan& p, const ShardSet& s, ShardSink& sink,
+                                          const Plan& p, const layout::ShardSet& s, ShardSink& sink,
                                           std::string what) {
   if (header_bytes.size() != h.data_start()) {
     return make_error(EINVAL, "{}: {} header bytes given for a header of {}", what,
@@ -26,7 +26,11 @@ Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format
   r.header_ = std::move(header_bytes);
   r.sink_ = &sink;
   r.file_size_ = h.file_size();
-  for (const auto& sh : s.shards) r.shard_headers_.push_back(sh.header);
+  r.parsed_ = std::make_shared<const format::Header>(h);
+  for (const auto& sh : s.shards) {
+    r.shard_headers_.push_back(sh.header);
+    r.shard_parsed_.push_back(sh.parsed);
+  }
   r.no_fds_.assign(p.ranks, -1);
   if (h.tensors.empty()) return r;  // all header: nothing to route, no geometry
 
@@ -63,7 +67,7 @@ Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format
   o.k = 1;
   o.name = r.what_;
   o.header = r.header_;
-  o.parsed = std::make_shared<const format::Header>(h);
+  o.parsed = r.parsed_;
   o.record = r.what_;
   in.overrides.push_back(std::move(o));
   r.geo_ = layout::build_checkpoint(std::move(in));
@@ -117,6 +121,7 @@ Status StreamRouter::write(uint64_t file_offset, std::string_view bytes) {
           return fail(std::move(e).context(fmt::format("{}: shard header of rank {}", what_, r)));
         }
       }
+      shard_headers_ = {};  // sent: the parse (shard_parsed_) is what stays
     }
   }
   return route_data(bytes);

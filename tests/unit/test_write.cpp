@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <random>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -93,7 +94,7 @@ std::string shard_name(uint32_t rank) { return format::shard_file_name(rank + 1,
 
 struct Routed {
   Plan plan;
-  ShardSet shards;
+  layout::ShardSet shards;
   MemSink sink;
 };
 
@@ -416,6 +417,52 @@ TEST(ShardHeaders, MetadataAndEmptyRank) {
   EXPECT_EQ(s->shards[3].data_size, 0u);
   auto r = route(c, opts(4));
   check_shards(c, *r);
+}
+
+// The parse each shard comes with is the parse of its bytes: the store checks build the
+// directory's checkpoint from it without parsing (write/store_checks.cpp).
+TEST(ShardHeaders, ParsedIsTheParseOfTheBytes) {
+  std::mt19937_64 rng(19);
+  auto c = make_consolidated({{"model.layers.0.w\u00e9", DType::BF16, {6, 5}},
+                              {"empty_a", DType::F32, {0, 4}},
+                              {"empty_b", DType::F32, {0}},
+                              {"scalar", DType::F64, {}},
+                              {"big", DType::F32, {130, 3}},
+                              {"bits", DType::U8, {7}}},
+                             rng);
+  const auto canon = [](std::vector<format::TensorEntry> t) {
+    std::sort(t.begin(), t.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+    });
+    return t;
+  };
+  for (uint32_t ranks : {1u, 3u, 5u}) {
+    PlanOptions o = opts(ranks);
+    o.min_split_bytes = 1;
+    auto p = plan(c.header, o, "f");
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    auto s = shard_headers(c.header, *p, "f");
+    ASSERT_TRUE(s.ok()) << s.error().message;
+    for (const auto& sh : s->shards) {
+      SCOPED_TRACE(fmt::format("{} ranks, rank {}", ranks, sh.rank));
+      ASSERT_NE(sh.parsed, nullptr);
+      auto h =
+          format::parse_header_json(std::string_view(sh.header).substr(8), sh.file_size(), "s");
+      ASSERT_TRUE(h.ok()) << h.error().message;
+      EXPECT_EQ(sh.parsed->json_len, h->json_len);
+      EXPECT_EQ(sh.parsed->data_size, h->data_size);
+      EXPECT_EQ(sh.parsed->metadata, h->metadata);
+      const auto a = canon(sh.parsed->tensors), b = canon(h->tensors);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_EQ(a[i].name, b[i].name);
+        EXPECT_EQ(a[i].dtype, b[i].dtype);
+        EXPECT_EQ(a[i].shape, b[i].shape);
+        EXPECT_EQ(a[i].begin, b[i].begin);
+        EXPECT_EQ(a[i].end, b[i].end);
+      }
+    }
+  }
 }
 
 // ---- router ----

@@ -493,7 +493,7 @@ class ReaderFlusher final : public flush::Flusher {
   explicit ReaderFlusher(std::shared_ptr<const io::ShardReader> r) : r_(std::move(r)) {}
   uint32_t default_ranks() const override { return 1; }
   Result<std::unique_ptr<flush::Transaction>> begin(const flush::Target& t,
-                                                    const write::ShardSet& set,
+                                                    const layout::ShardSet& set,
                                                     std::string what) override {
     return local_->begin(t, set, std::move(what));
   }

@@ -24,8 +24,8 @@
 
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/io/shard_io.hpp"
+#include "ckptfs/layout/shard_set.hpp"
 #include "ckptfs/util/result.hpp"
-#include "ckptfs/write/plan.hpp"
 
 namespace ckptfs::flush {
 
@@ -90,7 +90,7 @@ class Flusher {
   // Shards per file when the mount does not say (-o ranks=N).
   [[nodiscard]] virtual uint32_t default_ranks() const = 0;
   // Stages a new shard set: one file per rank, sized and holding nothing yet.
-  virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const write::ShardSet& set,
+  virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                                      std::string what) = 0;
   // Finishes what a crashed writer left in the directory: completes commits whose record
   // exists, removes staging without one (and its empty placeholder). Staging that a live

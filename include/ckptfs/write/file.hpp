@@ -37,11 +37,13 @@
 
 namespace ckptfs::write {
 
-// What a consolidated file would be stored as: its own header bytes (8 + N) and the header of
-// each rank shard it is split into (8 + N, rank order).
+// What a consolidated file would be stored as, parsed once by the writer: its own header
+// (bytes, 8 + N, and parse) and the parsed header of each rank shard it is split into (rank
+// order). The store checks (write/store_checks.hpp) read it as it is.
 struct Prospect {
   std::string_view header;
-  const std::vector<std::string>& shard_headers;
+  const std::shared_ptr<const format::Header>& parsed;
+  const std::vector<std::shared_ptr<const format::Header>>& shards;
 };
 
 // How a file closed under a model name may be stored (the fs layer's rules for its directory).
@@ -104,7 +106,9 @@ class WriteFile {
   // `plan` (an error when it is no consolidated safetensors file or cannot be split).
   struct Split {
     std::string header;
-    std::vector<std::string> shard_headers;
+    std::shared_ptr<const format::Header> parsed;
+    std::vector<std::shared_ptr<const format::Header>> shards;
+    [[nodiscard]] Prospect prospect() const { return Prospect{header, parsed, shards}; }
   };
   static Result<Split> prospect(int fd, const PlanOptions& plan, std::string_view what);
   // Why the last finalize() or store() left a file under a model name whole in its backing
@@ -150,7 +154,8 @@ class WriteFile {
   Status spill_locked(std::string_view why);
   // Whether the retained state of a routed file (header, shard headers, chunks) fits the budget
   // and the record's size limit; the reason it does not otherwise.
-  std::optional<Error> admit_locked(const format::Header& h, const ShardSet& s, uint64_t extra);
+  std::optional<Error> admit_locked(const format::Header& h, const layout::ShardSet& s,
+                                    uint64_t extra);
   Result<bool> is_backing(const Place& where) const;
   flush::Target target() const;
 

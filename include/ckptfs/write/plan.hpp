@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ckptfs/format/safetensors.hpp"
+#include "ckptfs/layout/shard_set.hpp"
 #include "ckptfs/util/result.hpp"
 
 namespace ckptfs::write {
@@ -55,26 +56,13 @@ struct Plan {
 // with the fewest bytes so far (ties: lowest rank).
 Result<Plan> plan(const format::Header& h, const PlanOptions& opts, std::string_view what);
 
-// One rank's shard file: its serialized header (8-byte length + JSON padded to 8).
-struct ShardLayout {
-  uint32_t rank = 0;
-  std::string header;
-  uint64_t data_size = 0;
-  [[nodiscard]] uint64_t file_size() const { return header.size() + data_size; }
-};
-
-struct ShardSet {
-  std::vector<ShardLayout> shards;  // one per rank, index = rank
-  // [tensor][chunk] -> absolute offset of the chunk's bytes in its rank's shard file.
-  std::vector<std::vector<uint64_t>> chunk_offset;
-};
-
 // Builds every rank's shard header: the rank's chunks as tensors (same names and dtypes, local
 // shapes) packed in the original file's data order, and __metadata__ with DCP_SHARDING_INFO
 // (saved_offsets and the full "shape"), "format": "pt", "DCP_VERSION": "1.0". A rank with
 // no chunks still gets a valid shard: no tensors and DCP_SHARDING_INFO "{}", so the shard set
 // of a file is always shard-00001..shard-{ranks} and a reader never mistakes a missing file
-// for an empty rank.
-Result<ShardSet> shard_headers(const format::Header& h, const Plan& p, std::string_view what);
+// for an empty rank. Each shard's header comes serialized and parsed (layout::ShardLayout).
+Result<layout::ShardSet> shard_headers(const format::Header& h, const Plan& p,
+                                       std::string_view what);
 
 }  // namespace ckptfs::write

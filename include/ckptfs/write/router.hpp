@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,7 +38,7 @@ class StreamRouter {
   // `header_bytes` is the file's first 8 + N bytes and `h` their parse; `p` and `s` the plan
   // and shard headers made from it. `sink` must outlive the router. `what` names the file.
   static Result<StreamRouter> create(std::string header_bytes, const format::Header& h,
-                                     const Plan& p, const ShardSet& s, ShardSink& sink,
+                                     const Plan& p, const layout::ShardSet& s, ShardSink& sink,
                                      std::string what);
 
   // Accepts the next bytes of the file; they must start exactly where the last write ended.
@@ -52,9 +53,13 @@ class StreamRouter {
   // inverse of write(), for readers of a file still open and for staging it whole.
   using ShardRead = std::function<Status(uint32_t rank, uint64_t off, char* dst, size_t n)>;
   Result<size_t> read(uint64_t off, size_t len, char* dst, const ShardRead& pread) const;
+  // The file's header, as written (8 + N bytes) and as parsed.
   [[nodiscard]] const std::string& header() const { return header_; }
-  // Each rank's shard header (8 + N bytes), in rank order.
-  [[nodiscard]] const std::vector<std::string>& shard_headers() const { return shard_headers_; }
+  [[nodiscard]] const std::shared_ptr<const format::Header>& parsed() const { return parsed_; }
+  // Each rank's shard header as parsed (the plan's, layout::ShardLayout::parsed), rank order.
+  [[nodiscard]] const std::vector<std::shared_ptr<const format::Header>>& shard_parsed() const {
+    return shard_parsed_;
+  }
 
   [[nodiscard]] bool complete() const { return pos_ == file_size_; }
   [[nodiscard]] bool failed() const { return failed_; }
@@ -73,7 +78,10 @@ class StreamRouter {
 
   std::string what_;
   std::string header_;  // the original 8 + N bytes, to check the writer sends them unchanged
+  std::shared_ptr<const format::Header> parsed_;  // header_ parsed; the geometry's too
+  // Each rank's shard header: the bytes until they are sent to the sink, then only the parse.
   std::vector<std::string> shard_headers_;
+  std::vector<std::shared_ptr<const format::Header>> shard_parsed_;
   // The one byte geometry (layout's): the file as the checkpoint its shards will read back as,
   // built from the plan's chunks and this header. Shard index = rank. Null: no tensors.
   std::shared_ptr<const layout::Checkpoint> geo_;
