@@ -64,14 +64,13 @@ void BuildPool::run() {
 
 // --- a build, claimed and run -------------------------------------------------------------
 
-Filesystem::Impl::BuildJob Filesystem::Impl::claim_locked(DirState& st, const std::string& rel,
-                                                          Ino dir_ino) {
+DirViews::BuildJob DirViews::claim_locked(DirState& st, const std::string& rel, Ino dir_ino) {
   st.building = true;
   return BuildJob{st.entries, st.sig, st.dst, st.settled, st.view, rel, dir_ino};
 }
 
-std::shared_ptr<const View> Filesystem::Impl::run_build(const std::shared_ptr<DirState>& st,
-                                                        const BuildJob& job, Resumes& resumes) {
+std::shared_ptr<const View> DirViews::run_build(const std::shared_ptr<DirState>& st,
+                                                const BuildJob& job, Resumes& resumes) {
   std::unique_lock lock(st->mu, std::defer_lock);
   // However the build ends, even by an exception, it ends: `building` is cleared, the waiters
   // are woken (they build again if nothing was installed) and the parked requests are handed
@@ -87,13 +86,13 @@ std::shared_ptr<const View> Filesystem::Impl::run_build(const std::shared_ptr<Di
       st.built.notify_all();
     }
   } end_build{*st, lock, resumes};
-  if (opts.on_build) opts.on_build(job.rel);  // a test's seam: it may block, or throw
+  if (d_.opts.on_build) d_.opts.on_build(job.rel);  // a test's seam: it may block, or throw
   std::shared_ptr<const View> v;
-  if (auto dirfd = open_beneath(root.get(), job.rel, O_RDONLY | O_DIRECTORY); dirfd) {
-    auto ck = source::load_checkpoint(dirfd->get(), job.entries, source_path(job.rel), headers,
-                                      opts.build);
-    status.builds.fetch_add(1, std::memory_order_relaxed);
-    if (!ck->valid()) status.refusals.fetch_add(1, std::memory_order_relaxed);
+  if (auto dirfd = open_beneath(d_.root, job.rel, O_RDONLY | O_DIRECTORY); dirfd) {
+    auto ck = source::load_checkpoint(dirfd->get(), job.entries, source_path(job.rel), d_.headers,
+                                      d_.opts.build);
+    d_.status.builds.fetch_add(1, std::memory_order_relaxed);
+    if (!ck->valid()) d_.status.refusals.fetch_add(1, std::memory_order_relaxed);
     log_build(job.rel, *ck);
     v = make_view(std::move(ck), job.rel, job.dst, job.sig, job.entries, job.settled);
   }
@@ -107,28 +106,29 @@ std::shared_ptr<const View> Filesystem::Impl::run_build(const std::shared_ptr<Di
   return v;
 }
 
-void Filesystem::Impl::resume(Resumes& resumes) {
+void DirViews::resume(Resumes& resumes) {
   for (auto& r : resumes) {
     // Off the calling thread where it is a FUSE worker (view_of's caller): each parked request
     // may wait in its turn (settle).
-    if (builders && builders->submit(r)) continue;
+    if (builders_ && builders_->submit(r)) continue;
     r();
   }
   resumes.clear();
 }
 
-bool Filesystem::Impl::when_ready(Ino dir_ino, std::string_view name,
-                                  const std::function<void()>& resume_fn) {
+bool DirViews::when_ready(Ino dir_ino, std::string_view name,
+                          const std::function<void()>& resume_fn) {
   start();
-  if (!builders) return true;
+  if (!builders_) return true;
   // Only consolidated names, config.json (which the view may supply or hide), the adapter folder
   // and listings need the current view (namespace.cpp).
   if (!name.empty() && !names::needs_view(name)) return true;
-  auto n = nodes.get(dir_ino);
+  auto n = d_.nodes.get(dir_ino);
   if (!n || n->kind != Kind::Dir) return true;
-  auto dst = stat_beneath(root.get(), n->rel);
+  auto dst = stat_beneath(d_.root, n->rel);
   if (!dst) return true;  // the request itself answers the error
-  auto st = nodes.dir_state(static_cast<uint64_t>(dst->st_dev), static_cast<uint64_t>(dst->st_ino));
+  auto st =
+      d_.nodes.dir_state(static_cast<uint64_t>(dst->st_dev), static_cast<uint64_t>(dst->st_ino));
   std::unique_lock lock(st->mu);
   if (st->building) {
     st->parked.push_back(resume_fn);
@@ -148,12 +148,12 @@ bool Filesystem::Impl::when_ready(Ino dir_ino, std::string_view name,
     }
     for (auto& r : resumes) r();  // on this builder thread: the view is current now
   };
-  if (!builders->submit(build)) build();  // stopping, or no thread: here, as before
+  if (!builders_->submit(build)) build();  // stopping, or no thread: here, as before
   return false;
 }
 
-void Filesystem::Impl::stop_builds() {
-  if (builders) builders->stop();
+void DirViews::stop_builds() {
+  if (builders_) builders_->stop();
 }
 
 }  // namespace ckptfs::fs

@@ -15,12 +15,25 @@
 
 namespace ckptfs::fs {
 
-std::shared_ptr<const View> Filesystem::Impl::make_view(
-    std::shared_ptr<const layout::Checkpoint> ck, const std::string& rel, const struct stat& dst,
-    const source::Signature& sig, const std::vector<source::DirEntry>& entries, bool settled) {
+// At the first directory check (view_of, when_ready), so after a daemon's fork: a thread
+// started before the fork does not exist in the daemon.
+void DirViews::start() {
+  std::call_once(started_, [this] {
+    const CloseWatch::Factory make =
+        d_.opts.close_watch ? d_.opts.close_watch : CloseWatch::Factory(inotify_close_watch);
+    watcher_ = make([this](uint64_t dev, uint64_t ino) { on_close(dev, ino); });
+    if (d_.opts.build_threads > 0) builders_ = std::make_unique<BuildPool>(d_.opts.build_threads);
+  });
+}
+
+std::shared_ptr<const View> DirViews::make_view(std::shared_ptr<const layout::Checkpoint> ck,
+                                                const std::string& rel, const struct stat& dst,
+                                                const source::Signature& sig,
+                                                const std::vector<source::DirEntry>& entries,
+                                                bool settled) {
   auto v = std::make_shared<View>();
   v->ckpt = std::move(ck);
-  v->generation = ++generations;
+  v->generation = ++generations_;
   v->mtime_ns = std::max(sig.newest_mtime_ns, mtime_ns(dst));
   v->complete = (settled || v->ckpt->all_written()) && v->ckpt->valid();
   v->settling = !v->complete && !settled;
@@ -66,11 +79,11 @@ std::shared_ptr<const View> Filesystem::Impl::make_view(
 // so a header read during the lookup of the checkpoint directory itself would stall every
 // path through it.) The FUSE adapter asks when_ready first, so that its workers neither build
 // nor wait: a builder thread does, and the request is parked on the directory meanwhile.
-std::shared_ptr<const View> Filesystem::Impl::view_of(const std::string& rel,
-                                                      const struct stat& dst, Ino dir_ino,
-                                                      Need need, int64_t* mtime_out) {
+std::shared_ptr<const View> DirViews::view_of(const std::string& rel, const struct stat& dst,
+                                              Ino dir_ino, Need need, int64_t* mtime_out) {
   start();
-  auto st = nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+  auto st =
+      d_.nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
   std::unique_lock lock(st->mu);
   if (need == Need::Current) st->built.wait(lock, [&] { return !st->building; });
   if (!st->building) check_locked(*st, rel, dst, dir_ino);
@@ -94,30 +107,32 @@ std::shared_ptr<const View> Filesystem::Impl::view_of(const std::string& rel,
 // The cheap phase of view_of, under the directory's lock: lists the directory when its TTL
 // has passed, records its inputs and settle state, and updates the view where no header
 // needs reading (no checkpoint any more, only the settle state changed, first sight).
-void Filesystem::Impl::check_locked(DirState& st, const std::string& rel, const struct stat& dst,
-                                    Ino dir_ino) {
-  auto now = clock->now();
+void DirViews::check_locked(DirState& st, const std::string& rel, const struct stat& dst,
+                            Ino dir_ino) {
+  auto now = d_.clock->now();
   if (st.checked && now < st.next_check) return;
   const bool first = !st.checked;
   st.checked = true;
-  st.next_check = now + opts.revalidate;
+  st.next_check = now + d_.opts.revalidate;
 
-  auto dirfd = open_beneath(root.get(), rel, O_RDONLY | O_DIRECTORY);
+  auto dirfd = open_beneath(d_.root, rel, O_RDONLY | O_DIRECTORY);
   if (!dirfd) return;  // vanished: open files keep their own views
   // Watched before it is listed: a shard closed after the listing is never missed.
-  if (first && watcher) {
-    watcher->watch(dirfd->get(), static_cast<uint64_t>(dst.st_dev),
-                   static_cast<uint64_t>(dst.st_ino));
+  if (first && watcher_) {
+    watcher_->watch(dirfd->get(), static_cast<uint64_t>(dst.st_dev),
+                    static_cast<uint64_t>(dst.st_ino));
   }
-  auto entries = source::list_checkpoint_dir(dirfd->get(), hidden_child(rel));
+  auto entries =
+      source::list_checkpoint_dir(dirfd->get(), names::hidden_child(d_.opts.hide_rel, rel));
   if (!entries) return;
-  if (!opts.read_only &&
+  if (!d_.opts.read_only &&
       std::any_of(entries->begin(), entries->end(), [](const source::DirEntry& e) {
         return names::is_state(e.name) && S_ISDIR(e.st.st_mode);
       })) {
     // What a crashed writer or daemon left: finish its commit, or drop its staging.
-    if (flusher->recover(flush::Target{dirfd->get(), source_path(rel)})) {
-      auto again = source::list_checkpoint_dir(dirfd->get(), hidden_child(rel));
+    if (d_.flusher.recover(flush::Target{dirfd->get(), source_path(rel)})) {
+      auto again =
+          source::list_checkpoint_dir(dirfd->get(), names::hidden_child(d_.opts.hide_rel, rel));
       if (!again) return;
       entries = std::move(again);
     }
@@ -165,10 +180,10 @@ void Filesystem::Impl::check_locked(DirState& st, const std::string& rel, const 
 // What a build found, in one line per checkpoint: a refusal names its first problems and
 // how many more there are (ckptfs inspect lists them all), then the source layer's notes.
 // A directory that keeps changing logs at most a few such lines a minute (logs).
-void Filesystem::Impl::log_build(const std::string& rel, const layout::Checkpoint& ck) {
+void DirViews::log_build(const std::string& rel, const layout::Checkpoint& ck) {
   constexpr size_t kShown = 4;
   if (!ck.valid()) {
-    if (auto v = logs.allow("refused:" + rel); v.log) {
+    if (auto v = logs_.allow("refused:" + rel); v.log) {
       std::string first;
       for (size_t i = 0; i < ck.problems.size() && i < kShown; ++i) {
         first += (i ? "; " : "") + ck.problems[i].to_string();
@@ -183,10 +198,10 @@ void Filesystem::Impl::log_build(const std::string& rel, const layout::Checkpoin
     }
   }
   for (const auto& note : ck.notes) {
-    if (auto v = logs.allow("note:" + rel); v.log) spdlog::warn("{}", note);
+    if (auto v = logs_.allow("note:" + rel); v.log) spdlog::warn("{}", note);
   }
   if (ck.unmapped_native()) {
-    if (auto v = logs.allow("unmapped:" + rel); v.log) {
+    if (auto v = logs_.allow("unmapped:" + rel); v.log) {
       spdlog::warn(
           "{}: served under its stored names, a trainer's own ('{}'), with no config.json: no "
           "model map fits ({}); give -o map=PATH (docs/maps.md) and, if it needs one, "
@@ -196,9 +211,9 @@ void Filesystem::Impl::log_build(const std::string& rel, const layout::Checkpoin
   }
 }
 
-void Filesystem::Impl::announce(const std::shared_ptr<const View>& old,
-                                const std::shared_ptr<const View>& now, const std::string& rel,
-                                Ino dir_ino) {
+void DirViews::announce(const std::shared_ptr<const View>& old,
+                        const std::shared_ptr<const View>& now, const std::string& rel,
+                        Ino dir_ino) {
   if (now->complete) {
     spdlog::info("{}: serving {} consolidated file(s), {} tensors", source_path(rel),
                  now->ckpt->outputs.size(), now->ckpt->tensors.size());
@@ -212,43 +227,43 @@ void Filesystem::Impl::announce(const std::shared_ptr<const View>& old,
 // which is not cached. Dropping them would even hurt: the build often runs in the lookup of
 // one of them, and an entry dropped right after that lookup takes the new inode and its page
 // cache with it once the file is closed.
-void Filesystem::Impl::changed(const std::shared_ptr<const View>& old,
-                               const std::shared_ptr<const View>& now, Ino dir_ino) {
-  if (!notifier || old == now) return;
+void DirViews::changed(const std::shared_ptr<const View>& old,
+                       const std::shared_ptr<const View>& now, Ino dir_ino) {
+  if (!notifier_ || old == now) return;
   if (old && old->complete) {
     for (const auto& o : old->ckpt->outputs) {
-      if (o.folder.empty()) notifier->inval_entry(dir_ino, o.name);
+      if (o.folder.empty()) notifier_->inval_entry(dir_ino, o.name);
     }
-    notifier->inval_entry(dir_ino, std::string(format::kIndexFileName));
-    if (old->ckpt->adapter) notifier->inval_entry(dir_ino, old->ckpt->adapter->dir);
-    if (!old->ckpt->config_json.empty()) notifier->inval_entry(dir_ino, std::string(kConfigName));
+    notifier_->inval_entry(dir_ino, std::string(format::kIndexFileName));
+    if (old->ckpt->adapter) notifier_->inval_entry(dir_ino, old->ckpt->adapter->dir);
+    if (!old->ckpt->config_json.empty()) notifier_->inval_entry(dir_ino, std::string(kConfigName));
   }
-  if (old && old->settling) notifier->inval_entry(dir_ino, std::string(names::kPending));
-  notifier->inval_inode(dir_ino);
+  if (old && old->settling) notifier_->inval_entry(dir_ino, std::string(names::kPending));
+  notifier_->inval_inode(dir_ino);
 }
 
 // A directory just became a checkpoint: real names the kernel may cache under it that the
 // view now hides (a real model.safetensors, a shard) must go, or they would stay reachable.
-void Filesystem::Impl::drop_hidden_kids(Ino dir_ino) {
-  if (!notifier) return;
+void DirViews::drop_hidden_kids(Ino dir_ino) {
+  if (!notifier_) return;
   std::vector<std::string> gone;
-  nodes.for_each_kid(dir_ino, [&](const std::string& name, const Node*) {
+  d_.nodes.for_each_kid(dir_ino, [&](const std::string& name, const Node*) {
     if (names::hidden_in_checkpoint(name)) gone.push_back(name);
   });
-  for (const auto& name : gone) notifier->inval_entry(dir_ino, name);
+  for (const auto& name : gone) notifier_->inval_entry(dir_ino, name);
 }
 
-void Filesystem::Impl::invalidate_all() {
-  for (auto& s : nodes.dirs()) {
+void DirViews::invalidate_all() {
+  for (auto& s : d_.nodes.dirs()) {
     std::lock_guard lock(s->mu);
-    s->next_check = clock->now();
+    s->next_check = d_.clock->now();
   }
 }
 
-void Filesystem::Impl::recheck(uint64_t dev, uint64_t ino) {
-  auto st = nodes.dir_state(dev, ino);
+void DirViews::recheck(uint64_t dev, uint64_t ino) {
+  auto st = d_.nodes.dir_state(dev, ino);
   std::lock_guard lock(st->mu);
-  st->next_check = clock->now();
+  st->next_check = d_.clock->now();
 }
 
 }  // namespace ckptfs::fs

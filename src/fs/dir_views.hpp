@@ -1,5 +1,8 @@
-// fs/dir_views: a checkpoint directory's versions (View), the shard fds a View's open files hold,
-// and the per-directory state a View is revalidated from (DirState).
+// fs/dir_views: the checkpoint directories' views as a component (DirViews: each directory
+// checked when its TTL passes, built off the FUSE workers' path when its inputs change, settle
+// timed, announced to the kernel), and what it hands out: a directory's versions (View), the
+// shard fds a View's open files hold, and the per-directory state a View is revalidated from
+// (DirState). Implemented in dir_views.cpp, builds.cpp (builds) and liveness.cpp (settle).
 #pragma once
 
 #include <sys/stat.h>
@@ -12,8 +15,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "builds.hpp"
 #include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/fs/access.hpp"
 #include "ckptfs/fs/seams.hpp"
@@ -21,6 +26,10 @@
 #include "ckptfs/layout/checkpoint.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/log_limit.hpp"
+#include "node_table.hpp"
+#include "status.hpp"
+#include "write_registry.hpp"
 
 namespace ckptfs::fs {
 
@@ -115,6 +124,102 @@ struct DirState {
   // What `view` was built from; empty for the placeholder shown until a reader needs the
   // model (a checkpoint always has at least one shard, so a real view's is never empty).
   source::Signature view_sig;
+};
+
+// The views of SRC's checkpoint directories: the component the rest of fs/ asks for a View. It
+// owns the close watch and the builder threads (made at the first check, so after a daemon's
+// fork) and keeps each directory's DirState in the NodeTable it is given.
+class DirViews {
+ public:
+  // What views are made from: owned by the Filesystem, and outliving this.
+  struct Deps {
+    const Options& opts;
+    std::string source;  // SRC's path, for messages
+    int root = -1;       // SRC, open
+    std::shared_ptr<const Clock> clock;
+    NodeTable& nodes;              // each directory's DirState, and the kernel's names
+    source::HeaderCache& headers;  // the shard headers builds read through
+    flush::Flusher& flusher;       // recovers what a crashed writer left in a directory
+    WriteRegistry& writes;         // evidence that a directory's changes were this daemon's
+    StatusFile& status;            // build and refusal counts
+  };
+  explicit DirViews(Deps d) : d_(std::move(d)) {}
+  DirViews(const DirViews&) = delete;
+  DirViews& operator=(const DirViews&) = delete;
+  // Set before the mount serves requests (null: no kernel to tell).
+  void set_notifier(Notifier* n) { notifier_ = n; }
+
+  // The view of directory `rel` (stat `dst`, FUSE inode `dir_ino`); null when it is no
+  // checkpoint. `need`: see Need. `mtime_out`, when given, receives the directory's shown mtime.
+  std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst, Ino dir_ino,
+                                      Need need, int64_t* mtime_out = nullptr);
+  // A consolidated name looked up while `v` settles: waits, at most the settle time, until it
+  // is shown or stops settling (woken early by a writer's close).
+  std::shared_ptr<const View> wait_settled(const Node& dir, std::shared_ptr<const View> v);
+  // Filesystem::when_ready (filesystem.hpp): whether a request for `name` in `dir_ino` can run
+  // now; if not, it is parked and `resume_fn` runs once the directory's build has ended.
+  bool when_ready(Ino dir_ino, std::string_view name, const std::function<void()>& resume_fn);
+  // Directory (dev, ino) is checked again on its next access.
+  void recheck(uint64_t dev, uint64_t ino);
+  void force_revalidate(const View& v) { recheck(v.dir_dev, v.dir_ino); }
+  // Every directory is checked again on its next access.
+  void invalidate_all();
+  void stop_builds();
+
+ private:
+  // --- dir_views.cpp: a directory checked, its View made and announced ----------------------
+  void start();
+  void check_locked(DirState& st, const std::string& rel, const struct stat& dst, Ino dir_ino);
+  std::shared_ptr<const View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
+                                        const std::string& rel, const struct stat& dst,
+                                        const source::Signature& sig,
+                                        const std::vector<source::DirEntry>& entries, bool settled);
+  void log_build(const std::string& rel, const layout::Checkpoint& ck);
+  void announce(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
+                const std::string& rel, Ino dir_ino);
+  void changed(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
+               Ino dir_ino);
+  void drop_hidden_kids(Ino dir_ino);
+  std::string source_path(const std::string& rel) const {
+    return rel.empty() ? d_.source : d_.source + "/" + rel;
+  }
+
+  // --- builds.cpp: builds off the FUSE workers' path ----------------------------------------
+  // What one build reads, taken under the directory's lock when it is claimed.
+  struct BuildJob {
+    std::vector<source::DirEntry> entries;
+    source::Signature sig;
+    struct stat dst {};
+    bool settled = false;
+    std::shared_ptr<const View> old;
+    std::string rel;
+    Ino dir_ino = 0;
+  };
+  using Resumes = std::vector<std::function<void()>>;
+  // Under st.mu, with st.needs_build and no build running: sets `building`.
+  BuildJob claim_locked(DirState& st, const std::string& rel, Ino dir_ino);
+  // Builds the claimed view with no lock held, installs it and ends the build, however it
+  // ends (an exception too): `resumes` then holds the requests parked on the directory.
+  std::shared_ptr<const View> run_build(const std::shared_ptr<DirState>& st, const BuildJob& job,
+                                        Resumes& resumes);
+  // Runs parked requests on the builder threads (here, without them).
+  void resume(Resumes& resumes);
+
+  // --- liveness.cpp: when a checkpoint has settled -------------------------------------------
+  void time_settle(DirState& st, const std::string& rel, const struct stat& dst,
+                   const source::Signature& sig, bool fresh, Clock::TimePoint now);
+  bool at_rest(const DirState& st, uint64_t dev, uint64_t ino, const source::Signature& sig) const;
+  std::string pending_text(const layout::Checkpoint& ck, const std::string& dir) const;
+  void on_close(uint64_t dev, uint64_t ino);
+
+  Deps d_;
+  Notifier* notifier_ = nullptr;
+  LogLimiter logs_;                       // repeated lines about one directory
+  std::atomic<uint64_t> generations_{0};  // View numbers, unique for the life of the mount
+  std::once_flag started_;                // start(): the watch and the builders, made once
+  // Last: destroyed first, so their threads never call into a half-destroyed DirViews.
+  std::unique_ptr<CloseWatch> watcher_;
+  std::unique_ptr<BuildPool> builders_;  // null: builds run on their caller (build_threads 0)
 };
 
 }  // namespace ckptfs::fs

@@ -19,12 +19,17 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
       source(std::move(source_dir)),
       root(std::move(root_fd)),
       clock(opts.clock ? opts.clock : system_clock()),
+      flusher(opts.flusher ? opts.flusher
+                           : std::shared_ptr<flush::Flusher>(flush::make_local_flusher())),
       writes(clock),
       status(clock->realtime_ns()),
-      checks(headers, opts.build, [this](uint64_t dev, uint64_t ino) {
-        auto w = writes.find(dev, ino);
-        return w && w->writers.load() > 0;
-      }) {
+      checks(headers, opts.build,
+             [this](uint64_t dev, uint64_t ino) {
+               auto w = writes.find(dev, ino);
+               return w && w->writers.load() > 0;
+             }),
+      views(DirViews::Deps{opts, source, root.get(), clock, nodes, headers, *flusher, writes,
+                           status}) {
   struct rlimit rl {};
   ::getrlimit(RLIMIT_NOFILE, &rl);
   const int64_t limit =
@@ -32,8 +37,6 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
   // A quarter of the limit (16..256) stays free for FUSE channels, logs, plain files and the
   // one shard at a time a header scan opens; the rest may be held by open consolidated files.
   fd_budget = limit - std::clamp<int64_t>(limit / 4, 16, 256);
-  flusher =
-      opts.flusher ? opts.flusher : std::shared_ptr<flush::Flusher>(flush::make_local_flusher());
   budget = std::make_unique<write::MemoryBudget>(opts.write_memory);
   writers = std::make_unique<WriterViews>(
       opts.writer_view, [c = clock] { return c->now(); }, &WriterViews::process_of_tid);
@@ -49,18 +52,6 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
   nodes.set_root(std::move(r));
 }
 
-// The threads start at the first directory check, not at creation: a mount daemonizes (forks)
-// after making its Filesystem, and a thread started before the fork does not exist in the
-// daemon (its close evidence and builds would never come).
-void Filesystem::Impl::start() {
-  std::call_once(started, [this] {
-    const CloseWatch::Factory make =
-        opts.close_watch ? opts.close_watch : CloseWatch::Factory(inotify_close_watch);
-    watcher = make([this](uint64_t dev, uint64_t ino) { on_close(dev, ino); });
-    if (opts.build_threads > 0) builders = std::make_unique<BuildPool>(opts.build_threads);
-  });
-}
-
 Filesystem::Filesystem(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Filesystem::~Filesystem() = default;
 
@@ -74,14 +65,17 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
   return std::unique_ptr<Filesystem>(new Filesystem(std::move(impl)));
 }
 
-void Filesystem::set_notifier(Notifier* n) { impl_->notifier = n; }
+void Filesystem::set_notifier(Notifier* n) {
+  impl_->notifier = n;
+  impl_->views.set_notifier(n);
+}
 
 // --- builds.cpp ---------------------------------------------------------------------------
 
 bool Filesystem::when_ready(Ino dir, std::string_view name, const std::function<void()>& resume) {
-  return impl_->when_ready(dir, name, resume);
+  return impl_->views.when_ready(dir, name, resume);
 }
-void Filesystem::stop_builds() { impl_->stop_builds(); }
+void Filesystem::stop_builds() { impl_->views.stop_builds(); }
 
 // --- namespace.cpp ------------------------------------------------------------------------
 
@@ -184,6 +178,6 @@ std::string Filesystem::status_json() const { return impl_->status_json(); }
 void Filesystem::set_status_extra(StatusExtra extra) { impl_->status.set_extra(std::move(extra)); }
 void Filesystem::note_error(int err) { impl_->status.note_error(err); }
 
-void Filesystem::invalidate_all() { impl_->invalidate_all(); }
+void Filesystem::invalidate_all() { impl_->views.invalidate_all(); }
 
 }  // namespace ckptfs::fs

@@ -33,6 +33,7 @@
 #include "dir_views.hpp"
 #include "handles.hpp"
 #include "io_modes.hpp"
+#include "names.hpp"
 #include "node_table.hpp"
 #include "status.hpp"
 #include "write_registry.hpp"
@@ -64,10 +65,6 @@ inline std::string parent_of(std::string_view rel) { return std::string(split_re
 struct Filesystem::Impl {
   // `root`: the source directory, open.
   Impl(Options o, std::string source_dir, UniqueFd root_fd, const struct stat& root_st);
-  // Makes the close watch, whose thread calls back into this Impl, and the builder threads,
-  // once: at the first directory check (view_of, when_ready), so after a daemon's fork.
-  void start();
-  std::once_flag started;
 
   // --- set at creation, constant after -------------------------------------------------------
   Options opts;
@@ -93,23 +90,18 @@ struct Filesystem::Impl {
   // header cache and build options, and `writes` for files open for writing.
   write::StoreChecks checks;
   std::atomic<int64_t> open_shard_fds{0};
-  std::atomic<uint64_t> generations{0};  // View numbers, unique for the life of the mount
-  LogLimiter logs;                       // repeated lines about one directory
   std::unique_ptr<WriterViews> writers;  // who sees which directory as written
-  // Last: destroyed first, so their threads never call into a half-destroyed Impl.
-  std::unique_ptr<CloseWatch> watcher;
-  std::unique_ptr<BuildPool> builders;  // null: builds run on their caller (build_threads 0)
+  // The checkpoint directories' views (dir_views.hpp). Last: destroyed first, so the threads
+  // it owns (the close watch, the builders) never call into a half-destroyed Impl.
+  DirViews views;
 
   std::string source_path(const std::string& rel) const {
     return rel.empty() ? source : source + "/" + rel;
   }
 
-  // --- namespace.cpp: lookup, listing, attributes ---------------------------------------------
+  // --- namespace.cpp: lookup, listing --------------------------------------------------------
   Result<EntryOut> lookup(Ino parent, std::string_view name, const Caller& who);
   void forget(Ino ino, uint64_t n);
-  Result<struct stat> getattr(Ino ino);
-  Result<struct stat> getattr_handle(uint64_t fh);
-  Result<std::string> readlink(Ino ino);
   Result<uint64_t> opendir(Ino ino, const Caller& who);
   Status readdir(uint64_t dh, uint64_t offset,
                  const std::function<bool(const DirEntryOut&, uint64_t)>& add);
@@ -132,15 +124,22 @@ struct Filesystem::Impl {
   Result<std::vector<DirEntryOut>> list(const Node& dir, const Caller& who = {});
   void drop_vanished(const Node& dir, const std::vector<source::DirEntry>& entries);
   // The name in directory `rel` that must never be stat'ed (see Options::hide_rel).
-  std::string_view hidden_child(const std::string& rel) const;
+  std::string_view hidden_child(const std::string& rel) const {
+    return names::hidden_child(opts.hide_rel, rel);
+  }
 
+  uint64_t dir_ino_shown(const Node& n) const;
+
+  // --- attributes.cpp: what stat says of a node -----------------------------------------------
+  Result<struct stat> getattr(Ino ino);
+  Result<struct stat> getattr_handle(uint64_t fh);
+  Result<std::string> readlink(Ino ino);
   Result<struct stat> real_attr(const Node& n);
   std::optional<struct stat> by_other_link(const Node& n);
   std::optional<struct stat> by_open_handle(const Node& n);
   void decorate_real(Ino ino, const std::string& rel, struct stat& st);
   struct stat virtual_attr(const Node& n) const;
   static void written_attr(const Node& n, struct stat& st);
-  uint64_t dir_ino_shown(const Node& n) const;
 
   // The writer's view (fs/writers.hpp).
   WriterViews::DirId dir_id(const Node& dir);
@@ -149,55 +148,7 @@ struct Filesystem::Impl {
   void note_writer_of(Ino ino, const Caller& who);
   bool sees_written(const Node& dir, const Caller& who);
 
-  // --- dir_views.cpp: a directory's View, built and revalidated --------------------------------
-  std::shared_ptr<const View> view_of(const std::string& rel, const struct stat& dst, Ino dir_ino,
-                                      Need need, int64_t* mtime_out = nullptr);
-  void check_locked(DirState& st, const std::string& rel, const struct stat& dst, Ino dir_ino);
-  std::shared_ptr<const View> make_view(std::shared_ptr<const layout::Checkpoint> ck,
-                                        const std::string& rel, const struct stat& dst,
-                                        const source::Signature& sig,
-                                        const std::vector<source::DirEntry>& entries, bool settled);
-  void log_build(const std::string& rel, const layout::Checkpoint& ck);
-  void announce(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
-                const std::string& rel, Ino dir_ino);
-  void changed(const std::shared_ptr<const View>& old, const std::shared_ptr<const View>& now,
-               Ino dir_ino);
-  void drop_hidden_kids(Ino dir_ino);
-  // Directory (dev, ino) is checked again on its next access.
-  void recheck(uint64_t dev, uint64_t ino);
-  void force_revalidate(const View& v) { recheck(v.dir_dev, v.dir_ino); }
-  void invalidate_all();
-
-  // --- builds.cpp: builds off the FUSE workers' path ------------------------------------------
-  // What one build reads, taken under the directory's lock when it is claimed.
-  struct BuildJob {
-    std::vector<source::DirEntry> entries;
-    source::Signature sig;
-    struct stat dst {};
-    bool settled = false;
-    std::shared_ptr<const View> old;
-    std::string rel;
-    Ino dir_ino = 0;
-  };
-  using Resumes = std::vector<std::function<void()>>;
-  // Under st.mu, with st.needs_build and no build running: sets `building`.
-  BuildJob claim_locked(DirState& st, const std::string& rel, Ino dir_ino);
-  // Builds the claimed view with no lock held, installs it and ends the build, however it
-  // ends (an exception too): `resumes` then holds the requests parked on the directory.
-  std::shared_ptr<const View> run_build(const std::shared_ptr<DirState>& st, const BuildJob& job,
-                                        Resumes& resumes);
-  // Runs parked requests on the builder threads (here, without them).
-  void resume(Resumes& resumes);
-  bool when_ready(Ino dir_ino, std::string_view name, const std::function<void()>& resume_fn);
-  void stop_builds();
-
-  // --- liveness.cpp: when a checkpoint has settled, and waiting for it -------------------------
-  void time_settle(DirState& st, const std::string& rel, const struct stat& dst,
-                   const source::Signature& sig, bool fresh, Clock::TimePoint now);
-  bool at_rest(const DirState& st, uint64_t dev, uint64_t ino, const source::Signature& sig) const;
-  std::string pending_text(const layout::Checkpoint& ck, const std::string& dir) const;
-  void on_close(uint64_t dev, uint64_t ino);
-  std::shared_ptr<const View> wait_settled(const Node& dir, std::shared_ptr<const View> v);
+  // A directory's View, checked, built and settled: `views` (dir_views.hpp).
 
   // --- open.cpp: opening files for reading, and reads --------------------------------------
   Result<OpenOut> open(Ino ino, int flags, const Caller& who);

@@ -88,7 +88,7 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
       return errno_error(fmt::format("{}: {}", where, sh.name));
     }
   }
-  force_revalidate(*n.view);
+  views.force_revalidate(*n.view);
   // What the next version shows, from the shards as they are now (another change made since
   // the view was built, a chmod before this utimens, is theirs too).
   struct stat st = virtual_attr(n);
@@ -124,7 +124,7 @@ std::vector<Perm> Filesystem::Impl::output_perms(const View& v, const layout::Ou
 
 auto Filesystem::Impl::shown_output(const DirRef& d, std::string_view name) -> Shown {
   if (!is_model_output_name(name)) return {};
-  auto v = view_of(d.node.rel, d.st, d.node.ino, Need::Current);
+  auto v = views.view_of(d.node.rel, d.st, d.node.ino, Need::Current);
   if (!v || !v->complete) return {};
   if (const auto* o = v->ckpt->find_output(name)) return {v, o};
   if (name == format::kIndexFileName && !v->ckpt->written && !v->ckpt->index_json.empty()) {
@@ -298,7 +298,7 @@ Result<EntryOut> Filesystem::Impl::link(Ino ino, Ino new_parent, std::string_vie
   if (shown_virtual(d, new_name)) {
     return make_error(EEXIST, "{}: exists", join_rel(d.node.rel, new_name));
   }
-  if (is_model_output_name(new_name) && view_of(d.node.rel, d.st, d.node.ino, Need::Any)) {
+  if (is_model_output_name(new_name) && views.view_of(d.node.rel, d.st, d.node.ino, Need::Any)) {
     return make_error(EPERM,
                       "{}: a model name in a checkpoint directory shows its consolidated "
                       "file; link under another name",
@@ -343,7 +343,7 @@ Status Filesystem::Impl::unlink(Ino parent, std::string_view name, const Caller&
   }
   writes.touched(d.dev, d.ino);
   note_writer(d.node, who);
-  recheck(d.dev, d.ino);
+  views.recheck(d.dev, d.ino);
   return {};
 }
 

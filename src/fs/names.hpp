@@ -60,4 +60,17 @@ inline bool never_lifted(std::string_view n) {
   return is_mapping_file(n) || hidden_in_checkpoint(n) || n == kShardsDirName;
 }
 
+// The name in directory `rel` (relative to SRC) that must never be stat'ed: the last component
+// of `hide_rel` (Options::hide_rel, the mount point inside SRC) when `rel` is its directory.
+inline std::string_view hidden_child(std::string_view hide_rel, std::string_view rel) {
+  if (hide_rel.empty()) return {};
+  if (rel.empty())
+    return hide_rel.find('/') == std::string_view::npos ? hide_rel : std::string_view();
+  if (hide_rel.size() > rel.size() + 1 && hide_rel.starts_with(rel) &&
+      hide_rel[rel.size()] == '/' && hide_rel.find('/', rel.size() + 1) == std::string_view::npos) {
+    return hide_rel.substr(rel.size() + 1);
+  }
+  return {};
+}
+
 }  // namespace ckptfs::fs::names

@@ -91,7 +91,7 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
     case Kind::Output: {
       auto fds = open_view_shards(n->view, n->rel);
       if (!fds) {
-        force_revalidate(*n->view);
+        views.force_revalidate(*n->view);
         return std::move(fds).error();
       }
       h->reader = std::make_shared<OutputReader>(n->view, *fds, n->output);

@@ -120,8 +120,8 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
   writes.touched(to.dev, to.ino);
   note_writer(from.node, who);
   note_writer(to.node, who);
-  recheck(from.dev, from.ino);
-  recheck(to.dev, to.ino);
+  views.recheck(from.dev, from.ino);
+  views.recheck(to.dev, to.ino);
   if (!format::parse_model_name(new_name)) return {};
   // A file renamed onto a model name: one being written is stored when it is closed; a closed
   // one is stored now. Either way it replaces the version shown under that name.
