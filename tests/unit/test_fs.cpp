@@ -18,6 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../../src/fs/dir_views.hpp"
+#include "ckptfs/flush/flusher.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/fs/filesystem.hpp"
 #include "ckptfs/fs/writers.hpp"
@@ -1332,4 +1334,62 @@ TEST(Fs, AShardRewrittenInPlaceUnderAnOpenFileIsAnErrorNeverAMix) {
   // The new version opens and reads.
   fs::Ino v2 = t.walk({"run", "step_1", "model", "model-00001-of-00001.safetensors"});
   EXPECT_NE(read_all(*t.f, v2).find(std::string(16, 'z' + 1)), std::string::npos);
+}
+
+// DirViews is a component: made from its Deps alone (no Filesystem), it hands out a directory's
+// View, keeps it until told to check again, and tells its Notifier what changed.
+TEST(DirViews, AComponentMadeFromItsDepsAlone) {
+  test::TempDir src;
+  stdfs::create_directories(src.path() + "/ck");
+  stdfs::create_directories(src.path() + "/plain");
+  write_ckpt(src.path() + "/ck", 'a');
+  auto clock = std::make_shared<fs::ManualClock>();
+  fs::Options o;
+  o.clock = clock;
+  o.settle = std::chrono::milliseconds(0);
+  o.revalidate = std::chrono::hours(1);
+  // No close watch: a writer's close would make the directory look again (its own test above).
+  o.close_watch = [](fs::CloseWatch::OnClose) { return std::unique_ptr<fs::CloseWatch>(); };
+  UniqueFd root(::open(src.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_GE(root.get(), 0);
+  fs::NodeTable nodes;
+  source::HeaderCache headers;
+  auto flusher = flush::make_local_flusher();
+  fs::WriteRegistry writes(clock);
+  fs::StatusFile status(clock->realtime_ns());
+  fs::DirViews views(fs::DirViews::Deps{o, src.path(), root.get(), clock, nodes, headers, *flusher,
+                                        writes, status});
+  Recorder rec;
+  views.set_notifier(&rec);
+  const fs::Ino ino = 7;
+  struct stat dst {};
+  ASSERT_EQ(::stat((src.path() + "/ck").c_str(), &dst), 0);
+  // Need::Any reads no header: a placeholder that shows nothing consolidated.
+  auto any = views.view_of("ck", dst, ino, fs::Need::Any);
+  ASSERT_NE(any, nullptr);
+  EXPECT_FALSE(any->complete);
+  EXPECT_EQ(status.builds.load(), 0u);
+  auto v = views.view_of("ck", dst, ino, fs::Need::Current);
+  ASSERT_NE(v, nullptr);
+  EXPECT_TRUE(v->complete);
+  ASSERT_EQ(v->ckpt->outputs.size(), 1u);
+  EXPECT_EQ(status.builds.load(), 1u);
+  // Rewritten: the same View until it is told to check again.
+  write_ckpt(src.path() + "/ck", 'b', /*atomic=*/true);
+  EXPECT_EQ(views.view_of("ck", dst, ino, fs::Need::Current), v);
+  rec.entries.clear();
+  rec.inodes.clear();
+  views.recheck(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+  auto v2 = views.view_of("ck", dst, ino, fs::Need::Current);
+  ASSERT_NE(v2, nullptr);
+  EXPECT_NE(v2, v);
+  EXPECT_GT(v2->generation, v->generation);
+  EXPECT_EQ(status.builds.load(), 2u);
+  // The kernel drops the directory's attributes and the names of the version it replaced.
+  EXPECT_EQ(rec.inodes.count(ino), 1u);
+  EXPECT_EQ(rec.entries.count({ino, "model-00001-of-00001.safetensors"}), 1u);
+  // A plain directory has no view.
+  struct stat pst {};
+  ASSERT_EQ(::stat((src.path() + "/plain").c_str(), &pst), 0);
+  EXPECT_EQ(views.view_of("plain", pst, 8, fs::Need::Current), nullptr);
 }
