@@ -65,7 +65,9 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < 5; ++rep) {
     Null sink;
     auto t0 = std::chrono::steady_clock::now();
-    auto r = write::StreamRouter::create(hb, h, p, s, sink, "m").value();
+    auto r =
+        write::StreamRouter::create(hb, std::make_shared<const format::Header>(h), p, s, sink, "m")
+            .value();
     auto t1 = std::chrono::steady_clock::now();
     uint64_t off = 0;
     const uint64_t size = hb.size() + pos;

@@ -24,10 +24,7 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
       writes(clock),
       status(clock->realtime_ns()),
       checks(headers, opts.build,
-             [this](uint64_t dev, uint64_t ino) {
-               auto w = writes.find(dev, ino);
-               return w && w->writers.load() > 0;
-             }),
+             [this](uint64_t dev, uint64_t ino) { return writes.being_written(dev, ino); }),
       views(DirViews::Deps{opts, source, root.get(), clock, nodes, headers, *flusher, writes,
                            status}) {
   struct rlimit rl {};

@@ -56,9 +56,8 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
     if (ns.others) {
       Status why = make_error(EINVAL, "{}: not a regular file", o);
       if (S_ISREG(src_st.st_mode)) {
-        auto open =
-            writes.find(static_cast<uint64_t>(src_st.st_dev), static_cast<uint64_t>(src_st.st_ino));
-        if (open && open->writers.load() > 0) {
+        if (writes.being_written(static_cast<uint64_t>(src_st.st_dev),
+                                 static_cast<uint64_t>(src_st.st_ino))) {
           why = {};
         } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); !fd) {
           why = std::move(fd).error();

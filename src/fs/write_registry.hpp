@@ -27,6 +27,11 @@ class WriteRegistry {
 
   // The state of the file (dev, ino) while some handle has it open for writing.
   std::shared_ptr<write::WriteFile> find(uint64_t dev, uint64_t ino);
+  // Whether a handle has file (dev, ino) open for writing now.
+  [[nodiscard]] bool being_written(uint64_t dev, uint64_t ino) {
+    auto w = find(dev, ino);
+    return w && w->writers.load() > 0;
+  }
   // Registers `wf` as the state of file `key`, opened in directory `dir`; returns the state
   // registered meanwhile by another opener (still linked) if any, else `wf`.
   std::shared_ptr<write::WriteFile> add(DevIno key, std::shared_ptr<write::WriteFile> wf,

@@ -215,7 +215,7 @@ Status WriteFile::decide_locked() {
     case Kind::NeedMore:
       return {};
     case Kind::Consolidated:
-      return enter_routed_locked(*s.header);
+      return enter_routed_locked(std::make_shared<const format::Header>(std::move(*s.header)));
     case Kind::RankShard:
     case Kind::Other:
       return to_plain_locked(true);
@@ -223,7 +223,8 @@ Status WriteFile::decide_locked() {
   return {};
 }
 
-Status WriteFile::enter_routed_locked(const format::Header& h) {
+Status WriteFile::enter_routed_locked(std::shared_ptr<const format::Header> hp) {
+  const format::Header& h = *hp;
   auto p = plan(h, plan_opts_, what_);
   auto s = p ? shard_headers(h, *p, what_) : Result<layout::ShardSet>(p.error());
   if (!s) {
@@ -244,7 +245,7 @@ Status WriteFile::enter_routed_locked(const format::Header& h) {
   }
   tx_ = std::move(tx).value();
   ranks_ = static_cast<uint32_t>(s->shards.size());
-  auto r = StreamRouter::create(prefix_.substr(0, h.data_start()), h, *p, *s, *tx_, what_);
+  auto r = StreamRouter::create(prefix_.substr(0, h.data_start()), hp, *p, *s, *tx_, what_);
   if (!r) return fail_locked(std::move(r).error());
   router_.emplace(std::move(r).value());
   auto fed = router_->write(0, prefix_);
@@ -614,18 +615,19 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   Sniffed s = sniff(prefix, size, what_);
   if (s.kind == Kind::RankShard) return whole(EINVAL, "a rank shard (it has DCP_SHARDING_INFO)");
   if (s.kind != Kind::Consolidated) return whole(EINVAL, s.why);
-  auto p = plan(*s.header, plan_opts_, what_);
-  auto set = p ? shard_headers(*s.header, *p, what_) : Result<layout::ShardSet>(p.error());
+  // One parse, shared by the check and the router.
+  const auto parsed = std::make_shared<const format::Header>(std::move(*s.header));
+  auto p = plan(*parsed, plan_opts_, what_);
+  auto set = p ? shard_headers(*parsed, *p, what_) : Result<layout::ShardSet>(p.error());
   if (!set) {
     whole_ = set.error();
     return {};
   }
-  if (auto no = admit_locked(*s.header, *set, 0)) {
+  if (auto no = admit_locked(*parsed, *set, 0)) {
     whole_ = std::move(no);
     return {};
   }
   if (rules.validate) {
-    const auto parsed = std::make_shared<const format::Header>(*s.header);
     std::vector<std::shared_ptr<const format::Header>> shards;
     for (const auto& sh : set->shards) shards.push_back(sh.parsed);
     if (auto st = rules.validate(where.name, Prospect{prefix, parsed, shards}); !st) {
@@ -641,7 +643,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
     whole_ = std::move(tx).error();
     return {};
   }
-  CKPTFS_TRY(auto r, StreamRouter::create(prefix, *s.header, *p, *set, **tx, what_));
+  CKPTFS_TRY(auto r, StreamRouter::create(prefix, parsed, *p, *set, **tx, what_));
   std::string buf(kCopyChunk, '\0');
   for (uint64_t x = 0; x < size; x += kCopyChunk) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(kCopyChunk, size - x));

@@ -10,9 +10,12 @@
 
 namespace ckptfs::write {
 
-Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format::Header& h,
-                                          const Plan& p, const layout::ShardSet& s, ShardSink& sink,
+Result<StreamRouter> StreamRouter::create(std::string header_bytes,
+                                          std::shared_ptr<const format::Header> hp, const Plan& p,
+                                          const layout::ShardSet& s, ShardSink& sink,
                                           std::string what) {
+  if (!hp) return make_error(EINVAL, "{}: no header", what);
+  const format::Header& h = *hp;
   if (header_bytes.size() != h.data_start()) {
     return make_error(EINVAL, "{}: {} header bytes given for a header of {}", what,
                       header_bytes.size(), h.data_start());
@@ -26,7 +29,7 @@ Result<StreamRouter> StreamRouter::create(std::string header_bytes, const format
   r.header_ = std::move(header_bytes);
   r.sink_ = &sink;
   r.file_size_ = h.file_size();
-  r.parsed_ = std::make_shared<const format::Header>(h);
+  r.parsed_ = std::move(hp);
   for (const auto& sh : s.shards) {
     r.shard_headers_.push_back(sh.header);
     r.shard_parsed_.push_back(sh.parsed);

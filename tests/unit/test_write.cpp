@@ -108,8 +108,9 @@ std::unique_ptr<Routed> route(const Consolidated& c, const PlanOptions& opts,
   auto s = shard_headers(c.header, r->plan, "model.safetensors");
   EXPECT_TRUE(s.ok()) << s.error().message;
   r->shards = std::move(s).value();
-  auto router = StreamRouter::create(c.header_bytes, c.header, r->plan, r->shards, r->sink,
-                                     "model.safetensors");
+  auto router =
+      StreamRouter::create(c.header_bytes, std::make_shared<const format::Header>(c.header),
+                           r->plan, r->shards, r->sink, "model.safetensors");
   EXPECT_TRUE(router.ok()) << router.error().message;
   uint64_t off = 0;
   size_t i = 0;
@@ -475,8 +476,10 @@ TEST(Router, RejectsOutOfOrderWrites) {
   const std::string_view b = c.bytes;
   const uint64_t hs = c.header_bytes.size();
   auto make = [&](MemSink& sink) {
-    return std::move(
-        StreamRouter::create(c.header_bytes, c.header, *p, *s, sink, "model.tmp").value());
+    return std::move(StreamRouter::create(c.header_bytes,
+                                          std::make_shared<const format::Header>(c.header), *p, *s,
+                                          sink, "model.tmp")
+                         .value());
   };
   {
     MemSink sink;
@@ -519,7 +522,8 @@ TEST(Router, RejectsOutOfOrderWrites) {
   }
   {
     FailingSink sink;
-    auto r = StreamRouter::create(c.header_bytes, c.header, *p, *s, sink, "model.tmp");
+    auto r = StreamRouter::create(c.header_bytes, std::make_shared<const format::Header>(c.header),
+                                  *p, *s, sink, "model.tmp");
     ASSERT_TRUE(r.ok());
     auto st = r->write(0, b);
     ASSERT_FALSE(st.ok());
@@ -527,7 +531,10 @@ TEST(Router, RejectsOutOfOrderWrites) {
   }
   // A header that does not belong to the plan is refused at construction.
   MemSink sink;
-  EXPECT_FALSE(StreamRouter::create(c.header_bytes.substr(1), c.header, *p, *s, sink, "m").ok());
+  EXPECT_FALSE(StreamRouter::create(c.header_bytes.substr(1),
+                                    std::make_shared<const format::Header>(c.header), *p, *s, sink,
+                                    "m")
+                   .ok());
 }
 
 TEST(Router, ZeroLengthWriteAndNoTensors) {

@@ -142,7 +142,7 @@ class WriteFile {
   Status write_locked(uint64_t off, std::string_view bytes);
   Status decide_locked();
   Status to_plain_locked(bool keep_all);
-  Status enter_routed_locked(const format::Header& h);
+  Status enter_routed_locked(std::shared_ptr<const format::Header> h);
   Status split_plain_locked(const Place& where, bool durable, const StoreRules& rules);
   Status commit_locked(const Place& where, bool durable);
   // Why a complete routed file must be stored whole under `where` (StoreRules), if it must.

@@ -35,11 +35,12 @@ inline constexpr int kNeedsStaging = EAGAIN;
 // open file's state) serializes writes under the lock that guards that file.
 class StreamRouter {
  public:
-  // `header_bytes` is the file's first 8 + N bytes and `h` their parse; `p` and `s` the plan
-  // and shard headers made from it. `sink` must outlive the router. `what` names the file.
-  static Result<StreamRouter> create(std::string header_bytes, const format::Header& h,
-                                     const Plan& p, const layout::ShardSet& s, ShardSink& sink,
-                                     std::string what);
+  // `header_bytes` is the file's first 8 + N bytes and `h` their parse (kept, not copied); `p`
+  // and `s` the plan and shard headers made from it. `sink` must outlive the router. `what`
+  // names the file.
+  static Result<StreamRouter> create(std::string header_bytes,
+                                     std::shared_ptr<const format::Header> hp, const Plan& p,
+                                     const layout::ShardSet& s, ShardSink& sink, std::string what);
 
   // Accepts the next bytes of the file; they must start exactly where the last write ended.
   // The shard headers go to the sink once the original header has fully arrived and matched.
