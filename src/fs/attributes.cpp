@@ -31,7 +31,7 @@ Result<struct stat> Filesystem::Impl::real_attr(const Node& n) {
   struct stat st = *found;
   decorate_real(n.ino, n.rel, st);
   if (S_ISREG(st.st_mode)) {
-    if (auto wf = writes.find(n.dev, n.bino)) {
+    if (auto wf = writing.find(n.dev, n.bino)) {
       if (auto ws = wf->stat(); ws) {
         st.st_size = ws->st_size;
         st.st_blocks = ws->st_blocks;

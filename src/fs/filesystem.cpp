@@ -21,12 +21,10 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
       clock(opts.clock ? opts.clock : system_clock()),
       flusher(opts.flusher ? opts.flusher
                            : std::shared_ptr<flush::Flusher>(flush::make_local_flusher())),
-      writes(clock),
       status(clock->realtime_ns()),
-      checks(headers, opts.build,
-             [this](uint64_t dev, uint64_t ino) { return writes.being_written(dev, ino); }),
-      views(DirViews::Deps{opts, source, root.get(), clock, nodes, headers, *flusher, writes,
-                           status}) {
+      writing(WritePath::Deps{opts, source, root.get(), clock, *flusher, nodes, headers}),
+      views(DirViews::Deps{opts, source, root.get(), clock, nodes, headers, *flusher,
+                           writing.registry(), status}) {
   struct rlimit rl {};
   ::getrlimit(RLIMIT_NOFILE, &rl);
   const int64_t limit =
@@ -34,7 +32,6 @@ Filesystem::Impl::Impl(Options o, std::string source_dir, UniqueFd root_fd,
   // A quarter of the limit (16..256) stays free for FUSE channels, logs, plain files and the
   // one shard at a time a header scan opens; the rest may be held by open consolidated files.
   fd_budget = limit - std::clamp<int64_t>(limit / 4, 16, 256);
-  budget = std::make_unique<write::MemoryBudget>(opts.write_memory);
   writers = std::make_unique<WriterViews>(
       opts.writer_view, [c = clock] { return c->now(); }, &WriterViews::process_of_tid);
   protected_regular =
@@ -65,6 +62,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::create(const std::string& source
 void Filesystem::set_notifier(Notifier* n) {
   impl_->notifier = n;
   impl_->views.set_notifier(n);
+  impl_->writing.set_notifier(n);
 }
 
 // --- builds.cpp ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // fs/impl: Filesystem::Impl, the filesystem's state and its operations; each operation is
-// defined in the room (src/fs/*.cpp) named above its declaration.
+// defined in the room (src/fs/*.cpp) named above its declaration. The views (DirViews) and
+// the files being written (WritePath) are components with interfaces of their own.
 //
 // Lock order: node_table.hpp. Tests: tests/unit/test_fs.cpp, test_writefile.cpp, test_trust.cpp
 // (through Filesystem, with fs/seams.hpp's ManualClock and a close watch of their own where
@@ -27,16 +28,14 @@
 #include "ckptfs/util/fd.hpp"
 #include "ckptfs/util/log_limit.hpp"
 #include "ckptfs/util/path.hpp"
-#include "ckptfs/write/budget.hpp"
 #include "ckptfs/write/file.hpp"
-#include "ckptfs/write/store_checks.hpp"
 #include "dir_views.hpp"
 #include "handles.hpp"
 #include "io_modes.hpp"
 #include "names.hpp"
 #include "node_table.hpp"
 #include "status.hpp"
-#include "write_registry.hpp"
+#include "write_path.hpp"
 
 namespace ckptfs::fs {
 
@@ -70,10 +69,9 @@ struct Filesystem::Impl {
   Options opts;
   std::string source;
   UniqueFd root;
-  std::shared_ptr<const Clock> clock;           // Options::clock, or the system's
-  std::shared_ptr<flush::Flusher> flusher;      // Options::flusher, or the local one
-  std::unique_ptr<write::MemoryBudget> budget;  // the write path's memory (Options::write_memory)
-  int protected_regular = 0;                    // Options::protected_regular, resolved
+  std::shared_ptr<const Clock> clock;       // Options::clock, or the system's
+  std::shared_ptr<flush::Flusher> flusher;  // Options::flusher, or the local one
+  int protected_regular = 0;                // Options::protected_regular, resolved
   // Shard fds held by open consolidated files, bounded by RLIMIT_NOFILE less a reserve for
   // FUSE, plain files and header scans that scales with the limit.
   int64_t fd_budget = 0;
@@ -83,12 +81,11 @@ struct Filesystem::Impl {
   NodeTable nodes;                       // inodes, cached names, directory states
   Handles handles;                       // open file and directory handles
   IoModes io_modes{opts.backing_grace};  // plain files' opens: backed (FUSE passthrough) or cached
-  WriteRegistry writes;  // files being written, and evidence of this daemon's changes
-  StatusFile status;     // figures for .ckptfs/status.json
+  StatusFile status;                     // figures for .ckptfs/status.json
   source::HeaderCache headers;
-  // May a file under a model name be stored as rank shards (write/store_checks.hpp): the views'
-  // header cache and build options, and `writes` for files open for writing.
-  write::StoreChecks checks;
+  // Files written through the mount (write_path.hpp): the registry of files open for writing,
+  // their settling at close and fsync, the store side of rename.
+  WritePath writing;
   std::atomic<int64_t> open_shard_fds{0};
   std::unique_ptr<WriterViews> writers;  // who sees which directory as written
   // The checkpoint directories' views (dir_views.hpp). Last: destroyed first, so the threads
@@ -171,6 +168,8 @@ struct Filesystem::Impl {
     flush::Target target(std::string display) const {
       return flush::Target{fd.get(), std::move(display), st.st_uid, st.st_gid, 0644};
     }
+    // The directory as the write path takes it (valid while this DirRef lives).
+    WriteDir at() const { return WriteDir{fd.get(), dev, ino, node.rel, st.st_uid, st.st_gid}; }
   };
   struct Shown {
     std::shared_ptr<const View> v;  // set when the view shows `name` as a consolidated file
@@ -208,14 +207,9 @@ struct Filesystem::Impl {
                                        const struct timespec times[2]);
   Status fsyncdir(Ino ino);
 
-  // --- write_glue.cpp: files being written, stored as rank shards -----------------------------
-  write::PlanOptions plan_options(int dirfd, const std::string& display);
-  Result<std::shared_ptr<write::WriteFile>> start_writing(UniqueFd fd, const DirRef& d,
-                                                          const std::string& name, bool fresh);
+  // --- write_glue.cpp: handles open for writing, handed to `writing` -------------------------
   Result<OpenOut> open_for_write(const Node& n, int flags);
   uint64_t adopt_writer(std::shared_ptr<write::WriteFile> wf, Ino ino);
-  using SettleFn = std::function<Status(write::WriteFile&, const write::Place&)>;
-  Status settle_file(FileHandle& h, const SettleFn& fn);
   Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
   Status flush(uint64_t fh, const Caller& who);
   Status fsync(uint64_t fh, bool datasync);

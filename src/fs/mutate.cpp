@@ -163,7 +163,7 @@ void Filesystem::Impl::retire_if_last(int dirfd, const std::string& name) {
 // point itself.
 bool Filesystem::Impl::hidden_removable(const Node& dir) {
   if (!hidden_child(dir.rel).empty()) return false;
-  if (writes.open_in(DevIno{dir.dev, dir.bino})) return false;
+  if (writing.open_in(DevIno{dir.dev, dir.bino})) return false;
   auto st = nodes.dir_state(dir.dev, dir.bino);
   std::lock_guard lock(st->mu);
   if (!st->view) return true;
@@ -225,10 +225,10 @@ Result<CreateOut> Filesystem::Impl::create(Ino parent, std::string_view name, mo
     CKPTFS_CHECK(
         may_open_existing(Perm::of(d.st), Perm::of(st), flags, who, protected_regular, where));
   }
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   note_writer(d.node, who);
   CKPTFS_TRY(EntryOut e, lookup_real(join_rel(d.node.rel, name), parent, name));
-  auto wf = start_writing(std::move(file), d, n, made || (flags & O_TRUNC));
+  auto wf = writing.start(std::move(file), d.at(), n, made || (flags & O_TRUNC));
   if (!wf) {
     forget(e.ino, 1);
     return std::move(wf).error();
@@ -249,7 +249,7 @@ Result<EntryOut> Filesystem::Impl::mkdir(Ino parent, std::string_view name, mode
     return errno_error(source_path(join_rel(d.node.rel, name)));
   }
   give_to(-1, d, n, who, true);
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   return lookup_real(join_rel(d.node.rel, name), parent, name);
 }
 
@@ -265,7 +265,7 @@ Result<EntryOut> Filesystem::Impl::mknod(Ino parent, std::string_view name, mode
     return errno_error(source_path(join_rel(d.node.rel, name)));
   }
   give_to(-1, d, n, who, true);
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   return lookup_real(join_rel(d.node.rel, name), parent, name);
 }
 
@@ -278,7 +278,7 @@ Result<EntryOut> Filesystem::Impl::symlink(std::string_view target, Ino parent,
     return errno_error(source_path(join_rel(d.node.rel, name)));
   }
   give_to(-1, d, n, who, true);
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   return lookup_real(join_rel(d.node.rel, name), parent, name);
 }
 
@@ -287,7 +287,7 @@ Result<EntryOut> Filesystem::Impl::link(Ino ino, Ino new_parent, std::string_vie
   CKPTFS_CHECK(writable());
   auto n = nodes.get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
-  if (n->kind != Kind::File || writes.find(n->dev, n->bino)) {
+  if (n->kind != Kind::File || writing.find(n->dev, n->bino)) {
     return make_error(EPERM, "only plain files that are not being written can be linked");
   }
   CKPTFS_CHECK(may_reach_lifted(n->rel, who));
@@ -309,7 +309,7 @@ Result<EntryOut> Filesystem::Impl::link(Ino ino, Ino new_parent, std::string_vie
   if (::linkat(from.get(), last.c_str(), d.fd.get(), std::string(new_name).c_str(), 0) != 0) {
     return errno_error(source_path(join_rel(d.node.rel, new_name)));
   }
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   note_writer(d.node, who);
   return lookup_real(join_rel(d.node.rel, new_name), new_parent, new_name);
 }
@@ -332,7 +332,7 @@ Status Filesystem::Impl::unlink(Ino parent, std::string_view name, const Caller&
                                  ck.shards.empty() ? 1 : ck.shards[0].parsed.m));
     ::unlinkat(d.fd.get(), n.c_str(), 0);  // a placeholder of a newer version, if any
     st->next_check = clock->now();
-    writes.touched(d.dev, d.ino);
+    writing.touched(d.dev, d.ino);
     note_writer(d.node, who);
     return {};
   }
@@ -341,7 +341,7 @@ Status Filesystem::Impl::unlink(Ino parent, std::string_view name, const Caller&
   if (::unlinkat(d.fd.get(), n.c_str(), 0) != 0) {
     return errno_error(source_path(join_rel(d.node.rel, name)));
   }
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   note_writer(d.node, who);
   views.recheck(d.dev, d.ino);
   return {};
@@ -354,7 +354,7 @@ Status Filesystem::Impl::rmdir(Ino parent, std::string_view name, const Caller& 
   const std::string rel = join_rel(d.node.rel, name);
   CKPTFS_CHECK(may_delete_entry(d, n, who));
   if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) == 0) {
-    writes.touched(d.dev, d.ino);
+    writing.touched(d.dev, d.ino);
     return {};
   }
   if (errno != ENOTEMPTY && errno != EEXIST) return errno_error(source_path(rel));
@@ -362,7 +362,7 @@ Status Filesystem::Impl::rmdir(Ino parent, std::string_view name, const Caller& 
   if (::unlinkat(d.fd.get(), n.c_str(), AT_REMOVEDIR) != 0) {
     return errno_error(source_path(rel));
   }
-  writes.touched(d.dev, d.ino);
+  writing.touched(d.dev, d.ino);
   return {};
 }
 
@@ -423,7 +423,7 @@ Result<struct stat> Filesystem::Impl::setattr(Ino ino, const SetAttr& a,
     CKPTFS_TRY(FileHandle * h, handles.file(*fh));
     wf = h->wf;
   }
-  if (!wf && n->kind == Kind::File) wf = writes.find(n->dev, n->bino);
+  if (!wf && n->kind == Kind::File) wf = writing.find(n->dev, n->bino);
   const std::string where = source_path(n->rel);
   if (a.size) {
     if (n->kind == Kind::Dir) return make_error(EISDIR, "{}: is a directory", where);
@@ -458,7 +458,7 @@ Result<struct stat> Filesystem::Impl::setattr(Ino ino, const SetAttr& a,
       return errno_error(where);
     }
   }
-  if (n->kind == Kind::Dir) writes.touched(n->dev, n->bino);
+  if (n->kind == Kind::Dir) writing.touched(n->dev, n->bino);
   if (fh) return getattr_handle(*fh);
   return getattr(ino);
 }

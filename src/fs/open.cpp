@@ -117,7 +117,7 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
       break;
     }
     case Kind::File: {
-      if (auto wf = writes.find(n->dev, n->bino)) {  // being written: what it holds now
+      if (auto wf = writing.find(n->dev, n->bino)) {  // being written: what it holds now
         h->reader = std::make_shared<WriteFileReader>(wf);
         h->wf = std::move(wf);
         h->ino = ino;
@@ -201,7 +201,7 @@ bool Filesystem::Impl::release(uint64_t fh) {
   if (wf && wf.use_count() == 1) {
     const auto dev = static_cast<uint64_t>(wf->dev()), ino = static_cast<uint64_t>(wf->ino());
     wf.reset();
-    writes.find(dev, ino);  // drops the registry entry of a file no handle holds
+    writing.find(dev, ino);  // drops the registry entry of a file no handle holds
   }
   return backed;
 }

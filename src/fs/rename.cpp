@@ -1,13 +1,12 @@
 // fs/rename: rename within SRC (RENAME_NOREPLACE and RENAME_EXCHANGE honoured); a file renamed
-// onto a model name is stored as rank shards, and one that would be hidden there is refused.
+// onto a model name is handed to the write path (write_rename.cpp), which stores it as rank
+// shards or refuses one the view would hide.
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
-
-#include <spdlog/spdlog.h>
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/util/path.hpp"
@@ -41,42 +40,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
                       join_rel(to.node.rel, new_name));
   }
   if (format::parse_model_name(new_name) && !(flags & RENAME_EXCHANGE)) {
-    // Onto a model name of a directory of other files' rank shards: only a consolidated file
-    // that fits its checkpoint (split into shards here) can be seen there. Anything else would
-    // be hidden: refused now, before anything moves. A file still being written is decided
-    // when its writer closes it.
-    CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
-    const auto ns = write::StoreChecks::name_state(to.fd.get(), entries, nn);
-    if (!ns.native.empty()) {
-      return make_error(EINVAL,
-                        "{}: in a {} checkpoint directory every model name shows the "
-                        "consolidated view of its native files, and {} would be hidden",
-                        source_path(join_rel(to.node.rel, new_name)), ns.native, o);
-    }
-    if (ns.others) {
-      Status why = make_error(EINVAL, "{}: not a regular file", o);
-      if (S_ISREG(src_st.st_mode)) {
-        if (writes.being_written(static_cast<uint64_t>(src_st.st_dev),
-                                 static_cast<uint64_t>(src_st.st_ino))) {
-          why = {};
-        } else if (auto fd = open_at(from.fd.get(), o, O_RDONLY | O_NOFOLLOW | O_NONBLOCK); !fd) {
-          why = std::move(fd).error();
-        } else if (auto sp = write::WriteFile::prospect(
-                       fd->get(), plan_options(to.fd.get(), source_path(to.node.rel)),
-                       source_path(join_rel(from.node.rel, name)));
-                   !sp) {
-          why = std::move(sp).error();
-        } else {
-          why = checks.validate(to.fd.get(), source_path(to.node.rel), nn, sp->prospect());
-        }
-      }
-      if (!why) {
-        return make_error(EINVAL,
-                          "{}: in a directory of rank shards a model name shows a consolidated "
-                          "file that fits its checkpoint, and {} would be hidden: {}",
-                          source_path(join_rel(to.node.rel, new_name)), o, why.error().message);
-      }
-    }
+    CKPTFS_CHECK(writing.may_rename_onto(from.at(), o, src_st, to.at(), nn));
   }
   // What the kernel checked on what it sees, the daemon checks on what is really there: the
   // source, and the entry replaced (it may be hidden: a shard file, a real model file), or the
@@ -115,8 +79,8 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
   }
   nodes.renamed(parent, o, join_rel(from.node.rel, name), new_parent, nn,
                 join_rel(to.node.rel, new_name), (flags & RENAME_EXCHANGE) != 0);
-  writes.touched(from.dev, from.ino);
-  writes.touched(to.dev, to.ino);
+  writing.touched(from.dev, from.ino);
+  writing.touched(to.dev, to.ino);
   note_writer(from.node, who);
   note_writer(to.node, who);
   views.recheck(from.dev, from.ino);
@@ -124,55 +88,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
   if (!format::parse_model_name(new_name)) return {};
   // A file renamed onto a model name: one being written is stored when it is closed; a closed
   // one is stored now. Either way it replaces the version shown under that name.
-  struct stat st {};
-  if (::fstatat(to.fd.get(), nn.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
-    return {};
-  }
-  if (auto open = writes.find(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
-      open && open->writers.load() > 0) {
-    open->renamed();
-    return {};  // stored when its writer closes it, under the name it has then
-  }
-  CKPTFS_TRY(UniqueFd fd, open_at(to.fd.get(), nn, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
-  // The registered state if the file is still open (read-only, or a release not yet here).
-  CKPTFS_TRY(auto wf, start_writing(std::move(fd), to, nn, false));
-  auto dst = to.state();
-  std::unique_lock lock(dst->mu);
-  dst->built.wait(lock, [&] { return !dst->building; });
-  const std::string to_display = source_path(to.node.rel);
-  CKPTFS_CHECK(wf->store(write::Place{to.fd.get(), nn, to_display},
-                         checks.rules(to.fd.get(), to_display, nn)));
-  if (wf->state() == write::WriteFile::State::Committed) {
-    // Its backing file is gone (the shards are the file now): the kernel's entry for the name
-    // still holds that file's node, which must look the name up again (ESTALE, then the view).
-    nodes.retire_key(real_key(st));
-    if (notifier) notifier->inval_entry(new_parent, nn);
-  }
-  if (auto why = wf->stored_whole()) {
-    // Stored whole: it replaces what the name stored (the rename says so), whose shards go;
-    // if other files' shards remain, it is hidden (the check above let only consolidated
-    // files through: splitting this one failed).
-    CKPTFS_TRY(auto entries, source::list_dir(to.fd.get()));
-    const auto ns = write::StoreChecks::name_state(to.fd.get(), entries, nn);
-    if (ns.others) {
-      // It would be hidden (it could not be split after all: memory, staging, a header too
-      // large): the rename is undone, and fails.
-      if (::renameat2(to.fd.get(), nn.c_str(), from.fd.get(), o.c_str(), RENAME_NOREPLACE) == 0) {
-        nodes.renamed(new_parent, nn, join_rel(to.node.rel, new_name), parent, o,
-                      join_rel(from.node.rel, name), false);
-      } else {
-        spdlog::error("{}: cannot undo the rename: {}", why->message, std::strerror(errno));
-      }
-      return *why;
-    }
-    if (ns.stored) {
-      auto mn = format::parse_model_name(new_name);
-      CKPTFS_CHECK(flusher->remove(to.target(source_path(to.node.rel)), mn->k, mn->m));
-    }
-  }
-  dst->next_check = clock->now();
-  writes.touched(to.dev, to.ino);
-  return {};
+  return writing.store_renamed(from.at(), parent, o, to.at(), new_parent, nn);
 }
 
 }  // namespace ckptfs::fs

@@ -129,7 +129,7 @@ std::string Filesystem::Impl::status_json() const {
   out["reads"] = {{"requests", status.reads.load()},
                   {"bytes", status.bytes_read.load()},
                   {"backed_opens", io_modes.backed_opens()}};
-  out["writes"] = {{"open_files", writes.open_files()}};
+  out["writes"] = {{"open_files", writing.open_files()}};
 
   json extra = json::object();
   json errs = json::object();

@@ -5,6 +5,8 @@
 #include <fstream>
 #include <stdexcept>
 
+#include <fmt/format.h>
+
 #include "ckptfs/format/dcp.hpp"
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/util/checked.hpp"
@@ -112,6 +114,22 @@ std::string random_bytes(std::mt19937_64& rng, size_t n) {
   std::string s(n, '\0');
   for (auto& c : s) c = static_cast<char>(rng() & 0xff);
   return s;
+}
+
+std::string consolidated(uint64_t seed, uint64_t rows, std::string_view prefix) {
+  std::mt19937_64 rng(seed);
+  const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;
+  std::string json =
+      fmt::format(R"({{"{3}z.weight": {{"dtype":"F32","shape":[{0},64],"data_offsets":[0,{1}]}}, )"
+                  R"("{3}a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{1},{2}]}},)"
+                  R"("{3}m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{2},{4}]}},)"
+                  R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
+                  rows, w, w + b, prefix, w + b + e);
+  json.append(13, ' ');
+  while ((8 + json.size()) % 8 != 0) json.push_back(' ');
+  std::string out = format::with_length_prefix(json);
+  out += random_bytes(rng, w + b + e);
+  return out;
 }
 
 }  // namespace ckptfs::test

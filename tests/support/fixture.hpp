@@ -7,6 +7,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckptfs/format/dtype.hpp"
@@ -61,5 +62,12 @@ std::string slice_chunk(const std::string& full, const std::vector<uint64_t>& sh
 layout::ShardInput shard_input(const std::string& name, const std::string& bytes);
 
 std::string random_bytes(std::mt19937_64& rng, size_t n);
+
+// A consolidated safetensors file as save_pretrained writes one (tensors "<prefix>z.weight"
+// [rows, 64], "<prefix>a.bias" [64], "<prefix>m.embed" [3], F32, random bytes from `seed`),
+// with a header laid out unlike ckptfs's own (keys out of order, __metadata__ last, spaces,
+// extra padding), so an exact read-back proves the header bytes were kept rather than
+// re-synthesized.
+std::string consolidated(uint64_t seed, uint64_t rows = 96, std::string_view prefix = "");
 
 }  // namespace ckptfs::test

@@ -26,24 +26,7 @@ namespace stdfs = std::filesystem;
 
 namespace {
 
-// A consolidated file whose header is laid out unlike ckptfs's own (keys out of order,
-// __metadata__ last, spaces, extra padding), so an exact read-back proves the header bytes
-// were kept rather than re-synthesized.
-std::string consolidated(uint64_t seed, uint64_t rows = 96, std::string_view prefix = "") {
-  std::mt19937_64 rng(seed);
-  const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;
-  std::string json =
-      fmt::format(R"({{"{3}z.weight": {{"dtype":"F32","shape":[{0},64],"data_offsets":[0,{1}]}}, )"
-                  R"("{3}a.bias":{{"dtype":"F32","shape":[64],"data_offsets":[{1},{2}]}},)"
-                  R"("{3}m.embed":{{"dtype":"F32","shape":[3],"data_offsets":[{2},{4}]}},)"
-                  R"("__metadata__":{{"format":"pt","note":"kept"}}}})",
-                  rows, w, w + b, prefix, w + b + e);
-  json.append(13, ' ');
-  while ((8 + json.size()) % 8 != 0) json.push_back(' ');
-  std::string out = format::with_length_prefix(json);
-  out += test::random_bytes(rng, w + b + e);
-  return out;
-}
+using test::consolidated;
 
 struct Src {
   test::TempDir dir;

@@ -1,0 +1,189 @@
+// fs/write_path: files being written through the mount: opening them for writing, and settling
+// them at close or fsync (stored as rank shards, or whole, by write/store_checks' rules).
+#include "write_path.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/util/path.hpp"
+#include "dir_views.hpp"
+
+namespace ckptfs::fs {
+
+WritePath::WritePath(Deps d)
+    : d_(std::move(d)),
+      writes_(d_.clock),
+      budget_(d_.opts.write_memory),
+      checks_(d_.headers, d_.opts.build,
+              [this](uint64_t dev, uint64_t ino) { return writes_.being_written(dev, ino); }) {}
+
+write::PlanOptions WritePath::plan_options(int dirfd, const std::string& display) const {
+  write::PlanOptions p;
+  p.ranks = d_.opts.ranks ? d_.opts.ranks : d_.flusher.default_ranks();
+  p.split = d_.opts.split;
+  if (p.split == write::PlanOptions::TpPlan) {
+    if (auto text = read_small_file_beneath(dirfd, "config.json", 16u << 20); text) {
+      if (auto plan = format::parse_tp_plan(*text, display + "/config.json"); plan) {
+        p.tp_plan = std::move(plan).value();
+      } else {
+        spdlog::warn("{}; splitting on dim 0", plan.error().message);
+      }
+    }
+  }
+  return p;
+}
+
+Result<std::shared_ptr<write::WriteFile>> WritePath::start(UniqueFd fd, const WriteDir& d,
+                                                           const std::string& name, bool fresh) {
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return make_error(errno, "stat failed");
+  const DevIno key{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+  // The state registered under this number, unless it belongs to a file since unlinked
+  // (committed, or removed while open) whose number this one reuses.
+  if (auto wf = writes_.find(key.first, key.second); wf && wf->linked()) return wf;
+  CKPTFS_TRY(auto wf, write::WriteFile::open(std::move(fd), d.fd, source_path(d.rel), fresh,
+                                             d_.flusher, plan_options(d.fd, source_path(d.rel)),
+                                             source_path(join_rel(d.rel, name)), &budget_));
+  // The state another opener registered meanwhile, if any.
+  return writes_.add(key, std::move(wf), DevIno{d.dev, d.ino}, format::looks_like_shard_name(name));
+}
+
+Result<std::shared_ptr<write::WriteFile>> WritePath::open(const Node& n, int flags) {
+  std::string dir_rel, name;
+  UniqueFd fd;
+  bool fresh = (flags & O_TRUNC) != 0;
+  if (n.kind == Kind::File) {
+    const auto parts = split_rel(n.rel);
+    dir_rel = std::string(parts.dir);
+    name = std::string(parts.name);
+  } else if (n.kind == Kind::Output && !n.view->ckpt->outputs[n.output].folder.empty()) {
+    return make_error(EPERM, "{}: a LoRA adapter's file is made of the rank files; not written",
+                      source_path(join_rel(n.rel, n.key.name)));
+  } else if (n.kind == Kind::Output && (flags & O_TRUNC)) {
+    // Replacing a consolidated file: a new file under its name, committed at close.
+    dir_rel = n.rel;
+    name = n.key.name;
+  } else if (n.kind == Kind::Dir || n.kind == Kind::ShardsDir || n.kind == Kind::StatusDir ||
+             n.kind == Kind::AdapterDir) {
+    return make_error(EISDIR, "is a directory");
+  } else if (n.kind == Kind::Pending || n.kind == Kind::StatusFile) {
+    return make_error(EACCES, "{}: written by ckptfs only", n.key.name);
+  } else if (n.kind == Kind::Output || n.kind == Kind::Index) {
+    return make_error(EPERM,
+                      "{}: a consolidated file is not changed in place; write it anew (O_TRUNC) "
+                      "or write a new file and rename it over",
+                      source_path(join_rel(n.rel, n.key.name)));
+  } else {
+    return make_error(EACCES, "special files cannot be opened through the view");
+  }
+  CKPTFS_TRY(UniqueFd dfd, open_beneath(d_.root, dir_rel, O_RDONLY | O_DIRECTORY));
+  struct stat dst {};
+  if (::fstat(dfd.get(), &dst) != 0) return make_error(errno, "stat failed");
+  const WriteDir d{dfd.get(),
+                   static_cast<uint64_t>(dst.st_dev),
+                   static_cast<uint64_t>(dst.st_ino),
+                   dir_rel,
+                   dst.st_uid,
+                   dst.st_gid};
+  const int oflags = O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+  if (n.kind == Kind::File) {
+    int raw = ::openat(d.fd, name.c_str(), oflags);
+    if (raw < 0) return make_error(errno, "{}: {}", source_path(n.rel), std::strerror(errno));
+    struct stat st {};
+    CKPTFS_TRY(fd, require_regular(UniqueFd(raw), source_path(n.rel), &st));
+    if (!(real_key(st) == n.key)) return make_error(ESTALE, "{}: replaced", n.rel);
+    fresh = fresh || st.st_size == 0;
+  } else {
+    int raw = ::openat(d.fd, name.c_str(), oflags | O_CREAT | O_TRUNC, 0600);
+    if (raw < 0) return make_error(errno, "{}: {}", source_path(n.rel), std::strerror(errno));
+    fd.reset(raw);
+    // The new version keeps the owner and mode of the one it replaces (its shards'), which
+    // its own shards then take at commit.
+    if (!n.view->inputs.empty()) {
+      const Perm& p = n.view->inputs.front();
+      if ((::geteuid() == 0 && ::fchown(raw, p.uid, p.gid) != 0) ||
+          ::fchmod(raw, p.mode & 07777) != 0) {
+        return make_error(errno, "{}: cannot keep the owner and mode: {}", source_path(n.rel),
+                          std::strerror(errno));
+      }
+    }
+    fresh = true;
+  }
+  CKPTFS_TRY(auto wf, start(std::move(fd), d, name, fresh));
+  if (flags & O_TRUNC) CKPTFS_CHECK(wf->truncate(0));
+  writes_.touched(d.dev, d.ino);
+  return wf;
+}
+
+Status WritePath::settle(Ino ino, write::WriteFile& wf, const SettleFn& fn) {
+  auto n = d_.nodes.get(ino);
+  if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  const bool real = n->kind == Kind::File;
+  const auto parts = split_rel(n->rel);
+  const std::string dir_rel = real ? std::string(parts.dir) : n->rel;
+  const std::string name = real ? std::string(parts.name) : n->key.name;
+  if (!wf.linked() && wf.state() != write::WriteFile::State::Committed) {
+    // An orphan: its last name was unlinked or renamed over while it was open. As in a plain
+    // directory, its close succeeds and its bytes go with it; what its old name holds now
+    // (another file, another file's shards) is no business of it.
+    return fn(wf, write::Place{-1, "", source_path(dir_rel)});
+  }
+  auto dfd = open_beneath(d_.root, dir_rel, O_RDONLY | O_DIRECTORY);
+  struct stat dst {};
+  if (!dfd || ::fstat(dfd->get(), &dst) != 0) {
+    // The directory is gone from where the file was: keep the bytes in the file itself.
+    return fn(wf, write::Place{-1, "", source_path(dir_rel)});
+  }
+  auto st =
+      d_.nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+  Status result;
+  {
+    std::unique_lock lock(st->mu);
+    st->built.wait(lock, [&] { return !st->building; });
+    result = fn(wf, write::Place{dfd->get(), name, source_path(dir_rel)});
+    st->next_check = d_.clock->now();
+    if (result.ok()) {
+      auto names = wf.stored_names();
+      if (names.empty() && format::looks_like_shard_name(name)) names.push_back(name);
+      writes_.produced(dfd->get(), names);
+    }
+  }
+  writes_.touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+  if (wf.state() == write::WriteFile::State::Committed) d_.nodes.retire(n->ino);
+  if (notifier_ &&
+      (wf.state() == write::WriteFile::State::Committed || format::parse_model_name(name))) {
+    // The name now shows the consolidated file (committed, or still the older one when this
+    // one was cut short and stays hidden behind it): the kernel's entry still holds the file
+    // as it was being written.
+    for (const auto& [parent, link] : n->links) notifier_->inval_entry(parent, link);
+    // Before close() returns: an open of the name right after it must not find the entry
+    // of the file as it was being written (its placeholder is gone: ENOENT).
+    notifier_->sync(std::chrono::seconds(2));
+  }
+  return result;
+}
+
+Status WritePath::close(Ino ino, write::WriteFile& wf) {
+  return settle(ino, wf, [this](write::WriteFile& f, const write::Place& p) -> Status {
+    CKPTFS_CHECK(f.finalize(
+        p, p.dirfd < 0 ? write::StoreRules{} : checks_.rules(p.dirfd, p.dir_display, p.name)));
+    if (p.dirfd < 0) return {};
+    auto why = f.stored_whole();
+    if (!why) return {};
+    return checks_.place_whole(p.dirfd, p.dir_display, p.name, *why);
+  });
+}
+
+Status WritePath::fsync(Ino ino, write::WriteFile& wf, bool datasync) {
+  return settle(ino, wf, [datasync](write::WriteFile& f, const write::Place& p) {
+    return f.fsync(p, datasync);
+  });
+}
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,111 @@
+// fs/write_path: files written through the mount as a component (WritePath: the registry of
+// files open for writing, their opening, their settling at close and fsync, and the store side
+// of a rename onto a model name). Implemented in write_path.cpp and write_rename.cpp.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/fs/seams.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/write/budget.hpp"
+#include "ckptfs/write/file.hpp"
+#include "ckptfs/write/store_checks.hpp"
+#include "node_table.hpp"
+#include "write_registry.hpp"
+
+namespace ckptfs::fs {
+
+// A directory a file is written in: open (owned by the caller), its identity, its path
+// relative to SRC, and its owner (whose the shards made there are).
+struct WriteDir {
+  int fd = -1;
+  uint64_t dev = 0, ino = 0;
+  std::string rel;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// The write path. The rest of fs/ hands it descriptors and nodes; it hands back the shared
+// state of a file being written (write::WriteFile), which handles hold.
+class WritePath {
+ public:
+  // What it works with: owned by the Filesystem, and outliving this.
+  struct Deps {
+    const Options& opts;
+    std::string source;  // SRC's path, for messages
+    int root = -1;       // SRC, open
+    std::shared_ptr<const Clock> clock;
+    flush::Flusher& flusher;       // stores and removes rank shards
+    NodeTable& nodes;              // directories' locks (DirState), and nodes retired at commit
+    source::HeaderCache& headers;  // the views' header cache, which the store checks build from
+  };
+  explicit WritePath(Deps d);
+  WritePath(const WritePath&) = delete;
+  WritePath& operator=(const WritePath&) = delete;
+  // Set before the mount serves requests (null: no kernel to tell).
+  void set_notifier(Notifier* n) { notifier_ = n; }
+
+  // --- what the rest of fs/ asks of the files being written -------------------------------------
+  // The evidence a directory's changes were this daemon's (DirViews' settle).
+  WriteRegistry& registry() { return writes_; }
+  // The state of file (dev, ino) while some handle has it open for writing.
+  std::shared_ptr<write::WriteFile> find(uint64_t dev, uint64_t ino) {
+    return writes_.find(dev, ino);
+  }
+  [[nodiscard]] bool open_in(DevIno dir) const { return writes_.open_in(dir); }
+  [[nodiscard]] size_t open_files() const { return writes_.open_files(); }
+  // This daemon just changed directory (dev, ino): its view shows the change at once.
+  void touched(uint64_t dev, uint64_t ino) { writes_.touched(dev, ino); }
+
+  // --- write_path.cpp: opening and settling ------------------------------------------------------
+  // The state of a regular file `fd`, named `name` in `d`, opened for writing (`fresh`: it
+  // starts empty); shared by every handle on the file.
+  Result<std::shared_ptr<write::WriteFile>> start(UniqueFd fd, const WriteDir& d,
+                                                  const std::string& name, bool fresh);
+  // Node `n` (a real file, or a consolidated file written anew with O_TRUNC) opened for writing.
+  Result<std::shared_ptr<write::WriteFile>> open(const Node& n, int flags);
+  // close() of a handle on `wf`, the file of inode `ino`: stored as rank shards, or whole.
+  Status close(Ino ino, write::WriteFile& wf);
+  Status fsync(Ino ino, write::WriteFile& wf, bool datasync);
+
+  // --- write_rename.cpp: a rename onto a model name ----------------------------------------------
+  // Before file `from_name` of `from` (stat `src_st`) moves onto model name `to_name` of `to`:
+  // refused (EINVAL) where the view would hide it (a native checkpoint, or other files' shards
+  // that it does not fit).
+  Status may_rename_onto(const WriteDir& from, const std::string& from_name,
+                         const struct stat& src_st, const WriteDir& to, const std::string& to_name);
+  // After it moved (`from_parent`/`to_parent`: the directories' inodes): a closed file is
+  // stored now, one being written when its writer closes it. A file that could not be split
+  // and would be hidden is moved back, and the error returned.
+  Status store_renamed(const WriteDir& from, Ino from_parent, const std::string& from_name,
+                       const WriteDir& to, Ino to_parent, const std::string& to_name);
+
+ private:
+  using SettleFn = std::function<Status(write::WriteFile&, const write::Place&)>;
+  // Runs `fn` on the file where it is now, under its directory's lock (the view never lists a
+  // commit half done), and makes the view show the result at once.
+  Status settle(Ino ino, write::WriteFile& wf, const SettleFn& fn);
+  // `display`: the directory's path, which its messages name.
+  write::PlanOptions plan_options(int dirfd, const std::string& display) const;
+  std::string source_path(const std::string& rel) const {
+    return rel.empty() ? d_.source : d_.source + "/" + rel;
+  }
+
+  Deps d_;
+  Notifier* notifier_ = nullptr;
+  WriteRegistry writes_;        // files open for writing; this daemon's changes
+  write::MemoryBudget budget_;  // the write path's memory (Options::write_memory)
+  // May a file under a model name be stored as rank shards (write/store_checks.hpp).
+  write::StoreChecks checks_;
+};
+
+}  // namespace ckptfs::fs

@@ -1,0 +1,171 @@
+// test_write_path: fs::WritePath as a component, made from its Deps alone (no Filesystem): a
+// file opened, written and closed under a model name is stored as rank shards and the kernel
+// told; a rename onto a model name of a directory of other files' shards is refused for a file
+// the view would hide and stores one that fits.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "../../src/fs/dir_views.hpp"
+#include "../../src/fs/write_path.hpp"
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "fixture.hpp"
+
+using namespace ckptfs;
+namespace stdfs = std::filesystem;
+
+namespace {
+
+class Recorder final : public fs::Notifier {
+ public:
+  void inval_entry(fs::Ino parent, const std::string& name) override {
+    entries.emplace(parent, name);
+  }
+  void inval_inode(fs::Ino ino) override { inodes.insert(ino); }
+  std::set<std::pair<fs::Ino, std::string>> entries;
+  std::set<fs::Ino> inodes;
+};
+
+struct Parts {
+  test::TempDir src;
+  std::shared_ptr<fs::ManualClock> clock = std::make_shared<fs::ManualClock>();
+  fs::Options o;
+  UniqueFd root;
+  fs::NodeTable nodes;
+  source::HeaderCache headers;
+  std::unique_ptr<flush::Flusher> flusher = flush::make_local_flusher();
+  Recorder rec;
+  std::unique_ptr<fs::WritePath> wp;
+
+  Parts() {
+    o.clock = clock;
+    o.ranks = 2;
+    stdfs::create_directories(src.path() + "/ck");
+    stdfs::create_directories(src.path() + "/other");
+    root.reset(::open(src.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    struct stat st {};
+    ::fstat(root.get(), &st);
+    fs::Node r;
+    r.ino = fs::kRootIno;
+    r.key = fs::real_key(st);
+    r.kind = fs::Kind::Dir;
+    r.nlookup = 1;
+    nodes.set_root(std::move(r));
+    wp = std::make_unique<fs::WritePath>(
+        fs::WritePath::Deps{o, src.path(), root.get(), clock, *flusher, nodes, headers});
+    wp->set_notifier(&rec);
+  }
+  // Directory `rel`, open, as the write path takes it.
+  std::pair<UniqueFd, fs::WriteDir> dir(const std::string& rel) {
+    UniqueFd fd(::openat(root.get(), rel.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    struct stat st {};
+    ::fstat(fd.get(), &st);
+    fs::WriteDir d{fd.get(),
+                   static_cast<uint64_t>(st.st_dev),
+                   static_cast<uint64_t>(st.st_ino),
+                   rel,
+                   st.st_uid,
+                   st.st_gid};
+    return {std::move(fd), d};
+  }
+  // The node the kernel holds for file `rel`, looked up as `name` in directory inode `parent`.
+  fs::Ino node_of(const std::string& rel, fs::Ino parent, const std::string& name) {
+    struct stat st {};
+    EXPECT_EQ(::fstatat(root.get(), rel.c_str(), &st, 0), 0);
+    fs::Node proto;
+    proto.kind = fs::Kind::File;
+    proto.rel = rel;
+    proto.dev = static_cast<uint64_t>(st.st_dev);
+    proto.bino = static_cast<uint64_t>(st.st_ino);
+    return nodes.remember(fs::real_key(st), proto, parent, name).ino;
+  }
+  std::set<std::string> listing(const std::string& rel) const {
+    std::set<std::string> out;
+    for (const auto& e : stdfs::directory_iterator(src.path() + "/" + rel)) {
+      out.insert(e.path().filename().string());
+    }
+    return out;
+  }
+};
+
+TEST(WritePath, AComponentMadeFromItsDepsAlone) {
+  Parts p;
+  auto [ck_fd, ck] = p.dir("ck");
+  const fs::Ino ck_ino = 5;
+  const std::string first = "model-00001-of-00002.safetensors";
+  const std::string second = "model-00002-of-00002.safetensors";
+
+  // Written and closed under a model name: stored as rank shards, its name gone from SRC.
+  UniqueFd f(::openat(ck.fd, first.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  ASSERT_GE(f.get(), 0);
+  const fs::Ino ino = p.node_of("ck/" + first, ck_ino, first);
+  auto wf = p.wp->start(std::move(f), ck, first, true);
+  ASSERT_TRUE(wf.ok()) << wf.error().message;
+  (*wf)->writers.fetch_add(1);  // a handle holds it, as adopt_writer's does
+  const std::string bytes = test::consolidated(1, 96, "a.");
+  ASSERT_TRUE((*wf)->write(0, bytes).ok());
+  struct stat fst {};
+  ASSERT_EQ(::fstatat(ck.fd, first.c_str(), &fst, 0), 0);
+  EXPECT_TRUE(p.wp->registry().being_written(static_cast<uint64_t>(fst.st_dev),
+                                             static_cast<uint64_t>(fst.st_ino)));
+  EXPECT_TRUE(p.wp->open_in({ck.dev, ck.ino}));
+  ASSERT_TRUE(p.wp->close(ino, **wf).ok());
+  EXPECT_EQ((*wf)->state(), write::WriteFile::State::Committed);
+  (*wf)->writers.fetch_sub(1);
+  (*wf).reset();  // its handle released
+  EXPECT_FALSE(p.wp->open_in({ck.dev, ck.ino}));
+  const auto after = p.listing("ck");
+  EXPECT_EQ(after.count(first), 0u) << "committed: the shards are the file now";
+  EXPECT_EQ(std::count_if(after.begin(), after.end(),
+                          [](const std::string& n) { return format::looks_like_shard_name(n); }),
+            2)
+      << fmt::format("{}", fmt::join(after, " "));
+  // The kernel's entry held the file as it was being written: dropped, and the node retired.
+  EXPECT_EQ(p.rec.entries.count({ck_ino, first}), 1u);
+  auto node = p.nodes.get(ino);
+  ASSERT_TRUE(node.has_value());
+  EXPECT_TRUE(node->retired);
+
+  // Onto the second model name, among the first file's shards: bytes that are no safetensors
+  // file would be hidden there, and are refused before anything moves.
+  auto [other_fd, other] = p.dir("other");
+  test::write_file(p.src.path() + "/other/notes.bin", std::string(100, 'x'));
+  struct stat nst {};
+  ASSERT_EQ(::fstatat(other.fd, "notes.bin", &nst, 0), 0);
+  auto refused = p.wp->may_rename_onto(other, "notes.bin", nst, ck, second);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, EINVAL);
+  EXPECT_NE(refused.error().message.find("would be hidden"), std::string::npos)
+      << refused.error().message;
+  // A consolidated file that fits passes, and once moved is stored as shards at once.
+  test::write_file(p.src.path() + "/other/b.safetensors", test::consolidated(2, 40, "b."));
+  struct stat bst {};
+  ASSERT_EQ(::fstatat(other.fd, "b.safetensors", &bst, 0), 0);
+  auto ok = p.wp->may_rename_onto(other, "b.safetensors", bst, ck, second);
+  ASSERT_TRUE(ok.ok()) << ok.error().message;
+  ASSERT_EQ(::renameat(other.fd, "b.safetensors", ck.fd, second.c_str()), 0);
+  auto stored = p.wp->store_renamed(other, 6, "b.safetensors", ck, ck_ino, second);
+  ASSERT_TRUE(stored.ok()) << stored.error().message;
+  const auto both = p.listing("ck");
+  EXPECT_EQ(both.count(second), 0u) << "stored at the rename: the name is its shards";
+  EXPECT_EQ(std::count_if(both.begin(), both.end(),
+                          [](const std::string& n) { return format::looks_like_shard_name(n); }),
+            4);
+  EXPECT_EQ(p.rec.entries.count({ck_ino, second}), 1u);
+  EXPECT_EQ(p.wp->open_files(), 0u);
+  EXPECT_FALSE(p.wp->open_in({ck.dev, ck.ino}));
+}
+
+}  // namespace
