@@ -10,7 +10,7 @@ VENV=$CACHE/venv
 
 pkgs=(meson ninja-build pkg-config g++ clang clang-format libclang-rt-14-dev
       libfuse3-dev fuse3 nlohmann-json3-dev libspdlog-dev libfmt-dev libgtest-dev
-      libopenmpi-dev openmpi-bin python3-venv psmisc procps time ccache)
+      libopenmpi-dev openmpi-bin python3-venv psmisc procps time ccache rsync)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

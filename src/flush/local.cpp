@@ -267,7 +267,9 @@ class LocalTransaction final : public Transaction {
     {
       CKPTFS_TRY(UniqueFd fd, open_at(tx_.get(), "record", O_WRONLY | O_CREAT | O_TRUNC, 0644));
       CKPTFS_CHECK(pwrite_all(fd.get(), text.data(), text.size(), 0, rec_display));
-      if (info.times && !info.remote_shards.empty()) {  // node-local shards' times are its
+      // The record is an input of the view as its shards are: it carries the file's times too,
+      // so a copy's times (cp -a, tar x, rsync -a) are the directory's newest input's.
+      if (info.times) {
         const struct timespec ts[2] = {info.atime, info.mtime};
         if (::futimens(fd.get(), ts) != 0) return errno_error(rec_display + ": utimens");
       }

@@ -4,12 +4,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
 #include "ckptfs/util/path.hpp"
 #include "impl.hpp"
 #include "names.hpp"
@@ -71,7 +73,19 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
   const auto& out = ck.outputs[n.output];
   const std::string where = source_path(join_rel(n.rel, n.key.name));
   CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), n.rel, O_RDONLY | O_DIRECTORY));
-  for (uint32_t s : out.shards) {
+  // Every rank shard of the file, those its bytes are not read from included (a rank given no
+  // tensor holds a header only): the commit gave them all the file's times.
+  std::vector<uint32_t> shards = out.shards;
+  if (auto mn = format::parse_model_name(out.name)) {
+    for (uint32_t s = 0; s < ck.shards.size(); ++s) {
+      auto sn = format::parse_shard_name(ck.shards[s].name);
+      if (sn && sn->k == mn->k && sn->m == mn->m &&
+          !std::binary_search(out.shards.begin(), out.shards.end(), s)) {
+        shards.push_back(s);
+      }
+    }
+  }
+  for (uint32_t s : shards) {
     const auto& sh = ck.shards[s];
     if (sh.remote()) {
       return make_error(EPERM,
@@ -88,12 +102,21 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
       return errno_error(fmt::format("{}: {}", where, sh.name));
     }
   }
+  // Its commit record carries the file's times as its shards do (flush/local.cpp): the
+  // directory's shown mtime is its newest input's.
+  if (a.atime || a.mtime) {
+    const std::string rec =
+        std::string(format::kStateDirName) + "/" + format::record_file_name(n.key.name);
+    if (::utimensat(dir.get(), rec.c_str(), times, AT_SYMLINK_NOFOLLOW) != 0 && errno != ENOENT) {
+      return errno_error(fmt::format("{}: {}", where, rec));
+    }
+  }
   views.force_revalidate(*n.view);
   // What the next version shows, from the shards as they are now (another change made since
   // the view was built, a chmod before this utimens, is theirs too).
   struct stat st = virtual_attr(n);
   int64_t mtime = INT64_MIN, atime = INT64_MIN, ctime = INT64_MIN;
-  for (uint32_t s : out.shards) {
+  for (uint32_t s : shards) {
     struct stat sh {};
     if (::fstatat(dir.get(), ck.shards[s].name.c_str(), &sh, AT_SYMLINK_NOFOLLOW) != 0) {
       return errno_error(fmt::format("{}: {}", where, ck.shards[s].name));
@@ -458,7 +481,12 @@ Result<struct stat> Filesystem::Impl::setattr(Ino ino, const SetAttr& a,
       return errno_error(where);
     }
   }
-  if (n->kind == Kind::Dir) writing.touched(n->dev, n->bino);
+  if (n->kind == Kind::Dir) {
+    writing.touched(n->dev, n->bino);
+    // A checkpoint directory shows its own mtime or its newest input's, taken at its last
+    // check: a utimens of its own (cp -a, tar x, rsync -a end with it) is shown at once.
+    views.recheck(n->dev, n->bino);
+  }
   if (fh) return getattr_handle(*fh);
   return getattr(ino);
 }

@@ -268,6 +268,11 @@ Status WriteFile::enter_routed_locked(std::shared_ptr<const format::Header> hp) 
 // byte received (a consolidated file cut short must not read as complete).
 Status WriteFile::to_plain_locked(bool keep_all) {
   uint64_t received = 0;
+  // The backing file carries the file's times (touch_locked, set_attr): moving bytes it
+  // already stood for into it is no change of the file, and keeps them (cp -a sets a small
+  // file's times before it closes it, while its bytes are still held).
+  struct stat before {};
+  const bool timed = ::fstat(backing_.get(), &before) == 0;
   // A failure here fails the file for good (fail_locked): the bytes routed so far are not
   // all in the file, and a retry at the next write or at release would only fail again (or,
   // with the MPI flusher, wait out another timeout).
@@ -301,6 +306,10 @@ Status WriteFile::to_plain_locked(bool keep_all) {
   const uint64_t size = keep_all ? size_ : received;
   if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
     return fail_locked(errno_error(what_ + ": cannot size the file"));
+  }
+  if (timed) {
+    const struct timespec kept[2] = {before.st_atim, before.st_mtim};
+    ::futimens(backing_.get(), kept);
   }
   state_ = State::Plain;
   charge_.reset();  // a plain file's bytes are its backing file's

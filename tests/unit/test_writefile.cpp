@@ -696,3 +696,28 @@ TEST(WriteFile, AWrittenFileKeepsTheModeAndTimesItsWriterGives) {
   t.size = 10;
   EXPECT_EQ(s.f->setattr(s.lookup(d, "model.safetensors"), t).error().code, EPERM);
 }
+
+// The times a writer sets before close stick when the daemon still held the bytes (a file under
+// 8 bytes) or routed them (safetensors under a name that is no model name, kept whole at close):
+// moving them into the file at close is no change of it (cp -a sets times, then closes).
+TEST(WriteFile, TimesSetBeforeCloseSurviveTheBytesMovingIntoTheFile) {
+  Src s;
+  const struct timespec old { 1'600'000'000, 123 };
+  for (const auto& [name, bytes] : std::vector<std::pair<std::string, std::string>>{
+           {"small.txt", "abc"}, {"adapter_model.safetensors", consolidated(7, 8)}}) {
+    auto c = s.f->create(s.ckpt(), name, 0644, O_RDWR | O_CREAT | O_EXCL);
+    ASSERT_TRUE(c.ok()) << c.error().message;
+    ASSERT_TRUE(s.f->write(c->open.fh, 0, bytes).ok());
+    fs::SetAttr a;
+    a.atime = old;
+    a.mtime = old;
+    ASSERT_TRUE(s.f->setattr(c->entry.ino, a, c->open.fh).ok());
+    ASSERT_TRUE(s.f->flush(c->open.fh).ok());
+    s.f->release(c->open.fh);
+    struct stat st {};
+    ASSERT_EQ(::stat(s.path("ckpt/" + name).c_str(), &st), 0) << name;
+    EXPECT_EQ(st.st_size, static_cast<off_t>(bytes.size())) << name;
+    EXPECT_EQ(st.st_mtim.tv_sec, old.tv_sec) << name << ": the close moved its mtime";
+    EXPECT_EQ(st.st_mtim.tv_nsec, old.tv_nsec) << name;
+  }
+}
