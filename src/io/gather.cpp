@@ -11,6 +11,7 @@
 #include <fmt/core.h>
 
 #include "ckptfs/format/cast.hpp"
+#include "ckptfs/io/transpose.hpp"
 
 namespace ckptfs::io {
 namespace {
@@ -164,46 +165,6 @@ uint64_t pick(const layout::Segment& g, const char* buf, uint64_t base, uint64_t
   return done;
 }
 
-// Copies element column j of a [n, *] row-major block (rows `stride` bytes apart, elements of
-// sizeof(T)) for j in [0, k) into k consecutive output columns of n elements: a transpose,
-// 64 source rows at a time so the rows stay in cache while every column takes its part.
-template <class T>
-void transpose_cols(const char* in, uint64_t stride, uint64_t n, uint64_t k, char* out) {
-  constexpr uint64_t kRows = 64;
-  for (uint64_t i0 = 0; i0 < n; i0 += kRows) {
-    const uint64_t i1 = std::min(n, i0 + kRows);
-    for (uint64_t j = 0; j < k; ++j) {
-      char* o = out + j * n * sizeof(T);
-      const char* p = in + j * sizeof(T);
-      for (uint64_t i = i0; i < i1; ++i) {
-        T v;
-        std::memcpy(&v, p + i * stride, sizeof(T));
-        std::memcpy(o + i * sizeof(T), &v, sizeof(T));
-      }
-    }
-  }
-}
-
-void transpose_any(const char* in, uint64_t stride, uint64_t n, uint64_t k, uint64_t es,
-                   char* out) {
-  switch (es) {
-    case 1:
-      return transpose_cols<uint8_t>(in, stride, n, k, out);
-    case 2:
-      return transpose_cols<uint16_t>(in, stride, n, k, out);
-    case 4:
-      return transpose_cols<uint32_t>(in, stride, n, k, out);
-    case 8:
-      return transpose_cols<uint64_t>(in, stride, n, k, out);
-    default:
-      for (uint64_t j = 0; j < k; ++j) {
-        for (uint64_t i = 0; i < n; ++i) {
-          std::memcpy(out + (j * n + i) * es, in + i * stride + j * es, es);
-        }
-      }
-  }
-}
-
 // How many strided segments from segs[i] on are the next columns of one matrix: whole columns
 // (no skip, every element) of the same shard, stride and length, each one element after the last.
 size_t column_group(std::span<const layout::Segment> segs, size_t i) {
@@ -254,7 +215,7 @@ Status gather_strided(const GatherSource& src, std::span<const layout::Segment> 
     }
     const char* in = win->bytes.get() + (g.src - base);
     if (k > 1 || (g.skip == 0 && g.len % es == 0)) {
-      transpose_any(in, g.stride, g.len / es, k, es, dst);
+      transpose(in, g.stride, g.len / es, k, es, dst);
       return {};
     }
     pick(g, in, g.src, g.src + span, dst, 0);

@@ -1,6 +1,7 @@
 // dtype casts: the element conversions (expected bits computed by hand from IEEE 754 and
 // checked against torch 2.15 on CPU), NeMo's dtype mapping parser, the cast extent map and
-// its execution by io::gather at every offset.
+// its execution by io::gather at every offset; io::transpose, which gather uses for a
+// transposed tensor's columns.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include "ckptfs/format/index.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/io/gather.hpp"
+#include "ckptfs/io/transpose.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
@@ -397,3 +399,27 @@ TEST(CastView, LargeTensorStreamsInBlocks) {
 }
 
 }  // namespace
+
+// io::transpose against the element-by-element copy, for every element size, at shapes on and
+// off the 8x8 and 4x4 tiles (rows and columns short of a tile, one tile and a bit, many), rows
+// wider than the columns taken, and unaligned rows and outputs.
+TEST(Transpose, EveryShapeMatchesTheElementByElementCopy) {
+  std::mt19937_64 rng(11);
+  for (uint64_t es : {1u, 2u, 4u, 8u, 3u}) {
+    for (uint64_t n : {1u, 3u, 7u, 8u, 9u, 64u, 65u, 130u}) {
+      for (uint64_t k : {1u, 4u, 5u, 8u, 17u, 40u}) {
+        const uint64_t pad = 1 + rng() % 3;  // unaligned: rows start at odd offsets
+        const uint64_t stride = (k + 3) * es + pad;
+        const std::string in = test::random_bytes(rng, n * stride + pad);
+        std::string want(n * k * es, '\0'), got(n * k * es + 1, '\0');
+        for (uint64_t j = 0; j < k; ++j) {
+          for (uint64_t i = 0; i < n; ++i) {
+            std::memcpy(want.data() + (j * n + i) * es, in.data() + pad + i * stride + j * es, es);
+          }
+        }
+        io::transpose(in.data() + pad, stride, n, k, es, got.data() + 1);
+        ASSERT_EQ(got.substr(1), want) << "es " << es << " n " << n << " k " << k;
+      }
+    }
+  }
+}
