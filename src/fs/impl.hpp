@@ -79,7 +79,6 @@ struct Filesystem::Impl {
 
   // --- state; each part has its own lock (the lock order: node_table.hpp) --------------------
   NodeTable nodes;                       // inodes, cached names, directory states
-  Handles handles;                       // open file and directory handles
   IoModes io_modes{opts.backing_grace};  // plain files' opens: backed (FUSE passthrough) or cached
   StatusFile status;                     // figures for .ckptfs/status.json
   source::HeaderCache headers;
@@ -88,6 +87,10 @@ struct Filesystem::Impl {
   WritePath writing;
   std::atomic<int64_t> open_shard_fds{0};
   std::unique_ptr<WriterViews> writers;  // who sees which directory as written
+  // Open file and directory handles. After `writing` and `open_shard_fds`: a handle the kernel
+  // never released, freed with the Filesystem, gives back its write memory (`writing`'s
+  // budget) and its shard fds (`open_shard_fds`) before they go.
+  Handles handles;
   // The checkpoint directories' views (dir_views.hpp). Last: destroyed first, so the threads
   // it owns (the close watch, the builders) never call into a half-destroyed Impl.
   DirViews views;

@@ -105,10 +105,14 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
   // Its commit record carries the file's times as its shards do (flush/local.cpp): the
   // directory's shown mtime is its newest input's.
   if (a.atime || a.mtime) {
-    const std::string rec =
-        std::string(format::kStateDirName) + "/" + format::record_file_name(n.key.name);
-    if (::utimensat(dir.get(), rec.c_str(), times, AT_SYMLINK_NOFOLLOW) != 0 && errno != ENOENT) {
-      return errno_error(fmt::format("{}: {}", where, rec));
+    // .ckptfs opened without following a link (as the views read records), then its record.
+    const std::string rec = format::record_file_name(n.key.name);
+    auto state =
+        open_at(dir.get(), std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!state && state.error().code != ENOENT) return std::move(state).error();
+    if (state && ::utimensat(state->get(), rec.c_str(), times, AT_SYMLINK_NOFOLLOW) != 0 &&
+        errno != ENOENT) {
+      return errno_error(fmt::format("{}: {}/{}", where, format::kStateDirName, rec));
     }
   }
   views.force_revalidate(*n.view);

@@ -1,5 +1,7 @@
 // fs/write_rename: the write path's side of a rename onto a model name: refused where the view
 // would hide the file, and the file stored as rank shards once it has moved.
+#include "write_path.hpp"
+
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -11,7 +13,6 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/util/path.hpp"
 #include "dir_views.hpp"
-#include "write_path.hpp"
 
 namespace ckptfs::fs {
 

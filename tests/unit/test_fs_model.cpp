@@ -153,9 +153,9 @@ TEST(FsModel, RandomSequencesMatchTheReferenceModel) {
 // and sets CKPTFS_MODEL_MOUNT, CKPTFS_MODEL_SRC, CKPTFS_MODEL_RANKS (the mount's N: every
 // sequence of one mount splits files into N ranks, whatever its seed draws) and
 // CKPTFS_MODEL_WAIT_MS (what "time passes" sleeps: past settle, revalidate and the kernel's
-// timeouts). CKPTFS_MODEL_MOUNT_SEQS (default 4), CKPTFS_MODEL_FIRST (the first seed's index,
-// default 0), CKPTFS_MODEL_OPS and CKPTFS_MODEL_SEED as above. The sequences run one after the
-// other on the one mount, each from an empty tree.
+// timeouts). CKPTFS_MODEL_MOUNT_SEQS (default 4; the pytest passes 3 per mount), CKPTFS_MODEL_FIRST
+// (the first seed's index, default 0), CKPTFS_MODEL_OPS and CKPTFS_MODEL_SEED as above. The
+// sequences run one after the other on the one mount, each from an empty tree.
 TEST(FsModelMount, RandomSequencesMatchThroughFuse) {
   const char* mnt = std::getenv("CKPTFS_MODEL_MOUNT");
   const char* src = std::getenv("CKPTFS_MODEL_SRC");

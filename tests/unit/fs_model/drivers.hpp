@@ -87,6 +87,12 @@ class MountDriver : public Driver {
  private:
   [[nodiscard]] std::string path(const std::string& dir, const std::string& name = "") const;
   Answer empty_tree();
+  // The kernel sends RELEASE after close() returned: until the daemon has it, a file closed
+  // (or read by name while it was written) still counts as open for writing, and an rmdir or
+  // a directory renamed over that dir answers ENOTEMPTY. Waits (2 s at most) until the
+  // daemon's open files (.ckptfs/status.json) are no more than this driver's writers; whether
+  // it had to wait.
+  bool wait_releases();
 
   const std::string mnt_, src_;
   const uint32_t ranks_;

@@ -9,9 +9,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "drivers.hpp"
 
@@ -19,10 +21,13 @@ namespace ckptfs::fsmodel {
 
 namespace {
 
-Answer sys(int rc, const std::string& what) {
+// The answer of a syscall that returned `rc`: errno is read before `what` (a callable making
+// the message) runs, so the message's allocations cannot change it.
+template <typename What>
+Answer sys(int rc, What&& what) {
   if (rc == 0) return {};
   const int e = errno;
-  return {e, fmt::format("{}: {}", what, std::strerror(e))};
+  return {e, fmt::format("{}: {}", what(), std::strerror(e))};
 }
 
 // Reads each part with pread (looping over short reads until the end of the file).
@@ -33,7 +38,7 @@ Answer pread_parts(int fd, const ReadParts& parts, std::string& out) {
     size_t got = 0;
     while (got < len) {
       const ssize_t n = ::pread(fd, buf.data() + got, len - got, static_cast<off_t>(off + got));
-      if (n < 0) return sys(-1, fmt::format("pread at {}", off + got));
+      if (n < 0) return sys(-1, [&] { return fmt::format("pread at {}", off + got); });
       if (n == 0) break;
       got += static_cast<size_t>(n);
     }
@@ -99,63 +104,87 @@ void MountDriver::pass_time() { std::this_thread::sleep_for(wait_); }
 
 Answer MountDriver::create(const std::string& dir, const std::string& name, int flags, int handle) {
   const int fd = ::open(path(dir, name).c_str(), flags | O_CLOEXEC, 0644);
-  if (fd < 0) return sys(-1, "open " + path(dir, name));
+  if (fd < 0) return sys(-1, [&] { return std::string("open " + path(dir, name)); });
   fd_[handle] = fd;
   return {};
 }
 
 Answer MountDriver::write(int handle, uint64_t off, std::string_view bytes, size_t& wrote) {
   const ssize_t n = ::pwrite(fd_.at(handle), bytes.data(), bytes.size(), static_cast<off_t>(off));
-  if (n < 0) return sys(-1, fmt::format("pwrite #{} at {}", handle, off));
+  if (n < 0) return sys(-1, [&] { return fmt::format("pwrite #{} at {}", handle, off); });
   wrote = static_cast<size_t>(n);
   return {};
 }
 
 Answer MountDriver::flush(int handle) {
   const int dup = ::dup(fd_.at(handle));
-  if (dup < 0) return sys(-1, "dup");
-  return sys(::close(dup), fmt::format("close of a dup of #{}", handle));
+  if (dup < 0) return sys(-1, [&] { return std::string("dup"); });
+  return sys(::close(dup), [&] { return fmt::format("close of a dup of #{}", handle); });
 }
 
 Answer MountDriver::close(int handle) {
   const int fd = fd_.at(handle);
   fd_.erase(handle);
-  return sys(::close(fd), fmt::format("close #{}", handle));
+  return sys(::close(fd), [&] { return fmt::format("close #{}", handle); });
 }
 
 Answer MountDriver::fsync(int handle, bool datasync) {
   const int fd = fd_.at(handle);
-  return sys(datasync ? ::fdatasync(fd) : ::fsync(fd), fmt::format("fsync #{}", handle));
+  return sys(datasync ? ::fdatasync(fd) : ::fsync(fd),
+             [&] { return fmt::format("fsync #{}", handle); });
 }
 
 Answer MountDriver::rename(const std::string& dir, const std::string& name,
                            const std::string& to_dir, const std::string& to_name, unsigned flags) {
-  return sys(::renameat2(AT_FDCWD, path(dir, name).c_str(), AT_FDCWD, path(to_dir, to_name).c_str(),
-                         flags),
-             "renameat2");
+  const int rc = ::renameat2(AT_FDCWD, path(dir, name).c_str(), AT_FDCWD,
+                             path(to_dir, to_name).c_str(), flags);
+  Answer a = sys(rc, [] { return std::string("renameat2"); });
+  if (a.err == ENOTEMPTY && wait_releases()) {  // a directory over one a release still pins
+    const int again = ::renameat2(AT_FDCWD, path(dir, name).c_str(), AT_FDCWD,
+                                  path(to_dir, to_name).c_str(), flags);
+    a = sys(again, [] { return std::string("renameat2 (again)"); });
+  }
+  return a;
 }
 
 Answer MountDriver::unlink(const std::string& dir, const std::string& name) {
-  return sys(::unlink(path(dir, name).c_str()), "unlink");
+  return sys(::unlink(path(dir, name).c_str()), [&] { return std::string("unlink"); });
 }
 
 Answer MountDriver::mkdir(const std::string& name) {
-  return sys(::mkdir(path("", name).c_str(), 0755), "mkdir");
+  return sys(::mkdir(path("", name).c_str(), 0755), [&] { return std::string("mkdir"); });
 }
 
 Answer MountDriver::rmdir(const std::string& name) {
-  return sys(::rmdir(path("", name).c_str()), "rmdir");
+  Answer a = sys(::rmdir(path("", name).c_str()), [&] { return std::string("rmdir"); });
+  if (a.err == ENOTEMPTY && wait_releases()) {
+    a = sys(::rmdir(path("", name).c_str()), [&] { return std::string("rmdir (again)"); });
+  }
+  return a;
+}
+
+bool MountDriver::wait_releases() {
+  bool waited = false;
+  for (int i = 0; i < 100; ++i) {
+    std::ifstream in(mnt_ + "/.ckptfs/status.json");
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const auto open = j.is_discarded() ? -1 : j["writes"].value("open_files", int64_t{-1});
+    if (open >= 0 && open <= static_cast<int64_t>(fd_.size())) return waited;
+    waited = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return waited;
 }
 
 Answer MountDriver::list(const std::string& dir, std::vector<std::string>& names) {
   DIR* d = ::opendir(path(dir).c_str());
-  if (d == nullptr) return sys(-1, "opendir " + path(dir));
+  if (d == nullptr) return sys(-1, [&] { return std::string("opendir " + path(dir)); });
   errno = 0;
   while (const dirent* e = ::readdir(d)) {
     const std::string n = e->d_name;
     if (n != "." && n != "..") names.push_back(n);
   }
-  Answer a = errno ? sys(-1, "readdir " + path(dir)) : Answer{};
+  Answer a = errno ? sys(-1, [&] { return "readdir " + path(dir); }) : Answer{};
   ::closedir(d);
   return a;
 }
@@ -163,7 +192,8 @@ Answer MountDriver::list(const std::string& dir, std::vector<std::string>& names
 FileStat MountDriver::stat(const std::string& dir, const std::string& name) {
   struct stat st {};
   FileStat out;
-  if (::stat(path(dir, name).c_str(), &st) != 0) return {sys(-1, "stat")};
+  if (::stat(path(dir, name).c_str(), &st) != 0)
+    return {sys(-1, [] { return std::string("stat"); })};
   out.is_dir = S_ISDIR(st.st_mode);
   out.is_reg = S_ISREG(st.st_mode);
   out.size = static_cast<uint64_t>(st.st_size);
@@ -173,7 +203,7 @@ FileStat MountDriver::stat(const std::string& dir, const std::string& name) {
 Answer MountDriver::read_name(const std::string& dir, const std::string& name,
                               const ReadParts& parts, std::string& out) {
   const int fd = ::open(path(dir, name).c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return sys(-1, "open " + path(dir, name));
+  if (fd < 0) return sys(-1, [&] { return std::string("open " + path(dir, name)); });
   Answer a = pread_parts(fd, parts, out);
   ::close(fd);
   return a;
