@@ -25,6 +25,7 @@
 #include "ckptfs/fs/writers.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
+#include "notice_recorder.hpp"
 
 using namespace ckptfs;
 using format::DType;
@@ -35,15 +36,7 @@ namespace {
 
 namespace stdfs = std::filesystem;
 
-class Recorder final : public fs::Notifier {
- public:
-  void inval_entry(fs::Ino parent, const std::string& name) override {
-    entries.emplace(parent, name);
-  }
-  void inval_inode(fs::Ino ino) override { inodes.insert(ino); }
-  std::set<std::pair<fs::Ino, std::string>> entries;
-  std::set<fs::Ino> inodes;
-};
+using Recorder = test::NoticeRecorder;
 
 // Writes a 2-rank, row-sharded checkpoint of one F32 tensor "w" [4, 2] with `fill` bytes.
 void write_ckpt(const std::string& dir, char fill, bool atomic = false) {

@@ -22,21 +22,14 @@
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
+#include "notice_recorder.hpp"
 
 using namespace ckptfs;
 namespace stdfs = std::filesystem;
 
 namespace {
 
-class Recorder final : public fs::Notifier {
- public:
-  void inval_entry(fs::Ino parent, const std::string& name) override {
-    entries.emplace(parent, name);
-  }
-  void inval_inode(fs::Ino ino) override { inodes.insert(ino); }
-  std::set<std::pair<fs::Ino, std::string>> entries;
-  std::set<fs::Ino> inodes;
-};
+using Recorder = test::NoticeRecorder;
 
 struct Parts {
   test::TempDir src;

@@ -168,7 +168,10 @@ bool MountDriver::wait_releases() {
   for (int i = 0; i < 100; ++i) {
     std::ifstream in(mnt_ + "/.ckptfs/status.json");
     const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    const auto open = j.is_discarded() ? -1 : j["writes"].value("open_files", int64_t{-1});
+    int64_t open = -1;  // unreadable, or no such figure: wait
+    if (j.is_object() && j.contains("writes") && j.at("writes").is_object()) {
+      open = j.at("writes").value("open_files", int64_t{-1});
+    }
     if (open >= 0 && open <= static_cast<int64_t>(fd_.size())) return waited;
     waited = true;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
