@@ -8,13 +8,17 @@ the ratios within one run):
 
   (m) ckptfs  model.save_pretrained(MNT/D) into a fresh `ckptfs mount SRC MNT -f -o ranks=N`;
               timed from the call to its return, and to the moment every weights file stats
-              at its full size through the mount ("readable")
+              at its full size through the mount ("readable"); with write passthrough (the
+              default as root on Linux 6.9+) the kernel writes the file into SRC itself and the
+              daemon splits it at close
+  (r) requests  the same with -o write_passthrough=off: every byte through FUSE WRITE requests
   (a) native  the same save_pretrained into SRC directly (no FUSE, no daemon)
   (b) floor   the same daemon passing a plain file through: as many bytes as the weights file,
               in the same write() pattern as safetensors' 1 MiB buffered writer (O_EXCL temp
               file, ftruncate to the full size, the header plus small tensors coalesced up to
               1 MiB, each tensor >= 1 MiB in one write, rename while open, close), but starting
-              with b'not-safetensors', so the daemon stores it whole: the FUSE write floor
+              with b'not-safetensors', so the daemon stores it whole: the floor of the write
+              path (the kernel's passthrough write where it is on)
   (n) plain   the (b) writer into SRC directly: what (b) costs without FUSE
 
 Each variant runs on its own fresh mount, so the daemon's peak RSS (VmHWM from
@@ -59,6 +63,7 @@ MAX_RW = 2_147_479_552        # the kernel's cap on one write()
 MARK = b"not-safetensors"
 VARIANTS = {
     "m": "save_pretrained through ckptfs",
+    "r": "the same, write_passthrough=off (requests)",
     "a": "save_pretrained native (SRC directly)",
     "b": "plain file through the daemon (floor)",
     "n": "plain file native (SRC directly)",
@@ -323,7 +328,8 @@ def main() -> int:
                     help="where SRC and MNT live (default /tmp/...; /dev/shm/... takes the disk out)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
     ap.add_argument("--variants", default="mabn",
-                    help="which of m, a, b, n to run (default mabn; m and b need a writable mount)")
+                    help="which of m, r, a, b, n to run (default mabn; m, r and b need a writable "
+                         "mount)")
     ap.add_argument("--mount-opt", action="append", default=[], help="extra -o option (repeatable)")
     ap.add_argument("--max-shard-size", help="save_pretrained's max_shard_size (default: its own, 50GB)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON here")
@@ -331,12 +337,12 @@ def main() -> int:
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
 
-    variants = [v for v in "mabn" if v in args.variants]
-    if not variants or set(args.variants) - set("mabn"):
-        ap.error("--variants takes letters from m, a, b, n")
+    variants = [v for v in "mrabn" if v in args.variants]
+    if not variants or set(args.variants) - set("mrabn"):
+        ap.error("--variants takes letters from m, r, a, b, n")
     if args.rounds < 1 or args.ranks < 1 or args.size_gb <= 0:
         ap.error("--rounds, --ranks and --size-gb must be positive")
-    if ("m" in variants or "b" in variants) and not os.access(args.bin, os.X_OK):
+    if set(variants) & set("mrb") and not os.access(args.bin, os.X_OK):
         ap.error(f"--bin {args.bin} is not an executable")
     if os.geteuid() != 0:
         log("warning: not root; mounting may fail")
@@ -368,7 +374,7 @@ def main() -> int:
     os.makedirs(src)
     opts = [f"ranks={args.ranks}", *args.mount_opt]
     binary, bin_sha = args.bin, None
-    if "m" in variants or "b" in variants:
+    if set(variants) & set("mrb"):
         # One build for the whole run: a copy, so a rebuild of --bin meanwhile cannot mix builds.
         binary = os.path.join(args.dir, "ckptfs")
         shutil.copy2(args.bin, binary)
@@ -405,13 +411,14 @@ def main() -> int:
         r: dict = {"round": rnd}
         d_name = f"{v}-r{rnd}"
         daemon = None
-        if v in "mb":
-            daemon = Daemon(binary, src, mnt, opts, os.path.join(args.dir, f"daemon-{d_name}.log"))
+        if v in "mrb":
+            vopts = opts + (["write_passthrough=off"] if v == "r" else [])
+            daemon = Daemon(binary, src, mnt, vopts, os.path.join(args.dir, f"daemon-{d_name}.log"))
         base = mnt if daemon else src
         cpu0 = daemon.cpu_s() if daemon else 0.0
         out = os.path.join(base, d_name)
         try:
-            if v in "ma":
+            if v in "mra":
                 expect = {os.path.join(out, w): files[w] for w in weights}
                 t0 = time.perf_counter()
                 model.save_pretrained(out, **save_kw)
@@ -431,12 +438,12 @@ def main() -> int:
             if daemon:
                 r["rss_write_mb"] = daemon.hwm_mb()
                 r["daemon_cpu_s"] = daemon.cpu_s() - cpu0
-            if v in "ma" and rnd == 1:
+            if v in "mra" and rnd == 1:
                 t3 = time.perf_counter()
                 hashes[v] = hash_dir(out)
                 log(f"({v}) read back and hashed {len(hashes[v])} files in {time.perf_counter() - t3:.1f} s")
             r["sync_s"] = timed_sync()
-            if v == "m":
+            if v in "mr":
                 src_d = os.path.join(src, d_name)
                 r["src_files"] = sorted(os.listdir(src_d))
                 if rnd == 1:
@@ -475,14 +482,15 @@ def main() -> int:
 
     # ---- correctness
     verified = None
-    if "m" in hashes and "a" in hashes:
-        verified = hashes["m"] == hashes["a"]
-        if not verified:
-            for n in sorted(set(hashes["m"]) | set(hashes["a"])):
-                if hashes["m"].get(n) != hashes["a"].get(n):
-                    problems.append(f"{n}: through the mount [{hashes['m'].get(n, 'missing')}] != "
-                                    f"native [{hashes['a'].get(n, 'missing')}]")
-    for r in runs.get("m", []) + runs.get("b", []):
+    for v in "mr":
+        if v not in hashes or "a" not in hashes:
+            continue
+        verified = (verified is not False) and hashes[v] == hashes["a"]
+        for n in sorted(set(hashes[v]) | set(hashes["a"])):
+            if hashes[v].get(n) != hashes["a"].get(n):
+                problems.append(f"({v}) {n}: through the mount [{hashes[v].get(n, 'missing')}] "
+                                f"!= native [{hashes['a'].get(n, 'missing')}]")
+    for r in runs.get("m", []) + runs.get("r", []) + runs.get("b", []):
         if r.get("remove_error"):
             problems.append(f"round {r['round']}: removal through the mount failed: {r['remove_error']}")
         if r.get("leftover_in_src"):
@@ -500,12 +508,18 @@ def main() -> int:
         ratios["m/b readable"] = gbps_readable["m"] / gbps_readable["b"]
     if "m" in gbps and "a" in gbps:
         ratios["m/a"] = gbps["m"] / gbps["a"]
+        ratios["m/a readable"] = gbps_readable["m"] / gbps_readable["a"]
+        ratios["m/a with sync"] = gbps_synced["m"] / gbps_synced["a"]
+    if "r" in gbps and "a" in gbps:
+        ratios["r/a"] = gbps["r"] / gbps["a"]
+    if "m" in gbps and "r" in gbps:
+        ratios["m/r"] = gbps["m"] / gbps["r"]
     if "b" in gbps and "n" in gbps:
         ratios["b/n"] = gbps["b"] / gbps["n"]
     if "a" in gbps and "n" in gbps:
         ratios["a/n"] = gbps["a"] / gbps["n"]
     rss = {v: {"write_mb": max(r["rss_write_mb"] for r in runs[v]),
-               "unmount_mb": max(r["rss_unmount_mb"] for r in runs[v])} for v in "mb" if v in runs}
+               "unmount_mb": max(r["rss_unmount_mb"] for r in runs[v])} for v in "mrb" if v in runs}
 
     print()
     print(f"{'measurement (median of ' + str(args.rounds) + ')':46s} {'s':>7s} {'GB/s':>7s} "
@@ -515,22 +529,28 @@ def main() -> int:
         note = ""
         if v == "m":
             note = (f"m/b {ratios['m/b']:.2f} (target >= 0.9)" if "m/b" in ratios else "")
-            note += (f", m/a {ratios['m/a']:.2f}" if "m/a" in ratios else "")
+            note += (f", m/a {ratios['m/a']:.2f} (target >= 0.9; readable "
+                     f"{ratios['m/a readable']:.2f}, with sync {ratios['m/a with sync']:.2f})"
+                     if "m/a" in ratios else "")
+            note += (f", m/r {ratios['m/r']:.2f}" if "m/r" in ratios else "")
+        elif v == "r" and "r/a" in ratios:
+            note = f"r/a {ratios['r/a']:.2f}"
         elif v == "b" and "b/n" in ratios:
             note = f"b/n {ratios['b/n']:.2f}"
         elif v == "a" and "a/n" in ratios:
             note = f"a/n {ratios['a/n']:.2f}"
         print(f"({v}) {VARIANTS[v]:42s} {m['return_s']:7.2f} {gbps[v]:7.2f} {m['readable_s']:10.2f} "
               f"{m['sync_s']:8.2f}  {note}")
-    cpu = {v: statistics.median(r["daemon_cpu_s"] for r in runs[v]) for v in "mb" if v in runs}
+    cpu = {v: statistics.median(r["daemon_cpu_s"] for r in runs[v]) for v in "mrb" if v in runs}
     for v, x in rss.items():
-        tgt = " (target <= 256 MB)" if v == "m" else ""
+        tgt = " (target <= 256 MB)" if v in "mr" else ""
         print(f"daemon peak RSS (VmHWM), ({v}): {x['write_mb']:.0f} MB after the write, "
               f"{x['unmount_mb']:.0f} MB at unmount{tgt}")
     for v, c in cpu.items():
         print(f"daemon CPU (user + system) during the write, ({v}): {c:.2f} s, {c / (wbytes / 1e9):.2f} s/GB")
     if verified is not None:
-        print(f"correctness: (m) read back through the mount == (a), {len(hashes['a'])} files sha256: "
+        print(f"correctness: ({'/'.join(v for v in 'mr' if v in hashes)}) read back through the "
+              f"mount == (a), {len(hashes['a'])} files sha256: "
               f"{'OK' if verified else 'MISMATCH'}")
     for p in problems:
         print(f"PROBLEM: {p}")

@@ -61,6 +61,9 @@ ckptfs -o options:
                          SRC, no request to the daemon (FUSE passthrough, Linux 6.9+, root);
                          a write open of a file open for reading that way fails (ETXTBSY)
                          (default: on for a read-only mount, off otherwise)
+  write_passthrough=on|off  files opened for writing are written by the kernel into SRC,
+                         at page-cache speed; a consolidated file is split into rank shards
+                         at close (FUSE passthrough, Linux 6.9+, root; default on)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
   read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
   max_read=N             the largest read request in bytes (default and most: 1 MiB)
@@ -171,6 +174,8 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::s
     o.prefetch_threads = n;
   } else if (key == "passthrough") {
     CKPTFS_TRY(o.passthrough, parse_onoff(val, "passthrough"));
+  } else if (key == "write_passthrough") {
+    CKPTFS_TRY(o.write_passthrough, parse_onoff(val, "write_passthrough"));
   } else if (key == "splice") {
     CKPTFS_TRY(o.splice, parse_onoff(val, "splice"));
   } else if (key == "read_ahead_kb") {

@@ -179,7 +179,8 @@ class LocalTransaction final : public Transaction {
     CKPTFS_TRY(tx->tx_, open_at(tx->state_.get(), tx->name_, O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
     CKPTFS_TRY(tx->lock_, open_at(tx->tx_.get(), "lock", O_RDWR | O_CREAT | O_EXCL, 0600));
     if (::flock(tx->lock_.get(), LOCK_EX) != 0) return errno_error(tx_display + "/lock");
-    const std::string owner = fmt::format("{}\n", static_cast<uint64_t>(t.placeholder));
+    const std::string owner = fmt::format("{}{}\n", static_cast<uint64_t>(t.placeholder),
+                                          t.kernel_written ? " kernel" : "");
     CKPTFS_CHECK(pwrite_all(tx->lock_.get(), owner.data(), owner.size(), 0, tx_display + "/lock"));
     for (const auto& sh : set.shards) {
       const std::string n = staged_name(sh.rank + 1);
@@ -332,6 +333,12 @@ class LocalFlusher final : public Flusher {
     return std::unique_ptr<Transaction>(std::move(tx));
   }
 
+  Result<std::unique_ptr<Transaction>> begin_kernel_write(const Target& t,
+                                                          std::string what) override {
+    CKPTFS_TRY(auto tx, LocalTransaction::begin(t, layout::ShardSet{}, std::move(what), live_));
+    return std::unique_ptr<Transaction>(std::move(tx));
+  }
+
   bool recover(const Target& t) override {
     auto state = open_at(t.dirfd, kState, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
     if (!state) return false;
@@ -415,12 +422,20 @@ class LocalFlusher final : public Flusher {
   static void remove_placeholder(int dirfd, int txfd) {
     auto text = read_small_file_beneath(txfd, "lock", 64);
     if (!text) return;
-    const uint64_t ino = std::strtoull(text->c_str(), nullptr, 10);
+    char* rest = nullptr;
+    const uint64_t ino = std::strtoull(text->c_str(), &rest, 10);
     if (ino == 0) return;
+    // "<ino> kernel": a file the kernel wrote (begin_kernel_write), removed from under a model
+    // name; else an empty placeholder.
+    const bool kernel = std::string_view(rest).starts_with(" kernel");
     auto entries = source::list_dir(dirfd);
     if (!entries) return;
     for (const auto& e : *entries) {
-      if (S_ISREG(e.st.st_mode) && static_cast<uint64_t>(e.st.st_ino) == ino && e.st.st_size == 0) {
+      if (!S_ISREG(e.st.st_mode) || static_cast<uint64_t>(e.st.st_ino) != ino) continue;
+      if (kernel ? format::is_model_name(e.name) : e.st.st_size == 0) {
+        if (kernel) {
+          spdlog::info("removing {}, written through the mount and never closed", e.name);
+        }
         ::unlinkat(dirfd, e.name.c_str(), 0);
       }
     }

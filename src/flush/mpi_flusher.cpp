@@ -69,6 +69,11 @@ class MpiFlusherImpl final : public MpiFlusher {
                         std::move(what), rate_, rel);
   }
 
+  // A file the kernel writes is in the head's SRC: its guard is local.
+  Result<std::unique_ptr<Transaction>> begin_kernel_write(const Target& t,
+                                                          std::string what) override {
+    return local_->begin_kernel_write(t, std::move(what));
+  }
   bool recover(const Target& t) override { return local_->recover(t); }
 
   // Node-local: the record goes first (nothing names the shards any more), then the shards.

@@ -213,6 +213,18 @@ struct Filesystem::Impl {
   // --- write_glue.cpp: handles open for writing, handed to `writing` -------------------------
   Result<OpenOut> open_for_write(const Node& n, int flags);
   uint64_t adopt_writer(std::shared_ptr<write::WriteFile> wf, Ino ino);
+  // Whether the mount lets the kernel write files itself (Options::backing_writes).
+  [[nodiscard]] bool backs_writes() const {
+    return opts.backing_writes && writes_backed.load(std::memory_order_relaxed);
+  }
+  std::atomic<bool> writes_backed{true};  // false once the kernel refused a writer's backing
+  // A write open of real file `n`, or one made by create (`wf`, inode `ino`, `rel` in
+  // messages), served by the kernel from the file itself where IoModes allows it (write
+  // passthrough), else through WRITE requests. Only where backs_writes(). `counted`: the
+  // open is counted in io_modes already, backed or not.
+  Result<OpenOut> open_backed_writer(const Node& n, int flags);
+  Result<OpenOut> backed_writer(std::shared_ptr<write::WriteFile> wf, Ino ino, std::string_view rel,
+                                std::optional<bool> counted = {});
   Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);
   Status flush(uint64_t fh, const Caller& who);
   Status fsync(uint64_t fh, bool datasync);

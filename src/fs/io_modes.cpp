@@ -34,10 +34,35 @@ Status IoModes::open_cached(Ino ino, std::string_view rel) {
   return {};
 }
 
+Result<bool> IoModes::open_write(Ino ino, std::string_view rel) {
+  std::unique_lock lock(mu_);
+  const bool free = cv_.wait_for(lock, grace_, [&] {
+    auto it = open_.find(ino);
+    return it == open_.end() || it->second.backed == 0 || it->second.writable;
+  });
+  if (!free) {
+    return make_error(ETXTBSY,
+                      "{}: open for reading from its backing file (FUSE passthrough); it can be "
+                      "written once those readers close it",
+                      rel);
+  }
+  Counts& c = open_[ino];
+  if (c.cached > 0) {
+    ++c.cached;
+    return false;
+  }
+  ++c.backed;
+  c.writable = true;
+  ++total_backed_;
+  ++backed_writes_;
+  return true;
+}
+
 void IoModes::demote(Ino ino) {
   std::lock_guard lock(mu_);
   Counts& c = open_[ino];
   if (c.backed > 0) --c.backed;
+  if (c.backed == 0) c.writable = false;
   ++c.cached;
 }
 
@@ -48,6 +73,7 @@ void IoModes::release(Ino ino, bool backed) {
     if (it == open_.end()) return;
     uint32_t& n = backed ? it->second.backed : it->second.cached;
     if (n > 0) --n;
+    if (it->second.backed == 0) it->second.writable = false;
     if (it->second.backed == 0 && it->second.cached == 0) open_.erase(it);
   }
   if (backed) cv_.notify_all();
@@ -56,6 +82,11 @@ void IoModes::release(Ino ino, bool backed) {
 uint64_t IoModes::backed_opens() const {
   std::lock_guard lock(mu_);
   return total_backed_;
+}
+
+uint64_t IoModes::backed_writes() const {
+  std::lock_guard lock(mu_);
+  return backed_writes_;
 }
 
 }  // namespace ckptfs::fs

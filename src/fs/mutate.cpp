@@ -263,6 +263,15 @@ Result<CreateOut> Filesystem::Impl::create(Ino parent, std::string_view name, mo
   if (flags & O_TRUNC) CKPTFS_CHECK((*wf)->truncate(0));  // the inode may have been open already
   CreateOut out;
   out.entry = e;
+  if (backs_writes()) {
+    auto opened = backed_writer(std::move(*wf), e.ino, where);
+    if (!opened) {
+      forget(e.ino, 1);
+      return std::move(opened).error();
+    }
+    out.open = *opened;
+    return out;
+  }
   out.open.fh = adopt_writer(std::move(*wf), e.ino);
   return out;
 }

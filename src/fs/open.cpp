@@ -69,6 +69,7 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
     if (opts.read_only) return make_error(EROFS, "read-only view");
     note_writer_of(ino, who);
     if (n->kind != Kind::File) return open_for_write(*n, flags);
+    if (backs_writes()) return open_backed_writer(*n, flags);
     CKPTFS_CHECK(io_modes.open_cached(ino, n->rel));
     auto out = open_for_write(*n, flags);
     if (!out) {
@@ -119,10 +120,16 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
     case Kind::File: {
       if (auto wf = writing.find(n->dev, n->bino)) {  // being written: what it holds now
         h->reader = std::make_shared<WriteFileReader>(wf);
+        // Written by the kernel (write passthrough): read from the same file, as the kernel
+        // requires of one inode's opens.
+        if (io_modes.open_read(ino, wf->kernel_written())) {
+          h->io = FileHandle::Io::Backed;
+          out.backing_fd = wf->backing_fd();
+        } else {
+          h->io = FileHandle::Io::Cached;
+        }
         h->wf = std::move(wf);
         h->ino = ino;
-        h->io = FileHandle::Io::Cached;
-        io_modes.open_read(ino, false);
         break;
       }
       struct stat st {};
@@ -183,6 +190,11 @@ void Filesystem::Impl::backing_refused(uint64_t fh) {
   if (!found || (*found)->io != FileHandle::Io::Backed) return;
   (*found)->io = FileHandle::Io::Cached;
   io_modes.demote((*found)->ino);
+  // A kernel without passthrough (before 6.9): this file's writes come as requests into its
+  // backing file (it is split at close), and later files take the request path from the start.
+  if ((*found)->writable && writes_backed.exchange(false)) {
+    spdlog::warn("write path: FUSE requests from now on (the kernel refused a backing file)");
+  }
 }
 
 bool Filesystem::Impl::release(uint64_t fh) {

@@ -129,7 +129,14 @@ std::string Filesystem::Impl::status_json() const {
   out["reads"] = {{"requests", status.reads.load()},
                   {"bytes", status.bytes_read.load()},
                   {"backed_opens", io_modes.backed_opens()}};
-  out["writes"] = {{"open_files", writing.open_files()}};
+  // "passthrough": files opened for writing are written by the kernel itself (the mount's
+  // write path, docs/semantics.md); "backed_opens": how many such opens there were;
+  // "requests" and "bytes": the WRITE requests that reached the daemon.
+  out["writes"] = {{"open_files", writing.open_files()},
+                   {"passthrough", backs_writes()},
+                   {"backed_opens", io_modes.backed_writes()},
+                   {"requests", status.writes.load()},
+                   {"bytes", status.bytes_written.load()}};
 
   json extra = json::object();
   json errs = json::object();

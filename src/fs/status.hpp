@@ -18,10 +18,11 @@ class StatusFile {
  public:
   explicit StatusFile(int64_t started_ns) : started_ns(started_ns) {}
 
-  const int64_t started_ns;                       // the daemon's start (CLOCK_REALTIME)
-  std::atomic<uint64_t> reads{0}, bytes_read{0};  // read requests, and the bytes they return
-  std::atomic<uint64_t> builds{0}, refusals{0};   // checkpoint models read; of those invalid
-  std::atomic<uint64_t> errors{0};                // operations failed with an unexpected errno
+  const int64_t started_ns;                           // the daemon's start (CLOCK_REALTIME)
+  std::atomic<uint64_t> reads{0}, bytes_read{0};      // read requests, and the bytes they return
+  std::atomic<uint64_t> writes{0}, bytes_written{0};  // WRITE requests, and the bytes they bring
+  std::atomic<uint64_t> builds{0}, refusals{0};       // checkpoint models read; of those invalid
+  std::atomic<uint64_t> errors{0};                    // operations failed with an unexpected errno
 
   // Installs (or, with an empty function, removes) the source of the "prefetch" figures.
   void set_extra(StatusExtra extra);

@@ -2,6 +2,10 @@
 // handle handed to the write path (write_path.hpp).
 #include <fcntl.h>
 
+#include <optional>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/util/path.hpp"
 #include "impl.hpp"
 #include "readers.hpp"
 
@@ -11,6 +15,43 @@ Result<OpenOut> Filesystem::Impl::open_for_write(const Node& n, int flags) {
   CKPTFS_TRY(auto wf, writing.open(n, flags));
   OpenOut out;
   out.fh = adopt_writer(std::move(wf), n.ino);
+  return out;
+}
+
+Result<OpenOut> Filesystem::Impl::open_backed_writer(const Node& n, int flags) {
+  // Counted before the file is opened: an O_TRUNC open refused (ETXTBSY) truncates nothing.
+  CKPTFS_TRY(const bool backed, io_modes.open_write(n.ino, n.rel));
+  auto wf = writing.open(n, flags);
+  if (!wf) {
+    io_modes.release(n.ino, backed);
+    return std::move(wf).error();
+  }
+  return backed_writer(std::move(*wf), n.ino, n.rel, backed);
+}
+
+Result<OpenOut> Filesystem::Impl::backed_writer(std::shared_ptr<write::WriteFile> wf, Ino ino,
+                                                std::string_view rel, std::optional<bool> counted) {
+  bool backed = false;
+  if (counted) {
+    backed = *counted;
+  } else {
+    CKPTFS_TRY(backed, io_modes.open_write(ino, rel));
+  }
+  if (backed && !wf->kernel_writes()) {
+    // The daemon holds or routes this file's bytes (another writer streams it), or SRC's file
+    // system cannot tell what was written (write/file.hpp): its writes come as requests, once
+    // the backed opens of the inode are gone.
+    io_modes.release(ino, true);
+    CKPTFS_CHECK(io_modes.open_cached(ino, rel));
+    backed = false;
+  }
+  if (backed && format::is_model_name(split_rel(rel).name)) wf->guard_model_name();
+  OpenOut out;
+  if (backed) out.backing_fd = wf->backing_fd();
+  out.fh = adopt_writer(std::move(wf), ino);
+  if (auto h = handles.file(out.fh)) {
+    (*h)->io = backed ? FileHandle::Io::Backed : FileHandle::Io::Cached;
+  }
   return out;
 }
 
@@ -29,6 +70,8 @@ Result<size_t> Filesystem::Impl::write(uint64_t fh, uint64_t off, std::string_vi
   CKPTFS_TRY(FileHandle * h, handles.file(fh));
   if (!h->wf || !h->writable) return make_error(EBADF, "not open for writing");
   CKPTFS_CHECK(h->wf->write(off, bytes));
+  status.writes.fetch_add(1, std::memory_order_relaxed);
+  status.bytes_written.fetch_add(bytes.size(), std::memory_order_relaxed);
   return bytes.size();
 }
 

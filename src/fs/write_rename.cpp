@@ -65,7 +65,8 @@ Status WritePath::store_renamed(const WriteDir& from, Ino from_parent, const std
   if (auto open = writes_.find(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
       open && open->writers.load() > 0) {
     open->renamed();
-    return {};  // stored when its writer closes it, under the name it has then
+    open->guard_model_name();  // written by the kernel: never shown if the daemon dies first
+    return {};                 // stored when its writer closes it, under the name it has then
   }
   CKPTFS_TRY(UniqueFd fd, open_at(to.fd, to_name, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
   // The registered state if the file is still open (read-only, or a release not yet here).

@@ -384,7 +384,19 @@ void op_create(fuse_req_t req, fuse_ino_t p, const char* name, mode_t mode, fuse
   if (!r) return reply_error(req, r.error(), "create");
   fi->fh = r->open.fh;
   auto e = entry_of(r->entry, *c.opts);
-  if (fuse_reply_create(req, &e, fi) != 0) c.fs->release(r->open.fh);
+  int backing_id = 0;
+  if (r->open.backing_fd >= 0) {  // the kernel writes the file itself (write passthrough)
+    backing_id = c.backing ? c.backing->acquire(r->entry.ino, r->open.backing_fd) : 0;
+    if (backing_id > 0) {
+      Backing::mark_next_open(backing_id);
+    } else {
+      c.fs->backing_refused(r->open.fh);
+    }
+  }
+  if (fuse_reply_create(req, &e, fi) != 0) {
+    Backing::clear_mark();
+    if (c.fs->release(r->open.fh) && backing_id > 0) c.backing->release(r->entry.ino);
+  }
 }
 
 void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off,
@@ -562,7 +574,7 @@ int run_mount(const MountOptions& given) {
   }
   c.devnum = mount_devnum(o.mountpoint);
   Backing backing;
-  if (o.fs.backing) {
+  if (o.fs.backing || o.fs.backing_writes) {
     if (backing.install(se.get())) {
       c.backing = &backing;
     } else {

@@ -45,6 +45,7 @@ struct OpenOut {  // struct fuse_open_out, 7.40 (backing_id was padding before)
 // consumed by the writev hook on the same thread.
 thread_local bool t_init = false;
 thread_local int t_open_id = 0;
+constexpr size_t kEntryOutSize = 128;  // struct fuse_entry_out, which a CREATE reply leads with
 
 ssize_t hook_writev(int fd, struct iovec* iov, int count, void*) {
   if (count >= 2 && iov[0].iov_len >= sizeof(OutHeader)) {
@@ -56,10 +57,16 @@ ssize_t hook_writev(int fd, struct iovec* iov, int count, void*) {
       flags2 |= kFlags2Passthrough;
       std::memcpy(p + kInitFlags2, &flags2, sizeof flags2);
       std::memcpy(p + kInitStackDepth, &depth, sizeof depth);
-    } else if (t_open_id > 0 && h->error == 0 && iov[1].iov_len == sizeof(OpenOut)) {
-      auto* o = static_cast<OpenOut*>(iov[1].iov_base);
-      o->open_flags |= kFopenPassthrough;
-      o->backing_id = t_open_id;
+    } else if (t_open_id > 0 && h->error == 0 &&
+               (iov[1].iov_len == sizeof(OpenOut) ||
+                iov[1].iov_len == kEntryOutSize + sizeof(OpenOut))) {
+      // An OPEN reply is fuse_open_out; a CREATE reply fuse_entry_out, then fuse_open_out.
+      auto* p = static_cast<char*>(iov[1].iov_base) + (iov[1].iov_len - sizeof(OpenOut));
+      OpenOut o;
+      std::memcpy(&o, p, sizeof o);
+      o.open_flags |= kFopenPassthrough;
+      o.backing_id = t_open_id;
+      std::memcpy(p, &o, sizeof o);
     }
   }
   t_init = false;
@@ -94,7 +101,7 @@ int Backing::acquire(uint64_t ino, int fd) {
     if (id <= 0) {
       spdlog::warn(
           "FUSE passthrough is off for this mount: the kernel refused a backing file "
-          "({}); plain files are read through the daemon",
+          "({}); plain files are read and written through the daemon",
           std::strerror(errno));
       ids_.erase(ino);
       broken_ = true;

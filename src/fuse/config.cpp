@@ -48,6 +48,10 @@ Decided decide(const MountOptions& given) {
     o.passthrough = false;
   }
   o.fs.backing = o.passthrough.value_or(o.fs.read_only);
+  if (o.write_passthrough.value_or(false) && ::geteuid() != 0) {
+    spdlog::warn("write_passthrough=on needs root (CAP_SYS_ADMIN): off");
+  }
+  o.fs.backing_writes = !o.fs.read_only && ::geteuid() == 0 && o.write_passthrough.value_or(true);
   return d;
 }
 
@@ -101,13 +105,25 @@ void setup_background_logging(const MountOptions& o) {
   spdlog::set_default_logger(logger);
 }
 
-void log_read_path(const Decided& d, bool passthrough) {
+void log_read_path(const Decided& d, bool backing) {
   const MountOptions& o = d.opts;
+  const bool passthrough = backing && o.fs.backing;
   spdlog::info(
       "read path: {} cores, {} MiB available: threads={} prefetch={} (threads {}) splice={} "
       "passthrough={}",
       d.machine.cores, d.machine.mem_available >> 20, *o.threads, *o.prefetch ? "on" : "off",
       *o.prefetch_threads, o.splice ? "on" : "off", passthrough ? "on" : "off");
+  if (o.fs.read_only) return;
+  if (backing && o.fs.backing_writes) {
+    spdlog::info(
+        "write path: passthrough (the kernel writes files into SRC itself; a consolidated file "
+        "is split into rank shards at close)");
+  } else {
+    spdlog::info("write path: FUSE requests ({})",
+                 o.fs.backing_writes ? "libfuse refused the I/O hooks passthrough needs"
+                 : ::geteuid() != 0  ? "passthrough needs root"
+                                     : "write_passthrough=off");
+  }
 }
 
 }  // namespace ckptfs::fuse

@@ -27,6 +27,6 @@ void set_read_ahead(const std::string& devnum, unsigned kb);
 // A daemon in the background logs to the log file, or to syslog.
 void setup_background_logging(const MountOptions& o);
 // The one line saying how the read path was set up.
-void log_read_path(const Decided& d, bool passthrough);
+void log_read_path(const Decided& d, bool backing);
 
 }  // namespace ckptfs::fuse

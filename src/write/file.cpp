@@ -3,6 +3,8 @@
 #include "ckptfs/write/file.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -316,6 +318,81 @@ Status WriteFile::to_plain_locked(bool keep_all) {
   return {};
 }
 
+namespace {
+
+// File systems whose SEEK_HOLE reports exactly what no writer wrote (dirty page cache
+// included) and which never store written zeros as holes (ZFS with compression does).
+bool reports_holes(int fd) {
+  struct statfs sf {};
+  if (::fstatfs(fd, &sf) != 0) return false;
+  switch (static_cast<unsigned long>(sf.f_type)) {
+    case TMPFS_MAGIC:
+    case EXT4_SUPER_MAGIC:
+    case XFS_SUPER_MAGIC:
+    case BTRFS_SUPER_MAGIC:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+bool WriteFile::kernel_writes() {
+  std::lock_guard lock(mu_);
+  if (!kernel_writes_ && !reports_holes(backing_.get())) return false;
+  if (state_ == State::Sniffing && prefix_.empty()) {
+    if (!to_plain_locked(true)) return false;
+  }
+  if (state_ != State::Plain) return false;
+  kernel_writes_ = true;
+  kernel_changed_locked();
+  return true;
+}
+
+bool WriteFile::kernel_written() const {
+  std::lock_guard lock(mu_);
+  return kernel_writes_;
+}
+
+void WriteFile::guard_model_name() {
+  std::lock_guard lock(mu_);
+  if (!kernel_writes_ || guard_ || state_ != State::Plain) return;
+  flush::Target t = target();
+  t.kernel_written = true;
+  auto g = flusher_->begin_kernel_write(t, what_);
+  if (!g) {
+    spdlog::warn("{}: not guarded against a daemon crash before its close: {}", what_,
+                 g.error().message);
+    return;
+  }
+  guard_ = std::move(g).value();
+}
+
+std::optional<Error> WriteFile::cut_at_hole_locked() {
+  struct stat st {};
+  if (::fstat(backing_.get(), &st) != 0 || st.st_size == 0) return std::nullopt;
+  const off_t hole = ::lseek(backing_.get(), 0, SEEK_HOLE);
+  if (hole < 0 || hole >= st.st_size) return std::nullopt;
+  Error e{EIO, fmt::format("{}: closed with nothing written from byte {} of its {} (a "
+                           "consolidated file cut short is never shown as complete)",
+                           what_, hole, st.st_size)};
+  spdlog::warn("{}", e.message);
+  if (::ftruncate(backing_.get(), hole) != 0) {
+    return Error{
+        errno, fmt::format("{}: cannot cut it at byte {}: {}", what_, hole, std::strerror(errno))};
+  }
+  return e;
+}
+
+bool WriteFile::kernel_changed_locked() {
+  struct stat st {};
+  if (::fstat(backing_.get(), &st) != 0) return true;  // cannot tell: look again at close
+  const std::array<int64_t, 5> now{static_cast<int64_t>(st.st_size), st.st_mtim.tv_sec,
+                                   st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+  return std::exchange(stamp_, now) != now;
+}
+
 Status WriteFile::truncate(uint64_t size) {
   std::lock_guard lock(mu_);
   switch (state_) {
@@ -445,8 +522,28 @@ Result<bool> WriteFile::is_backing(const Place& where) const {
 
 Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
   std::lock_guard lock(mu_);
-  // Written since the last close, or made by this open (an empty file is a file too).
-  const bool was_dirty = dirty_.exchange(false) || std::exchange(fresh_, false);
+  if (!kernel_writes_) return finalize_locked(where, rules);
+  if (state_ == State::Committed && kernel_changed_locked()) {
+    // The kernel let a descriptor of this open file write after another one's close()
+    // stored it (a dup, a fork): those bytes went to the removed backing file. Never
+    // silently: the close() of that descriptor fails.
+    Error e{EIO, fmt::format("{}: written after close() stored it (through another "
+                             "descriptor); those bytes are not stored",
+                             what_)};
+    spdlog::warn("{}", e.message);
+    return e;
+  }
+  auto st = finalize_locked(where, rules);
+  kernel_changed_locked();  // what this close saw (and did: a commit removes the backing file)
+  guard_.reset();           // closed: the file is stored, or whole as it is
+  return st;
+}
+
+Status WriteFile::finalize_locked(const Place& where, const StoreRules& rules) {
+  // Written since the last close (by the daemon, or by the kernel), or made by this open (an
+  // empty file is a file too).
+  const bool was_dirty = dirty_.exchange(false) || std::exchange(fresh_, false) ||
+                         (kernel_writes_ && kernel_changed_locked());
   whole_.reset();
   const bool model = format::is_model_name(where.name);
   switch (state_) {
@@ -463,6 +560,12 @@ Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
       return {};
     case State::Plain:
       if (!was_dirty || !model) return {};
+      if (kernel_writes_) {
+        if (auto cut = cut_at_hole_locked()) {
+          whole_ = std::move(cut);
+          return {};
+        }
+      }
       if (rules.whole) {
         if (rules.whole->code) whole_ = rules.whole;
         return {};
@@ -523,7 +626,9 @@ Status WriteFile::store(const Place& where, const StoreRules& rules) {
     if (rules.whole->code) whole_ = rules.whole;
     return {};
   }
-  return split_plain_locked(where, durable_, rules);
+  auto st = split_plain_locked(where, durable_, rules);
+  if (kernel_writes_) kernel_changed_locked();  // a commit removed the backing file
+  return st;
 }
 
 Status WriteFile::commit_locked(const Place& where, bool durable) {
@@ -629,6 +734,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   auto p = plan(*parsed, plan_opts_, what_);
   auto set = p ? shard_headers(*parsed, *p, what_) : Result<layout::ShardSet>(p.error());
   if (!set) {
+    spdlog::warn("{}: stored whole, not split: {}", what_, set.error().message);
     whole_ = set.error();
     return {};
   }

@@ -66,7 +66,7 @@ if [[ ${CKPTFS_ASAN:-0} == 1 ]]; then
     files=(test_mount.py test_hostile.py test_mount_fuzz.py test_cli.py test_write.py
            test_trust.py test_write_fuzz.py test_native.py test_maps_torchtitan.py
            test_passthrough.py test_trust_dcp.py test_trust_verl_maps.py test_trust_views.py
-           test_fs_model_mount.py)
+           test_fs_model_mount.py test_write_passthrough.py)
     args+=("${files[@]/#/tests/python/}" -m "not mpi" -k "not written_through and not every_tool")
   else
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0

@@ -480,6 +480,10 @@ class ReaderFlusher final : public flush::Flusher {
                                                     std::string what) override {
     return local_->begin(t, set, std::move(what));
   }
+  Result<std::unique_ptr<flush::Transaction>> begin_kernel_write(const flush::Target& t,
+                                                                 std::string what) override {
+    return local_->begin_kernel_write(t, std::move(what));
+  }
   bool recover(const flush::Target& t) override { return local_->recover(t); }
   Status remove(const flush::Target& t, uint32_t k, uint32_t m) override {
     return local_->remove(t, k, m);

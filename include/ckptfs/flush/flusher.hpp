@@ -41,6 +41,10 @@ struct Target {
   // The inode of the file being written, whose backing file is an empty placeholder while
   // its bytes go to the shards: recover() removes it with the staging of a dead writer.
   ino_t placeholder = 0;
+  // The kernel writes that file itself (write passthrough), so it is not empty: recover()
+  // removes it from under a model name instead (its writer never closed it; see
+  // Flusher::begin_kernel_write).
+  bool kernel_written = false;
 };
 
 struct CommitInfo {
@@ -92,6 +96,13 @@ class Flusher {
   // Stages a new shard set: one file per rank, sized and holding nothing yet.
   virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                                      std::string what) = 0;
+  // A file under a model name that the kernel writes itself (t.placeholder, t.kernel_written):
+  // a staging with no shards, held until the returned transaction goes (the writer closed
+  // the file). If the daemon dies first, recover() removes the file, as it removes a dead
+  // writer's placeholder: its bytes were never stored, and it may read as complete with
+  // zeros where the writer never wrote.
+  virtual Result<std::unique_ptr<Transaction>> begin_kernel_write(const Target& t,
+                                                                  std::string what) = 0;
   // Finishes what a crashed writer left in the directory: completes commits whose record
   // exists, removes staging without one (and its empty placeholder). Staging that a live
   // daemon holds is left alone. Returns whether it changed anything in the directory.

@@ -55,6 +55,9 @@ struct Options {
   // Plain files opened read-only may be served by the kernel from their file in SRC (FUSE
   // passthrough, OpenOut::backing_fd); set by the adapter once the kernel has accepted it.
   bool backing = false;
+  // Files opened for writing are served by the kernel from their backing file too (with
+  // `backing`): no WRITE request reaches the daemon, which reads the file at close.
+  bool backing_writes = false;
   // How long a write open of such a file waits for the releases of readers that closed it
   // (the kernel tells the daemon a moment after close) before it fails with ETXTBSY.
   std::chrono::milliseconds backing_grace{200};

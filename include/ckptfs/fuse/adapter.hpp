@@ -25,6 +25,9 @@ struct MountOptions {
   // passthrough, Linux 6.9+, as root). Unset: on for a read-only mount, where no write can
   // meet a backed reader (a write open of a file being read that way is refused, ETXTBSY).
   std::optional<bool> passthrough;
+  // With passthrough, files opened for writing are written by the kernel into their file in
+  // SRC too (no WRITE request; the daemon splits a consolidated file at close). Unset: on.
+  std::optional<bool> write_passthrough;
   unsigned max_read = 0;     // -o max_read: the largest FUSE_READ (0: libfuse's, 1 MiB here)
   bool auto_unmount = true;  // unmount if the daemon dies (fusermount3 watchdog)
   double attr_timeout = 1.0;

@@ -31,7 +31,7 @@ class Backing {
   // for the OPEN reply, or 0 where the kernel refuses (no CAP_SYS_ADMIN, passthrough not
   // negotiated, SRC itself on a stacked file system); then passthrough is off for the mount.
   int acquire(uint64_t ino, int fd);
-  // The OPEN reply this thread writes next is served from backing file `id`.
+  // The OPEN or CREATE reply this thread writes next is served from backing file `id`.
   static void mark_next_open(int id);
   // Forgets a mark that no reply used (the reply failed).
   static void clear_mark();

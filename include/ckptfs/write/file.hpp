@@ -18,6 +18,7 @@
 
 #include <sys/stat.h>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -133,6 +134,22 @@ class WriteFile {
   // finalize it, so a rename onto a model name stores it at once.
   std::atomic<int> writers{0};
   [[nodiscard]] dev_t dev() const { return dev_; }
+  // The kernel writes the backing file itself from now on (FUSE passthrough): no write()
+  // reaches this object, and each finalize() learns what changed from the backing file's size
+  // and times. Only a file whose bytes are its backing file's can (Sniffing with nothing held
+  // yet, or Plain): false otherwise, and nothing changes.
+  // The backing file must be on a file system that reports the holes a writer left
+  // (SEEK_HOLE) and never turns written zeros into holes (tmpfs, ext4, xfs, btrfs): at close a
+  // file cut short under a model name is found by its first hole.
+  bool kernel_writes();
+  [[nodiscard]] bool kernel_written() const;
+  // The kernel writes it under a model name (created or renamed there): until it is closed, a
+  // staging with no shards names it (Flusher::begin_kernel_write), so that after a daemon
+  // crash recovery removes it rather than show bytes that were never stored.
+  void guard_model_name();
+  // The backing file, open read-write, for the kernel to serve opens from (valid while this
+  // object lives).
+  [[nodiscard]] int backing_fd() const { return backing_.get(); }
   // Its backing file still has a name (not unlinked, not a placeholder removed at commit).
   [[nodiscard]] bool linked() const;
   [[nodiscard]] ino_t ino() const { return ino_; }
@@ -149,6 +166,13 @@ class WriteFile {
   std::optional<Error> refused_locked(const Place& where, const StoreRules& rules);
   Status fill_other_links_locked();
   Status fail_locked(Error e);
+  Status finalize_locked(const Place& where, const StoreRules& rules);
+  // Whether the kernel changed the backing file since stamp_ (and stamps it anew).
+  bool kernel_changed_locked();
+  // A file the kernel wrote, closed under a model name with a hole before its end (sized by
+  // ftruncate, and the writer died or stopped before filling it): cut at the hole, as a
+  // routed file cut short keeps only the bytes received; the reason, if it was.
+  std::optional<Error> cut_at_hole_locked();
   void touch_locked();
   // Stages the file to disk (Plain) because the memory budget is spent; logs once.
   Status spill_locked(std::string_view why);
@@ -174,6 +198,11 @@ class WriteFile {
   std::optional<StreamRouter> router_;
   std::optional<Error> error_;       // Failed
   std::vector<std::string> stored_;  // Committed: see stored_names()
+  // The kernel writes the backing file (kernel_writes()); `stamp_` is its size, mtime and
+  // ctime when this object last looked, so a change since is a write.
+  bool kernel_writes_ = false;
+  std::array<int64_t, 5> stamp_{};
+  std::unique_ptr<flush::Transaction> guard_;  // see guard_model_name(); dropped at close
   std::atomic<bool> dirty_{false};
   bool durable_ = false;            // fsync was asked: the commit is made durable too
   MemoryBudget* budget_ = nullptr;  // shared by the mount's files; null: unbounded

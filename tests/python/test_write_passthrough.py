@@ -1,0 +1,180 @@
+"""Write passthrough (issue 35): the kernel writes a file opened for writing into its file in SRC.
+
+With FUSE passthrough (Linux 6.9+, root) a read-write mount hands the kernel the file being
+written (its CREATE and OPEN replies carry a backing file), so a save runs at the speed of the
+page cache and no WRITE request reaches the daemon; a consolidated file under a model name is
+split into rank shards at close from SRC. These tests run real mounts and check what only the
+kernel path gives (the daemon counts no WRITE request) and what must not change with it: the
+bytes, the shards, the errors a writer sees, and what other users can reach under allow_other.
+Skipped (never faked) without root, /dev/fuse, or a kernel that refuses the backing ioctl.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from conftest import fuse_available
+
+pytestmark = [pytest.mark.skipif(not fuse_available(), reason="needs root and /dev/fuse")]
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+
+def status(mnt) -> dict:
+    return json.loads((pathlib.Path(mnt) / ".ckptfs" / "status.json").read_text())
+
+
+def kernel_backs_or_skip(m):
+    text = pathlib.Path(m.log).read_text() if os.path.exists(m.log) else ""
+    if "FUSE passthrough is off" in text or "write path: passthrough" not in text:
+        pytest.skip("the kernel refused FUSE passthrough: " + text.splitlines()[-1])
+
+
+def model(n=6, rows=512):
+    g = torch.Generator().manual_seed(7)
+    return {f"model.layers.{i}.mlp.weight": torch.randn(rows, 256, generator=g) for i in range(n)}
+
+
+def test_a_save_is_written_by_the_kernel_and_split_at_close(tmp_path, mount_factory):
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, opts=["ranks=2"])
+    sd = model()
+    st.save_file(sd, str(pathlib.Path(m.mnt) / "ck" / "model.safetensors"))
+    (pathlib.Path(m.mnt) / "ck" / "config.json").write_text('{"model_type": "llama"}')
+    kernel_backs_or_skip(m)
+    w = status(m.mnt)["writes"]
+    assert w["passthrough"] is True
+    assert w["backed_opens"] >= 2
+    assert w["requests"] == 0, w  # every byte went from the writer to SRC through the kernel
+    names = sorted(os.listdir(src / "ck"))
+    assert names == [".ckptfs", "config.json",
+                     "shard-00001-model-00001-of-00001.safetensors",
+                     "shard-00002-model-00001-of-00001.safetensors"], names
+    back = st.load_file(str(pathlib.Path(m.mnt) / "ck" / "model.safetensors"))
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    assert (src / "ck" / "config.json").read_text() == '{"model_type": "llama"}'
+
+
+def test_write_passthrough_off_keeps_the_request_path(tmp_path, mount_factory):
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, opts=["write_passthrough=off"])
+    sd = model(2)
+    st.save_file(sd, str(pathlib.Path(m.mnt) / "ck" / "model.safetensors"))
+    w = status(m.mnt)["writes"]
+    assert w["passthrough"] is False and w["backed_opens"] == 0
+    assert w["requests"] > 0 and w["bytes"] >= sum(t.numel() * 4 for t in sd.values())
+    assert "write path: FUSE requests (write_passthrough=off)" in pathlib.Path(m.log).read_text()
+    back = st.load_file(str(pathlib.Path(m.mnt) / "ck" / "model.safetensors"))
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_a_descriptor_writing_after_another_ones_close_stored_the_file_is_told(tmp_path,
+                                                                              mount_factory):
+    """A dup'd descriptor writing after a close() stored the file (its bytes go to the removed
+    backing file, past the daemon): the close() of that descriptor fails, never silently."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src)
+    sd = model(2)
+    data = st.save(sd)
+    p = pathlib.Path(m.mnt) / "ck" / "model.safetensors"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    os.write(fd, data)
+    dup = os.dup(fd)
+    os.close(fd)  # stored as rank shards here
+    kernel_backs_or_skip(m)
+    assert (src / "ck" / ".ckptfs" / "model.safetensors.commit").exists()
+    os.pwrite(dup, b"XXXX", 200)
+    with pytest.raises(OSError) as e:
+        os.close(dup)
+    assert e.value.errno == errno.EIO
+    assert "written after close() stored it" in pathlib.Path(m.log).read_text()
+    assert p.read_bytes() == data  # what the first close() reported stored
+
+
+def test_readers_of_a_file_being_written_see_its_bytes(tmp_path, mount_factory):
+    src = tmp_path / "src"
+    src.mkdir()
+    m = mount_factory(src)
+    p = pathlib.Path(m.mnt) / "log.txt"
+    with open(p, "wb", buffering=0) as w:
+        w.write(b"hello")
+        assert p.read_bytes() == b"hello"
+        with open(p, "rb") as r, mmap.mmap(r.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert mm[:5] == b"hello"
+        w.write(b" world")
+        assert p.read_bytes() == b"hello world"
+    kernel_backs_or_skip(m)
+    assert (src / "log.txt").read_bytes() == b"hello world"
+    assert status(m.mnt)["writes"]["requests"] == 0
+
+
+def test_other_users_reach_nothing_through_a_backed_file(mount_factory):
+    """allow_other: root writes two files through the kernel path (one 0644, one 0600) and keeps
+    them open; another user gets from them exactly what SRC would give: a read of the 0644
+    file, and EACCES for a write open, a truncate, a shared writable mapping of the read-only
+    descriptor (EACCES), and any open of the 0600 file."""
+    world = pathlib.Path(tempfile.mkdtemp(prefix="ckptfs-wpt-", dir="/tmp"))
+    try:
+        os.chmod(world, 0o755)
+        (world / "src").mkdir(mode=0o755)
+        m = mount_factory(world / "src", world / "mnt", opts=["allow_other"])
+        mnt = world / "mnt"
+        shared = os.open(mnt / "shared.bin", os.O_CREAT | os.O_RDWR, 0o644)
+        secret = os.open(mnt / "secret.bin", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.write(shared, b"s" * 4096)
+            os.write(secret, b"x" * 4096)
+            kernel_backs_or_skip(m)
+            code = r"""
+import errno, mmap, os, sys
+shared, secret = sys.argv[1], sys.argv[2]
+out = []
+def attempt(name, fn):
+    try:
+        fn()
+        out.append(name + "=ok")
+    except OSError as e:
+        out.append(name + "=" + errno.errorcode[e.errno])
+fd = os.open(shared, os.O_RDONLY)
+out.append("read=%d" % len(os.pread(fd, 8192, 0)))
+def map_write():
+    mm = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    mm[0:1] = b"Z"
+attempt("mmap_write", map_write)
+attempt("write_open", lambda: os.open(shared, os.O_WRONLY))
+attempt("truncate", lambda: os.truncate(shared, 0))
+attempt("secret_read", lambda: os.open(secret, os.O_RDONLY))
+attempt("secret_write", lambda: os.open(secret, os.O_WRONLY))
+print(" ".join(out))
+"""
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                sys.executable, "-I", "-c", code, str(mnt / "shared.bin"),
+                                str(mnt / "secret.bin")],
+                               capture_output=True, text=True, timeout=60, cwd="/")
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.split() == ["read=4096", "mmap_write=EACCES", "write_open=EACCES",
+                                        "truncate=EACCES", "secret_read=EACCES",
+                                        "secret_write=EACCES"], r.stdout
+        finally:
+            os.close(shared)
+            os.close(secret)
+        assert (world / "src" / "shared.bin").read_bytes() == b"s" * 4096
+        assert (world / "src" / "secret.bin").read_bytes() == b"x" * 4096
+        assert status(m.mnt)["writes"]["backed_opens"] >= 2
+        m.stop()
+    finally:
+        shutil.rmtree(world, ignore_errors=True)

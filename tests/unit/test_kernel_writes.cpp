@@ -1,0 +1,257 @@
+// The write path with write passthrough (Options::backing_writes), driven as the FUSE adapter
+// drives it: the kernel writes a file into its backing file itself, so these tests write the
+// bytes with pwrite on the descriptor the open handed out, as the kernel would, and no write()
+// reaches the daemon. What is checked is what lands in SRC, what reads back, and what the
+// close of each descriptor answers.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <filesystem>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/fs/filesystem.hpp"
+#include "fixture.hpp"
+
+using namespace ckptfs;
+namespace stdfs = std::filesystem;
+
+namespace {
+
+struct Mount {
+  test::TempDir dir;
+  std::unique_ptr<fs::Filesystem> f;
+  explicit Mount(bool backing_reads = false) {
+    stdfs::create_directories(dir.path() + "/ckpt");
+    restart(backing_reads);
+  }
+  // A new daemon on the same SRC (the old one's state goes with it).
+  void restart(bool backing_reads = false) {
+    fs::Options o;
+    o.backing = backing_reads;
+    o.backing_writes = true;
+    o.backing_grace = std::chrono::milliseconds(0);
+    o.settle = std::chrono::milliseconds(60'000);  // written files must not wait for it
+    o.revalidate = std::chrono::milliseconds(0);
+    o.ranks = 2;
+    f.reset();
+    f = std::move(fs::Filesystem::create(dir.path(), o)).value();
+  }
+  std::string path(const std::string& rel) const { return dir.path() + "/" + rel; }
+  fs::Ino lookup(fs::Ino parent, const std::string& name) {
+    auto e = f->lookup(parent, name);
+    EXPECT_TRUE(e.ok()) << name << ": " << (e ? "" : e.error().message);
+    return e ? e->ino : 0;
+  }
+  fs::Ino ckpt() { return lookup(fs::kRootIno, "ckpt"); }
+  std::string read(fs::Ino ino) {
+    auto o = f->open(ino, O_RDONLY);
+    EXPECT_TRUE(o.ok()) << o.error().message;
+    if (!o) return {};
+    std::string out;
+    auto r = f->reader(o->fh);
+    out.resize(r->size());
+    auto n = r->read(0, out.size(), out.data());
+    EXPECT_TRUE(n.ok()) << n.error().message;
+    f->release(o->fh);
+    return out;
+  }
+  std::vector<std::string> src_names() const {
+    std::vector<std::string> out;
+    for (const auto& e : stdfs::directory_iterator(path("ckpt"))) {
+      out.push_back(e.path().filename());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+};
+
+// What the kernel does with a backed open's write: the bytes go to the backing file.
+void kernel_write(int backing_fd, std::string_view bytes, uint64_t off = 0) {
+  ASSERT_EQ(::pwrite(backing_fd, bytes.data(), bytes.size(), static_cast<off_t>(off)),
+            static_cast<ssize_t>(bytes.size()));
+}
+
+}  // namespace
+
+TEST(KernelWrites, ASavedFileIsWrittenByTheKernelAndSplitAtClose) {
+  Mount m;
+  const std::string bytes = test::consolidated(3);
+  const fs::Ino d = m.ckpt();
+  auto c = m.f->create(d, ".tmpQwErTy", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_GE(c->open.backing_fd, 0);  // the kernel is handed the file to write
+  kernel_write(c->open.backing_fd, bytes.substr(0, 1000));
+  // A reader meanwhile is served from the same file (the kernel backs one inode by one file),
+  // and sees what was written so far.
+  auto r = m.f->open(c->entry.ino, O_RDONLY);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  ASSERT_GE(r->backing_fd, 0);
+  char got[16] = {};
+  ASSERT_EQ(::pread(r->backing_fd, got, sizeof got, 0), static_cast<ssize_t>(sizeof got));
+  EXPECT_EQ(std::string_view(got, sizeof got), bytes.substr(0, sizeof got));
+  EXPECT_EQ(m.f->getattr(c->entry.ino)->st_size, 1000);
+  kernel_write(c->open.backing_fd, bytes.substr(1000), 1000);
+  ASSERT_TRUE(m.f->rename(d, ".tmpQwErTy", d, "model.safetensors", 0).ok());
+  auto st = m.f->flush(c->open.fh);
+  ASSERT_TRUE(st.ok()) << st.error().message;
+  EXPECT_TRUE(m.f->release(c->open.fh));  // a backed open: its backing file may be let go
+  EXPECT_TRUE(m.f->release(r->fh));
+  EXPECT_EQ(m.src_names(), (std::vector<std::string>{".ckptfs", format::shard_file_name(1, 1, 1),
+                                                     format::shard_file_name(2, 1, 1)}));
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
+}
+
+TEST(KernelWrites, AWriteAfterAnotherDescriptorsCloseStoredTheFileFailsItsClose) {
+  Mount m;
+  const std::string bytes = test::consolidated(4);
+  const fs::Ino d = m.ckpt();
+  auto c = m.f->create(d, "model.safetensors", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_GE(c->open.backing_fd, 0);
+  kernel_write(c->open.backing_fd, bytes);
+  // close() of one descriptor of the open file (a dup'd one stays): stored as rank shards.
+  ASSERT_TRUE(m.f->flush(c->open.fh).ok());
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
+  // A close with nothing written since says nothing new.
+  EXPECT_TRUE(m.f->flush(c->open.fh).ok());
+  // The dup writes on: the kernel puts the bytes in the removed backing file. Its close()
+  // must not report them stored.
+  kernel_write(c->open.backing_fd, "XXXX", 200);
+  auto st = m.f->flush(c->open.fh);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EIO);
+  EXPECT_NE(st.error().message.find("model.safetensors"), std::string::npos) << st.error().message;
+  m.f->release(c->open.fh);
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);  // what close() reported
+}
+
+TEST(KernelWrites, OtherFilesAreKeptAsTheKernelWroteThem) {
+  Mount m;
+  const fs::Ino d = m.ckpt();
+  auto c = m.f->create(d, "trainer_state.json", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_GE(c->open.backing_fd, 0);
+  kernel_write(c->open.backing_fd, "{\"step\": 10}");
+  ASSERT_TRUE(m.f->flush(c->open.fh).ok());
+  m.f->release(c->open.fh);
+  EXPECT_EQ(m.src_names(), (std::vector<std::string>{"trainer_state.json"}));
+  EXPECT_EQ(m.read(m.lookup(d, "trainer_state.json")), "{\"step\": 10}");
+  // Opened again for writing (no O_TRUNC): backed again, and the kernel's bytes kept.
+  const fs::Ino ino = m.lookup(d, "trainer_state.json");
+  auto w = m.f->open(ino, O_WRONLY);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  ASSERT_GE(w->backing_fd, 0);
+  kernel_write(w->backing_fd, "{\"step\": 20}");
+  ASSERT_TRUE(m.f->flush(w->fh).ok());
+  m.f->release(w->fh);
+  EXPECT_EQ(m.read(ino), "{\"step\": 20}");
+}
+
+TEST(KernelWrites, AWriterOfAFileBackedForReadingWaitsThenGetsETXTBSY) {
+  // Plain files read backed (passthrough=on): their backing file takes no writes, and the
+  // kernel backs an inode by one file, so a writer must wait for those readers.
+  Mount m(/*backing_reads=*/true);
+  {
+    auto c = m.f->create(m.ckpt(), "notes.txt", 0644, O_RDWR | O_CREAT | O_EXCL);
+    ASSERT_TRUE(c.ok());
+    kernel_write(c->open.backing_fd, "hello");
+    ASSERT_TRUE(m.f->flush(c->open.fh).ok());
+    m.f->release(c->open.fh);
+  }
+  const fs::Ino ino = m.lookup(m.ckpt(), "notes.txt");
+  auto r = m.f->open(ino, O_RDONLY);
+  ASSERT_TRUE(r.ok());
+  ASSERT_GE(r->backing_fd, 0);
+  auto w = m.f->open(ino, O_WRONLY | O_TRUNC);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.error().code, ETXTBSY);
+  EXPECT_EQ(m.read(ino), "hello");  // refused before anything was truncated
+  m.f->release(r->fh);
+  auto w2 = m.f->open(ino, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(w2.ok()) << w2.error().message;
+  EXPECT_GE(w2->backing_fd, 0);
+  m.f->release(w2->fh);
+}
+
+TEST(KernelWrites, AKernelThatRefusesTheBackingFileGetsRequestsFromThenOn) {
+  Mount m;
+  const std::string bytes = test::consolidated(5);
+  const fs::Ino d = m.ckpt();
+  auto c = m.f->create(d, "model.safetensors", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  ASSERT_GE(c->open.backing_fd, 0);
+  m.f->backing_refused(c->open.fh);  // Linux before 6.9: the ioctl failed
+  // This file's bytes now come as WRITE requests, into its backing file; still split at close.
+  for (size_t o = 0; o < bytes.size(); o += 4096) {
+    ASSERT_TRUE(m.f->write(c->open.fh, o, std::string_view(bytes).substr(o, 4096)).ok());
+  }
+  ASSERT_TRUE(m.f->flush(c->open.fh).ok());
+  EXPECT_FALSE(m.f->release(c->open.fh));
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
+  EXPECT_EQ(m.src_names().size(), 3u);  // .ckptfs and two shards
+  // The next file is not offered to the kernel at all.
+  auto c2 = m.f->create(d, "b.txt", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c2.ok());
+  EXPECT_EQ(c2->open.backing_fd, -1);
+  m.f->release(c2->open.fh);
+}
+
+TEST(KernelWrites, AFileCutShortUnderAModelNameIsCutAtItsFirstHole) {
+  // save_file sizes the file first (ftruncate), then writes: a writer that dies midway leaves
+  // a file of the full size whose end was never written. It must never read as complete.
+  Mount m;
+  const std::string bytes = test::consolidated(6);
+  const fs::Ino d = m.ckpt();
+  auto c = m.f->create(d, "model.safetensors", 0644, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok());
+  ASSERT_GE(c->open.backing_fd, 0);
+  fs::SetAttr a;
+  a.size = bytes.size();
+  ASSERT_TRUE(m.f->setattr(c->entry.ino, a, c->open.fh).ok());  // ftruncate goes to the daemon
+  const size_t half = (bytes.size() / 2) & ~size_t{4095};       // whole blocks: a real hole after
+  kernel_write(c->open.backing_fd, bytes.substr(0, half));
+  auto st = m.f->flush(c->open.fh);  // the kernel's close of a killed writer
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EIO);
+  EXPECT_NE(st.error().message.find("nothing written from byte"), std::string::npos)
+      << st.error().message;
+  m.f->release(c->open.fh);
+  // Not split (the empty state directory is what guarded it while open).
+  EXPECT_EQ(m.src_names(), (std::vector<std::string>{".ckptfs", "model.safetensors"}));
+  EXPECT_EQ(stdfs::file_size(m.path("ckpt/model.safetensors")), half);
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes.substr(0, half));
+}
+
+TEST(KernelWrites, AFileUnderAModelNameNeverClosedBeforeTheDaemonDiedIsRemoved) {
+  Mount m;
+  const std::string bytes = test::consolidated(7);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    // The daemon dies while the kernel writes the file: no close, no destructor.
+    auto c = m.f->create(m.ckpt(), "model.safetensors", 0644, O_RDWR | O_CREAT | O_EXCL);
+    if (!c || c->open.backing_fd < 0) _exit(1);
+    const std::string_view part = std::string_view(bytes).substr(0, bytes.size() / 2);
+    if (::pwrite(c->open.backing_fd, part.data(), part.size(), 0) < 0) _exit(2);
+    // And a file under another name, which is kept as written.
+    auto o = m.f->create(m.ckpt(), "notes.txt", 0644, O_RDWR | O_CREAT | O_EXCL);
+    if (!o || ::pwrite(o->open.backing_fd, "abc", 3, 0) != 3) _exit(3);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(stdfs::exists(m.path("ckpt/model.safetensors")));
+  // The next look at the directory (a remount's) removes the file that was never stored.
+  m.restart();
+  const fs::Ino d = m.ckpt();
+  auto gone = m.f->lookup(d, "model.safetensors");
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.error().code, ENOENT);
+  EXPECT_EQ(m.src_names(), (std::vector<std::string>{".ckptfs", "notes.txt"}));
+  EXPECT_TRUE(stdfs::is_empty(m.path("ckpt/.ckptfs")));
+  EXPECT_EQ(m.read(m.lookup(d, "notes.txt")), "abc");
+}
