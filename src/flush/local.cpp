@@ -292,6 +292,29 @@ class LocalTransaction final : public Transaction {
 
   std::string staging_name() const override { return name_; }
 
+  Status adopt(uint32_t rank, int dirfd, const std::string& name, ino_t ino) override {
+    if (rank >= fds_.size()) return make_error(EINVAL, "{}: no rank {} shard", what_, rank);
+    const std::string n = staged_name(rank + 1);
+    const std::string staged = shard_what(rank);
+    if (::unlinkat(tx_.get(), n.c_str(), 0) != 0) return errno_error(staged + ": cannot replace");
+    if (::linkat(dirfd, name.c_str(), tx_.get(), n.c_str(), 0) != 0) {
+      return errno_error(fmt::format("{}: cannot link {} as its shard", staged, name));
+    }
+    CKPTFS_TRY(UniqueFd fd, open_at(tx_.get(), n, O_RDWR | O_NOFOLLOW));
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) return errno_error(staged + ": stat failed");
+    if (st.st_ino != ino) {
+      ::unlinkat(tx_.get(), n.c_str(), 0);
+      return make_error(EIO, "{}: {} was replaced meanwhile", staged, name);
+    }
+    if (static_cast<uint64_t>(st.st_size) != sizes_[rank]) {
+      return make_error(EIO, "{}: {} holds {} bytes, its shard {}", staged, name, st.st_size,
+                        sizes_[rank]);
+    }
+    fds_[rank] = std::move(fd);
+    return {};
+  }
+
   void abort() override {
     if (committed_ || !created_) return;
     fds_.clear();
@@ -332,6 +355,8 @@ class LocalFlusher final : public Flusher {
     CKPTFS_TRY(auto tx, LocalTransaction::begin(t, set, std::move(what), live_));
     return std::unique_ptr<Transaction>(std::move(tx));
   }
+
+  bool adopts_files() const override { return true; }
 
   Result<std::unique_ptr<Transaction>> begin_kernel_write(const Target& t,
                                                           std::string what) override {

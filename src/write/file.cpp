@@ -463,6 +463,7 @@ Result<size_t> WriteFile::read(uint64_t off, size_t len, char* dst) {
     }
     case State::Routed:
     case State::Committed: {
+      if (adopted_) break;  // the file is its own shard
       if (off >= size_) return size_t{0};
       len = static_cast<size_t>(std::min<uint64_t>(len, size_ - off));
       return router_->read(off, len, dst, [this](uint32_t r, uint64_t o, char* d, size_t n) {
@@ -527,9 +528,13 @@ Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
     // The kernel let a descriptor of this open file write after another one's close()
     // stored it (a dup, a fork): those bytes went to the removed backing file. Never
     // silently: the close() of that descriptor fails.
-    Error e{EIO, fmt::format("{}: written after close() stored it (through another "
-                             "descriptor); those bytes are not stored",
-                             what_)};
+    Error e{EIO, adopted_ ? fmt::format("{}: written after close() stored it (through another "
+                                        "descriptor), into its stored shard in place: save it "
+                                        "again",
+                                        what_)
+                          : fmt::format("{}: written after close() stored it (through another "
+                                        "descriptor); those bytes are not stored",
+                                        what_)};
     spdlog::warn("{}", e.message);
     return e;
   }
@@ -649,6 +654,13 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
                         a.st_dev == b.st_dev && a.st_ino == b.st_ino;
   if (!here || !same_dir) {
     spdlog::info("{}: moved away from {} before it was closed; stored whole", what_, dir_display_);
+    if (adopted_) {  // its bytes never left the file
+      tx_->abort();
+      tx_.reset();
+      adopted_.reset();
+      state_ = State::Plain;
+      return {};
+    }
     return to_plain_locked(true);
   }
   CKPTFS_CHECK(tx_->set_owner(bst.st_uid, bst.st_gid, bst.st_mode));
@@ -657,8 +669,8 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
   info.name = where.name;
   info.k = mn->k;
   info.m = mn->m;
-  info.header = router_->header();
-  info.size = router_->file_size();
+  info.header = adopted_ ? *adopted_ : router_->header();
+  info.size = adopted_ ? size_ : router_->file_size();
   info.uid = bst.st_uid;
   info.gid = bst.st_gid;
   info.mode = bst.st_mode & 07777;
@@ -678,13 +690,15 @@ Status WriteFile::commit_locked(const Place& where, bool durable) {
     return errno_error(
         fmt::format("{}/{}: cannot remove the placeholder", where.dir_display, where.name));
   }
-  spdlog::info("{}/{}: stored as {} rank shard(s)", where.dir_display, where.name, ranks_);
+  spdlog::info("{}/{}: stored as {} rank shard(s){}", where.dir_display, where.name, ranks_,
+               adopted_ ? " (the file itself, linked under the shard's name)" : "");
   return fill_other_links_locked();
 }
 
 // A hard link made in SRC to the backing file while it was written (the placeholder's other
 // names) must not end up empty: once the name is gone, any link left gets the file's bytes.
 Status WriteFile::fill_other_links_locked() {
+  if (adopted_) return {};  // the shard is the file: every link of it holds the bytes
   struct stat st {};
   if (::fstat(backing_.get(), &st) != 0 || st.st_nlink == 0) return {};
   spdlog::info("{}: also linked elsewhere in SRC ({} link(s)); its bytes are written there too",
@@ -751,6 +765,9 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
       return {};
     }
   }
+  if (set->shards.size() == 1 && adopt_locked(where, prefix, parsed, size)) {
+    return commit_locked(where, durable);
+  }
   auto tx = flusher_->begin(target(), *set, what_);
   if (!tx) {  // no staging here: the file stays whole, as written
     spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
@@ -772,6 +789,33 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   size_ = size;
   state_ = State::Routed;
   return commit_locked(where, durable);
+}
+
+bool WriteFile::adopt_locked(const Place& where, const std::string& prefix,
+                             const std::shared_ptr<const format::Header>& parsed, uint64_t size) {
+  if (!flusher_->adopts_files()) return false;
+  struct stat a {
+  }, b{}, f{};
+  if (::fstat(where.dirfd, &a) != 0 || ::fstat(dir_.get(), &b) != 0 || a.st_dev != b.st_dev ||
+      a.st_ino != b.st_ino || ::fstat(backing_.get(), &f) != 0 || f.st_nlink == 0) {
+    return false;  // moved to another directory, or unlinked: commit_locked decides as ever
+  }
+  // The one rank shard is the file as written: its header (no DCP_SHARDING_INFO: every tensor
+  // whole, which torch's HF reader and ckptfs take at offset 0) and its data.
+  layout::ShardSet one;
+  one.shards.push_back(layout::ShardLayout{0, prefix, parsed, size - prefix.size()});
+  auto tx = flusher_->begin(target(), one, what_);
+  if (!tx) return false;
+  if (auto st = (*tx)->adopt(0, where.dirfd, where.name, f.st_ino); !st) {
+    spdlog::debug("{}: copied into its shard: {}", what_, st.error().message);
+    return false;  // the transaction's destructor removes its staging
+  }
+  tx_ = std::move(tx).value();
+  ranks_ = 1;
+  size_ = size;
+  adopted_ = prefix;
+  state_ = State::Routed;
+  return true;
 }
 
 Result<WriteFile::Split> WriteFile::prospect(int fd, const PlanOptions& plan_opts,

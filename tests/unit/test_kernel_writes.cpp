@@ -5,6 +5,7 @@
 // close of each descriptor answers.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +15,8 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/fs/filesystem.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/util/fd.hpp"
 #include "fixture.hpp"
 
 using namespace ckptfs;
@@ -24,7 +27,8 @@ namespace {
 struct Mount {
   test::TempDir dir;
   std::unique_ptr<fs::Filesystem> f;
-  explicit Mount(bool backing_reads = false) {
+  uint32_t ranks = 2;
+  explicit Mount(bool backing_reads = false, uint32_t ranks = 2) : ranks(ranks) {
     stdfs::create_directories(dir.path() + "/ckpt");
     restart(backing_reads);
   }
@@ -36,7 +40,7 @@ struct Mount {
     o.backing_grace = std::chrono::milliseconds(0);
     o.settle = std::chrono::milliseconds(60'000);  // written files must not wait for it
     o.revalidate = std::chrono::milliseconds(0);
-    o.ranks = 2;
+    o.ranks = ranks;
     f.reset();
     f = std::move(fs::Filesystem::create(dir.path(), o)).value();
   }
@@ -254,4 +258,35 @@ TEST(KernelWrites, AFileUnderAModelNameNeverClosedBeforeTheDaemonDiedIsRemoved) 
   EXPECT_EQ(m.src_names(), (std::vector<std::string>{".ckptfs", "notes.txt"}));
   EXPECT_TRUE(stdfs::is_empty(m.path("ckpt/.ckptfs")));
   EXPECT_EQ(m.read(m.lookup(d, "notes.txt")), "abc");
+}
+
+TEST(KernelWrites, WithOneRankTheFileIsItsShardAndNoByteIsCopied) {
+  Mount m(/*backing_reads=*/false, /*ranks=*/1);
+  const std::string bytes = test::consolidated(8);
+  const fs::Ino d = m.ckpt();
+  auto c = m.f->create(d, ".tmpOne", 0640, O_RDWR | O_CREAT | O_EXCL);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_GE(c->open.backing_fd, 0);
+  kernel_write(c->open.backing_fd, bytes);
+  struct stat written {};
+  ASSERT_EQ(::fstat(c->open.backing_fd, &written), 0);
+  ASSERT_TRUE(m.f->rename(d, ".tmpOne", d, "model.safetensors", 0).ok());
+  auto st = m.f->flush(c->open.fh);
+  ASSERT_TRUE(st.ok()) << st.error().message;
+  m.f->release(c->open.fh);
+  const std::string shard = format::shard_file_name(1, 1, 1);
+  EXPECT_EQ(m.src_names(), (std::vector<std::string>{".ckptfs", shard}));
+  // The shard is the file the kernel wrote: the same inode, its bytes as written.
+  struct stat sh {};
+  ASSERT_EQ(::stat(m.path("ckpt/" + shard).c_str(), &sh), 0);
+  EXPECT_EQ(sh.st_ino, written.st_ino);
+  EXPECT_EQ(sh.st_nlink, 1u);
+  EXPECT_EQ(sh.st_mode & 07777, 0640u);
+  EXPECT_EQ(*read_small_file(m.path("ckpt/" + shard), 1 << 24), bytes);
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
+  // And a reader of SRC alone (the CLI, torch's HF reader) takes it as whole tensors.
+  auto ck = source::load_checkpoint_path(m.path("ckpt"));
+  ASSERT_TRUE(ck.ok());
+  ASSERT_TRUE((*ck)->valid()) << (*ck)->problems[0].to_string();
+  EXPECT_EQ((*ck)->outputs.size(), 1u);
 }

@@ -86,6 +86,16 @@ class Transaction : public io::ShardSink {
   // rank-00001...: for a flusher whose shard bytes are written by other processes (the
   // OpenMPI flusher opens them by this path on the owning rank). Empty where there is none.
   [[nodiscard]] virtual std::string staging_name() const { return {}; }
+  // Makes file `name` of directory `dirfd` (same file system) rank `rank`'s staged shard as it
+  // is, by a hard link, in place of the sized empty one begin() made: no byte is copied. The
+  // file must be the shard, header and all (begin()'s shard set says so). The file keeps its
+  // name until commit() (the commit removes nothing; the caller unlinks the name after). Only
+  // where Flusher::adopts_files().
+  // `ino`: the file's inode (EIO if the name holds another file by then).
+  virtual Status adopt(uint32_t rank, int dirfd, const std::string& name, ino_t ino) {
+    (void)rank, (void)dirfd, (void)ino;
+    return make_error(ENOTSUP, "{}: this flusher copies every shard", name);
+  }
 };
 
 class Flusher {
@@ -93,6 +103,9 @@ class Flusher {
   virtual ~Flusher() = default;
   // Shards per file when the mount does not say (-o ranks=N).
   [[nodiscard]] virtual uint32_t default_ranks() const = 0;
+  // Whether its transactions can adopt a file as a shard (Transaction::adopt): the shards live
+  // in the file's own directory.
+  [[nodiscard]] virtual bool adopts_files() const { return false; }
   // Stages a new shard set: one file per rank, sized and holding nothing yet.
   virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                                      std::string what) = 0;

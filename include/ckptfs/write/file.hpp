@@ -161,6 +161,10 @@ class WriteFile {
   Status to_plain_locked(bool keep_all);
   Status enter_routed_locked(std::shared_ptr<const format::Header> h);
   Status split_plain_locked(const Place& where, bool durable, const StoreRules& rules);
+  // One rank: the file, complete and in its own directory, becomes its shard as it is.
+  // False (and nothing changed) where it cannot; the caller then copies.
+  bool adopt_locked(const Place& where, const std::string& prefix,
+                    const std::shared_ptr<const format::Header>& parsed, uint64_t size);
   Status commit_locked(const Place& where, bool durable);
   // Why a complete routed file must be stored whole under `where` (StoreRules), if it must.
   std::optional<Error> refused_locked(const Place& where, const StoreRules& rules);
@@ -203,6 +207,9 @@ class WriteFile {
   bool kernel_writes_ = false;
   std::array<int64_t, 5> stamp_{};
   std::unique_ptr<flush::Transaction> guard_;  // see guard_model_name(); dropped at close
+  // Committed by adopting the file itself as its one rank shard (Transaction::adopt): its
+  // header bytes (the record's), and no router; the backing file is the shard.
+  std::optional<std::string> adopted_;
   std::atomic<bool> dirty_{false};
   bool durable_ = false;            // fsync was asked: the commit is made durable too
   MemoryBudget* budget_ = nullptr;  // shared by the mount's files; null: unbounded
