@@ -306,7 +306,12 @@ Status WriteFile::to_plain_locked(bool keep_all) {
     return {};
   }
   const uint64_t size = keep_all ? size_ : received;
-  if (::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
+  // Sized only where it is not already: on ext4 a truncate to the size a file has, 0 included,
+  // marks it to be flushed to disk at its last close (auto_da_alloc), which a file the kernel
+  // then writes at page-cache speed would pay in full at close().
+  struct stat now {};
+  if ((::fstat(backing_.get(), &now) != 0 || static_cast<uint64_t>(now.st_size) != size) &&
+      ::ftruncate(backing_.get(), static_cast<off_t>(size)) != 0) {
     return fail_locked(errno_error(what_ + ": cannot size the file"));
   }
   if (timed) {
