@@ -528,11 +528,14 @@ def main() -> int:
         m = med[v]
         note = ""
         if v == "m":
-            note = (f"m/b {ratios['m/b']:.2f} (target >= 0.9)" if "m/b" in ratios else "")
-            note += (f", m/a {ratios['m/a']:.2f} (target >= 0.9; readable "
-                     f"{ratios['m/a readable']:.2f}, with sync {ratios['m/a with sync']:.2f})"
-                     if "m/a" in ratios else "")
-            note += (f", m/r {ratios['m/r']:.2f}" if "m/r" in ratios else "")
+            notes = [f"m/b {ratios['m/b']:.2f}"] if "m/b" in ratios else []
+            if "m/a" in ratios:
+                notes.append(f"m/a {ratios['m/a']:.2f} (target >= 0.9; readable "
+                             f"{ratios['m/a readable']:.2f}, with sync "
+                             f"{ratios['m/a with sync']:.2f})")
+            if "m/r" in ratios:
+                notes.append(f"m/r {ratios['m/r']:.2f}")
+            note = ", ".join(notes)
         elif v == "r" and "r/a" in ratios:
             note = f"r/a {ratios['r/a']:.2f}"
         elif v == "b" and "b/n" in ratios:
