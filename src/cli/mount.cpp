@@ -63,7 +63,8 @@ ckptfs -o options:
                          (default: on for a read-only mount, off otherwise)
   write_passthrough=on|off  files opened for writing are written by the kernel into SRC,
                          at page-cache speed; a consolidated file is split into rank shards
-                         at close (FUSE passthrough, Linux 6.9+, root; default on)
+                         at close (FUSE passthrough, Linux 6.9+, root; default on, off in
+                         MPI mode)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
   read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
   max_read=N             the largest read request in bytes (default and most: 1 MiB)
@@ -293,6 +294,12 @@ int mount_mpi(fuse::MountOptions& o, flush::mpi::MpiOptions mo) {
     spdlog::info("mpi: head of {} rank(s) on {} (thread level {}); {} MiB in flight at most",
                  (*rt)->size(), (*rt)->host(0), (*rt)->thread_level(), mo.inflight_bytes >> 20);
     o.foreground = true;
+    // The OpenMPI flusher streams each file to its owners as it is written; with write
+    // passthrough the head would ship whole files at close (issue 35 item 3, not built).
+    if (!o.write_passthrough) {
+      o.write_passthrough = false;
+      spdlog::info("mpi: write passthrough off: each file streams to its owners as it is written");
+    }
     o.fs.flusher = *fl;
     rc = check_and_mount(o);
     o.fs.flusher.reset();
