@@ -10,7 +10,9 @@ the ratios within one run):
               timed from the call to its return, and to the moment every weights file stats
               at its full size through the mount ("readable"); with write passthrough (the
               default as root on Linux 6.9+) the kernel writes the file into SRC itself and the
-              daemon splits it at close
+              daemon stores it at close as its one shard; with ranks > 1 it splits it after
+              close, and "split done" is the time until the last split committed (the status
+              file's writes.splits_pending at 0; "+sync" is timed after it)
   (r) requests  the same with -o write_passthrough=off: every byte through FUSE WRITE requests
   (a) native  the same save_pretrained into SRC directly (no FUSE, no daemon)
   (b) floor   the same daemon passing a plain file through: as many bytes as the weights file,
@@ -269,6 +271,19 @@ def hash_dir(d: str) -> dict[str, str]:
     return out
 
 
+def wait_splits(mnt: str, timeout: float = 600.0) -> None:
+    """Waits until the mount has no split after close queued or running."""
+    deadline = time.monotonic() + timeout
+    status = os.path.join(mnt, ".ckptfs", "status.json")
+    while True:
+        with open(status) as f:
+            if json.load(f)["writes"].get("splits_pending", 0) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"splits after close still pending after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
 def timed_sync() -> float:
     t0 = time.perf_counter()
     os.sync()
@@ -438,6 +453,11 @@ def main() -> int:
             if daemon:
                 r["rss_write_mb"] = daemon.hwm_mb()
                 r["daemon_cpu_s"] = daemon.cpu_s() - cpu0
+                # With ranks > 1 a file the kernel wrote is split after close: the time until
+                # the last split committed (status.json's writes.splits_pending reaches 0).
+                wait_splits(mnt)
+                r["split_s"] = time.perf_counter() - t0
+                r["daemon_cpu_split_s"] = daemon.cpu_s() - cpu0
             if v in "mra" and rnd == 1:
                 t3 = time.perf_counter()
                 hashes[v] = hash_dir(out)
@@ -471,7 +491,8 @@ def main() -> int:
             for v in variants[k:] + variants[:k]:
                 r = run_variant(v, rnd)
                 runs[v].append(r)
-                extra = (f"  daemon: RSS {r['rss_write_mb']:.0f} MB, CPU {r['daemon_cpu_s']:.2f} s"
+                extra = (f"  daemon: RSS {r['rss_write_mb']:.0f} MB, CPU {r['daemon_cpu_s']:.2f} s; "
+                         f"split done {r['split_s']:.2f} s (daemon CPU {r['daemon_cpu_split_s']:.2f} s)"
                          if "rss_write_mb" in r else "")
                 log(f"round {rnd} ({v}) {VARIANTS[v]}: return {r['return_s']:.2f} s, readable "
                     f"{r['readable_s']:.2f} s, +sync {r['sync_s']:.2f} s, "
@@ -551,6 +572,13 @@ def main() -> int:
               f"{x['unmount_mb']:.0f} MB at unmount{tgt}")
     for v, c in cpu.items():
         print(f"daemon CPU (user + system) during the write, ({v}): {c:.2f} s, {c / (wbytes / 1e9):.2f} s/GB")
+    for v in "mr":
+        if v in runs and runs[v] and "split_s" in runs[v][0]:
+            sp = statistics.median(r["split_s"] for r in runs[v])
+            spc = statistics.median(r["daemon_cpu_split_s"] for r in runs[v])
+            ref = (f", {sp / med['a']['return_s']:.2f}x (a)'s return" if "a" in med else "")
+            print(f"({v}) splits after close done: {sp:.2f} s after the call{ref}; daemon CPU to "
+                  f"then {spc:.2f} s")
     if verified is not None:
         print(f"correctness: ({'/'.join(v for v in 'mr' if v in hashes)}) read back through the "
               f"mount == (a), {len(hashes['a'])} files sha256: "

@@ -170,6 +170,8 @@ Filesystem::Counts Filesystem::counts() const {
 }
 
 std::string Filesystem::status_json() const { return impl_->status_json(); }
+size_t Filesystem::pending_splits() const { return impl_->writing.pending_splits(); }
+void Filesystem::drain_splits() { impl_->writing.drain_splits(); }
 void Filesystem::set_status_extra(StatusExtra extra) { impl_->status.set_extra(std::move(extra)); }
 void Filesystem::note_error(int err) { impl_->status.note_error(err); }
 

@@ -131,12 +131,12 @@ std::string Filesystem::Impl::status_json() const {
                   {"backed_opens", io_modes.backed_opens()}};
   // "passthrough": files opened for writing are written by the kernel itself (the mount's
   // write path, docs/semantics.md); "backed_opens": how many such opens there were;
-  // "requests" and "bytes": the WRITE requests that reached the daemon.
-  out["writes"] = {{"open_files", writing.open_files()},
-                   {"passthrough", backs_writes()},
-                   {"backed_opens", io_modes.backed_writes()},
-                   {"requests", status.writes.load()},
-                   {"bytes", status.bytes_written.load()}};
+  // "requests" and "bytes": the WRITE requests that reached the daemon; "splits_pending": files
+  // closed and stored as one shard whose split into rank shards is queued or running.
+  out["writes"] = {
+      {"open_files", writing.open_files()}, {"splits_pending", writing.pending_splits()},
+      {"passthrough", backs_writes()},      {"backed_opens", io_modes.backed_writes()},
+      {"requests", status.writes.load()},   {"bytes", status.bytes_written.load()}};
 
   json extra = json::object();
   json errs = json::object();

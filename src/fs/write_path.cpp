@@ -27,6 +27,8 @@ write::PlanOptions WritePath::plan_options(int dirfd, const std::string& display
   write::PlanOptions p;
   p.ranks = d_.opts.ranks ? d_.opts.ranks : d_.flusher.default_ranks();
   p.split = d_.opts.split;
+  // Files the kernel writes are split after their close (write/resplit.hpp).
+  p.split_after_close = d_.opts.backing_writes && d_.flusher.adopts_files();
   if (p.split == write::PlanOptions::TpPlan) {
     if (auto text = read_small_file_beneath(dirfd, "config.json", 16u << 20); text) {
       if (auto plan = format::parse_tp_plan(*text, display + "/config.json"); plan) {
@@ -170,7 +172,7 @@ Status WritePath::settle(Ino ino, write::WriteFile& wf, const SettleFn& fn) {
 }
 
 Status WritePath::close(Ino ino, write::WriteFile& wf) {
-  return settle(ino, wf, [this](write::WriteFile& f, const write::Place& p) -> Status {
+  auto st = settle(ino, wf, [this](write::WriteFile& f, const write::Place& p) -> Status {
     CKPTFS_CHECK(f.finalize(
         p, p.dirfd < 0 ? write::StoreRules{} : checks_.rules(p.dirfd, p.dir_display, p.name)));
     if (p.dirfd < 0) return {};
@@ -178,6 +180,33 @@ Status WritePath::close(Ino ino, write::WriteFile& wf) {
     if (!why) return {};
     return checks_.place_whole(p.dirfd, p.dir_display, p.name, *why);
   });
+  if (auto job = wf.take_resplit()) resplits_.post(std::move(*job));
+  return st;
+}
+
+void WritePath::run_resplit(write::ResplitJob& job) {
+  if (d_.opts.split_gate) d_.opts.split_gate();
+  auto staged = write::stage_resplit(job, d_.flusher);
+  if (!staged) {
+    spdlog::warn("{}: stays stored as one shard: {}", job.what, staged.error().message);
+    return;
+  }
+  struct stat dst {};
+  if (::fstat(job.dir.get(), &dst) != 0) return;  // the staging goes with `staged`
+  const auto dev = static_cast<uint64_t>(dst.st_dev), ino = static_cast<uint64_t>(dst.st_ino);
+  auto st = d_.nodes.dir_state(dev, ino);
+  {
+    std::unique_lock lock(st->mu);
+    st->built.wait(lock, [&] { return !st->building; });
+    auto names = write::commit_resplit(job, std::move(staged).value());
+    if (!names) {
+      spdlog::warn("{}: stays stored as one shard: {}", job.what, names.error().message);
+    } else if (!names->empty()) {
+      writes_.produced(job.dir.get(), *names);
+      st->next_check = d_.clock->now();
+    }
+  }
+  writes_.touched(dev, ino);
 }
 
 Status WritePath::fsync(Ino ino, write::WriteFile& wf, bool datasync) {

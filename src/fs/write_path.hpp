@@ -20,6 +20,7 @@
 #include "ckptfs/write/file.hpp"
 #include "ckptfs/write/store_checks.hpp"
 #include "node_table.hpp"
+#include "resplits.hpp"
 #include "write_registry.hpp"
 
 namespace ckptfs::fs {
@@ -76,6 +77,10 @@ class WritePath {
   // close() of a handle on `wf`, the file of inode `ino`: stored as rank shards, or whole.
   Status close(Ino ino, write::WriteFile& wf);
   Status fsync(Ino ino, write::WriteFile& wf, bool datasync);
+  // Splits into rank shards that closes left to run after them, queued or running.
+  [[nodiscard]] size_t pending_splits() const { return resplits_.pending(); }
+  // Waits until none is left.
+  void drain_splits() { resplits_.drain(); }
 
   // --- write_rename.cpp: a rename onto a model name ----------------------------------------------
   // Before file `from_name` of `from` (stat `src_st`) moves onto model name `to_name` of `to`:
@@ -96,6 +101,9 @@ class WritePath {
   Status settle(Ino ino, write::WriteFile& wf, const SettleFn& fn);
   // `display`: the directory's path, which its messages name.
   write::PlanOptions plan_options(int dirfd, const std::string& display) const;
+  // One split after close (on Resplits' thread): staged with no lock held, committed under
+  // its directory's lock, and shown by the view at once.
+  void run_resplit(write::ResplitJob& job);
   std::string source_path(const std::string& rel) const {
     return rel.empty() ? d_.source : d_.source + "/" + rel;
   }
@@ -106,6 +114,8 @@ class WritePath {
   write::MemoryBudget budget_;  // the write path's memory (Options::write_memory)
   // May a file under a model name be stored as rank shards (write/store_checks.hpp).
   write::StoreChecks checks_;
+  // Last: destroyed first, so that unmount waits for its splits while the rest still works.
+  Resplits resplits_{[this](write::ResplitJob& job) { run_resplit(job); }};
 };
 
 }  // namespace ckptfs::fs

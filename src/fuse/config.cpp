@@ -117,7 +117,7 @@ void log_read_path(const Decided& d, bool backing) {
   if (backing && o.fs.backing_writes) {
     spdlog::info(
         "write path: passthrough (the kernel writes files into SRC itself; a consolidated file "
-        "is split into rank shards at close)");
+        "is stored at close as its own one shard, and split into rank shards after it)");
   } else {
     spdlog::info("write path: FUSE requests ({})",
                  o.fs.backing_writes ? "libfuse refused the I/O hooks passthrough needs"

@@ -393,8 +393,10 @@ std::optional<Error> WriteFile::cut_at_hole_locked() {
 bool WriteFile::kernel_changed_locked() {
   struct stat st {};
   if (::fstat(backing_.get(), &st) != 0) return true;  // cannot tell: look again at close
-  const std::array<int64_t, 5> now{static_cast<int64_t>(st.st_size), st.st_mtim.tv_sec,
-                                   st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+  // Size and mtime: every write moves one of them (ctime moves too, but also with a link or
+  // a rename of the file, as its split after close makes).
+  const std::array<int64_t, 3> now{static_cast<int64_t>(st.st_size), st.st_mtim.tv_sec,
+                                   st.st_mtim.tv_nsec};
   return std::exchange(stamp_, now) != now;
 }
 
@@ -533,7 +535,11 @@ Status WriteFile::finalize(const Place& where, const StoreRules& rules) {
     // The kernel let a descriptor of this open file write after another one's close()
     // stored it (a dup, a fork): those bytes went to the removed backing file. Never
     // silently: the close() of that descriptor fails.
-    Error e{EIO, adopted_ ? fmt::format("{}: written after close() stored it (through another "
+    // Adopted as its shard, the file may still be the stored form (one rank), or no longer
+    // (its split after close replaced it).
+    struct stat now {};
+    const bool in_place = adopted_ && ::fstat(backing_.get(), &now) == 0 && now.st_nlink > 0;
+    Error e{EIO, in_place ? fmt::format("{}: written after close() stored it (through another "
                                         "descriptor), into its stored shard in place: save it "
                                         "again",
                                         what_)
@@ -773,6 +779,17 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   if (set->shards.size() == 1 && adopt_locked(where, prefix, parsed, size)) {
     return commit_locked(where, durable);
   }
+  // Written by the kernel, and split later: stored now as its own one shard (if that form
+  // passes the same checks), so that close() returns without copying a byte.
+  if (set->shards.size() > 1 && kernel_writes_ && plan_opts_.split_after_close &&
+      (!rules.validate || rules.validate(where.name, Prospect{prefix, parsed, {parsed}})) &&
+      adopt_locked(where, prefix, parsed, size)) {
+    CKPTFS_CHECK(commit_locked(where, durable));
+    if (state_ == State::Committed && adopted_) {
+      resplit_ = resplit_job_locked(where, prefix, parsed, std::move(*p), std::move(*set));
+    }
+    return {};
+  }
   auto tx = flusher_->begin(target(), *set, what_);
   if (!tx) {  // no staging here: the file stays whole, as written
     spdlog::warn("{}: stored whole, not split: {}", what_, tx.error().message);
@@ -821,6 +838,43 @@ bool WriteFile::adopt_locked(const Place& where, const std::string& prefix,
   adopted_ = prefix;
   state_ = State::Routed;
   return true;
+}
+
+std::optional<ResplitJob> WriteFile::resplit_job_locked(
+    const Place& where, std::string header, std::shared_ptr<const format::Header> parsed, Plan p,
+    layout::ShardSet set) {
+  auto mn = format::parse_model_name(where.name);
+  struct stat st {};
+  if (!mn || ::fstat(backing_.get(), &st) != 0) return std::nullopt;
+  const int shard = ::fcntl(backing_.get(), F_DUPFD_CLOEXEC, 0);
+  const int dir = shard < 0 ? -1 : ::fcntl(dir_.get(), F_DUPFD_CLOEXEC, 0);
+  if (dir < 0) {
+    if (shard >= 0) ::close(shard);
+    spdlog::warn("{}: stays one shard: {}", what_, std::strerror(errno));
+    return std::nullopt;
+  }
+  ResplitJob job;
+  job.shard.reset(shard);
+  job.dir.reset(dir);
+  job.dir_display = where.dir_display;
+  job.name = where.name;
+  job.what = what_;
+  job.k = mn->k;
+  job.m = mn->m;
+  job.header = std::move(header);
+  job.parsed = std::move(parsed);
+  job.plan = std::move(p);
+  job.set = std::move(set);
+  job.size = size_;
+  job.dev = st.st_dev;
+  job.ino = st.st_ino;
+  job.stamp = shard_stamp(st);
+  return job;
+}
+
+std::optional<ResplitJob> WriteFile::take_resplit() {
+  std::lock_guard lock(mu_);
+  return std::exchange(resplit_, std::nullopt);
 }
 
 Result<WriteFile::Split> WriteFile::prospect(int fd, const PlanOptions& plan_opts,

@@ -72,6 +72,25 @@ def abort_connection(dev: str | None) -> None:
         pass
 
 
+def splits_done(mnt, timeout: float = 120.0) -> None:
+    """Waits until mount `mnt` has no split after close left: with write passthrough and more
+    than one rank, a file is stored at close as its own one shard and split into its rank
+    shards after (status.json's writes.splits_pending)."""
+    import json  # noqa: PLC0415
+    status = pathlib.Path(mnt) / ".ckptfs" / "status.json"
+    deadline = time.monotonic() + timeout
+    while json.loads(status.read_text())["writes"]["splits_pending"] != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{mnt}: splits after close still pending after {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def in_proc_mounts(mnt) -> bool:
+    """Whether `mnt` is in this process's mount table (a stat of a dead FUSE mount fails)."""
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == str(mnt) for line in f)
+
+
 def unmount(mnt, mounted=os.path.ismount) -> None:
     """`fusermount3 -u MNT` until `mounted(MNT)` is false (about 5 s), then a lazy unmount."""
     mnt = str(mnt)

@@ -54,6 +54,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT, Mount, requires_fuse, run, unmount, wait_for
+from mount_util import in_proc_mounts, splits_done
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -139,11 +140,6 @@ def expect_errno(fn, *codes):
     elif hasattr(r, "close"):
         r.close()
     raise AssertionError(f"succeeded, expected {[errno.errorcode[c] for c in codes]}")
-
-
-def in_proc_mounts(mnt) -> bool:
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == str(mnt) for line in f)
 
 
 def log_tail(m: Mount, n: int = 30) -> str:
@@ -957,6 +953,7 @@ def test_unlink_consolidated_removes_shards(px):
 
     d, s = fresh(px, "unlink")
     save_file_to(d / "model.safetensors", 44, 128)
+    splits_done(px.mnt)
     assert len(src_shards(s)) == 2
     os.unlink(d / "model.safetensors")
     assert names(d) == []
@@ -1116,6 +1113,7 @@ def _owned_by_caller(src, mnt_path):
         r = subprocess.run(["/usr/bin/python3", "-c", code, str(mnt / "open")], input=body, preexec_fn=drop,
                            capture_output=True, timeout=60)
         assert r.returncode == 0, r.stderr.decode()[-2000:]
+        splits_done(mnt)
         for p in (src / "open" / "sub", src / "open" / "sub" / "f.txt",
                   *[src / "open" / "sub" / n for n in src_shards(src / "open" / "sub")]):
             st = os.stat(p)

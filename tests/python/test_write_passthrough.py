@@ -17,13 +17,15 @@ import mmap
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from conftest import fuse_available
+from conftest import fuse_available, wait_for
+from mount_util import Mount, in_proc_mounts, splits_done, unmount  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not fuse_available(), reason="needs root and /dev/fuse")]
 
@@ -41,9 +43,10 @@ def kernel_backs_or_skip(m):
         pytest.skip("the kernel refused FUSE passthrough: " + text.splitlines()[-1])
 
 
-def model(n=6, rows=512):
-    g = torch.Generator().manual_seed(7)
-    return {f"model.layers.{i}.mlp.weight": torch.randn(rows, 256, generator=g) for i in range(n)}
+def model(n=6, rows=512, first=0):
+    g = torch.Generator().manual_seed(7 + first)
+    return {f"model.layers.{i}.mlp.weight": torch.randn(rows, 256, generator=g)
+            for i in range(first, first + n)}
 
 
 def test_a_save_is_written_by_the_kernel_and_split_at_close(tmp_path, mount_factory):
@@ -58,6 +61,7 @@ def test_a_save_is_written_by_the_kernel_and_split_at_close(tmp_path, mount_fact
     assert w["passthrough"] is True
     assert w["backed_opens"] >= 2
     assert w["requests"] == 0, w  # every byte went from the writer to SRC through the kernel
+    splits_done(m.mnt)
     names = sorted(os.listdir(src / "ck"))
     assert names == [".ckptfs", "config.json",
                      "shard-00001-model-00001-of-00001.safetensors",
@@ -99,9 +103,10 @@ def test_a_descriptor_writing_after_another_ones_close_stored_the_file_is_told(t
     fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
     os.write(fd, data)
     dup = os.dup(fd)
-    os.close(fd)  # stored as rank shards here
+    os.close(fd)  # stored here (with 2 ranks: as its one shard, and split into two after)
     kernel_backs_or_skip(m)
     assert (src / "ck" / ".ckptfs" / "model.safetensors.commit").exists()
+    splits_done(m.mnt)
     os.pwrite(dup, b"XXXX", 200)
     with pytest.raises(OSError) as e:
         os.close(dup)
@@ -186,3 +191,74 @@ print(" ".join(out))
         m.stop()
     finally:
         shutil.rmtree(world, ignore_errors=True)
+
+
+def test_a_save_with_ranks_returns_stored_as_one_shard_and_is_split_after_close(tmp_path,
+                                                                                mount_factory):
+    """With more than one rank, close() stores the file as its own one shard (no byte copied)
+    and returns; the split into the rank shards runs after it. A reader at any moment reads
+    the closed bytes; status shows the splits pending; unmount waits for them."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, opts=["ranks=4"])
+    sds = [model(4, 1024), model(3, 2048, first=4)]
+    for k, sd in enumerate(sds, 1):
+        st.save_file(sd, str(pathlib.Path(m.mnt) / "ck" / f"model-{k:05d}-of-00002.safetensors"))
+    kernel_backs_or_skip(m)
+    seen = [status(m.mnt)["writes"]["splits_pending"]]
+    for k, sd in enumerate(sds, 1):
+        back = st.load_file(str(pathlib.Path(m.mnt) / "ck" / f"model-{k:05d}-of-00002.safetensors"))
+        assert all(torch.equal(back[n], sd[n]) for n in sd)
+        seen.append(status(m.mnt)["writes"]["splits_pending"])
+        del back  # its tensors map the file: the mount could not go while they live
+    assert all(0 <= n <= 2 for n in seen), seen
+    # Unmount waits for the splits: when the daemon has exited, each file is its 4 shards.
+    rc = m.stop()
+    assert rc == 0
+    names = sorted(os.listdir(src / "ck"))
+    assert names == sorted([".ckptfs"] + [f"shard-{r:05d}-model-{k:05d}-of-00002.safetensors"
+                                          for k in (1, 2) for r in (1, 2, 3, 4)]), names
+    assert not [n for n in os.listdir(src / "ck" / ".ckptfs") if n.startswith("tx-")]
+    log = pathlib.Path(m.log).read_text()
+    assert "split into 4 rank shards after its close" in log, log[-2000:]
+    m2 = mount_factory(src, opts=["ranks=4"])
+    for k, sd in enumerate(sds, 1):
+        back = st.load_file(str(pathlib.Path(m2.mnt) / "ck" / f"model-{k:05d}-of-00002.safetensors"))
+        assert all(torch.equal(back[n], sd[n]) for n in sd)
+
+
+def test_a_daemon_killed_while_splits_after_close_run_loses_nothing_closed(tmp_path):
+    """kill -9 of the daemon right after the saves returned, while their splits are queued or
+    running: after a remount every file reads as closed, from its one shard or its rank
+    shards, and no staging is left."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = Mount(src, tmp_path / "mnt", opts=["ranks=4"], log=str(tmp_path / "mnt.1.log")).start()
+    sds = [model(8, 16384, first=8 * k) for k in range(3)]  # 128 MiB each
+    pending = None
+    try:
+        for k, sd in enumerate(sds, 1):
+            st.save_file(sd, str(pathlib.Path(m.mnt) / "ck" / f"model-{k:05d}-of-00003.safetensors"))
+        kernel_backs_or_skip(m)
+        pending = status(m.mnt)["writes"]["splits_pending"]
+        m.proc.send_signal(signal.SIGKILL)
+        m.proc.wait(timeout=30)
+    finally:
+        rc = m.stop(check=False)
+        unmount(m.mnt)
+    assert rc == -signal.SIGKILL
+    try:
+        wait_for(lambda: not in_proc_mounts(m.mnt), "the killed daemon's mount to go", timeout=10)
+    finally:
+        if in_proc_mounts(m.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", m.mnt], capture_output=True)
+    print(f"splits pending at the kill: {pending}")
+    with Mount(src, tmp_path / "mnt", opts=["ranks=4"], log=str(tmp_path / "mnt.2.log")) as m2:
+        for k, sd in enumerate(sds, 1):
+            back = st.load_file(str(pathlib.Path(m2.mnt) / "ck" / f"model-{k:05d}-of-00003.safetensors"))
+            assert all(torch.equal(back[n], sd[n]) for n in sd)
+            del back  # its tensors map the file: the unmount waits for them
+        assert not [n for n in os.listdir(src / "ck" / ".ckptfs") if n.startswith("tx-")]
+        for k in (1, 2, 3):  # one shard or four, never a mix
+            shards = [n for n in os.listdir(src / "ck") if f"model-{k:05d}-of-00003" in n]
+            assert len(shards) in (1, 4), sorted(os.listdir(src / "ck"))

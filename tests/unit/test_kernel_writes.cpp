@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 
 #include <filesystem>
 
@@ -17,6 +19,8 @@
 #include "ckptfs/fs/filesystem.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "ckptfs/write/file.hpp"
+#include "ckptfs/write/resplit.hpp"
 #include "fixture.hpp"
 
 using namespace ckptfs;
@@ -33,8 +37,9 @@ struct Mount {
     restart(backing_reads);
   }
   // A new daemon on the same SRC (the old one's state goes with it).
+  fs::Options opts;  // restart()'s base: what a test sets beyond the defaults below
   void restart(bool backing_reads = false) {
-    fs::Options o;
+    fs::Options o = opts;
     o.backing = backing_reads;
     o.backing_writes = true;
     o.backing_grace = std::chrono::milliseconds(0);
@@ -104,6 +109,10 @@ TEST(KernelWrites, ASavedFileIsWrittenByTheKernelAndSplitAtClose) {
   ASSERT_TRUE(st.ok()) << st.error().message;
   EXPECT_TRUE(m.f->release(c->open.fh));  // a backed open: its backing file may be let go
   EXPECT_TRUE(m.f->release(r->fh));
+  // Stored at close as its own one shard, and split into the two after it.
+  EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
+  m.f->drain_splits();
+  EXPECT_EQ(m.f->pending_splits(), 0u);
   EXPECT_EQ(m.src_names(), (std::vector<std::string>{".ckptfs", format::shard_file_name(1, 1, 1),
                                                      format::shard_file_name(2, 1, 1)}));
   EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
@@ -117,8 +126,10 @@ TEST(KernelWrites, AWriteAfterAnotherDescriptorsCloseStoredTheFileFailsItsClose)
   ASSERT_TRUE(c.ok()) << c.error().message;
   ASSERT_GE(c->open.backing_fd, 0);
   kernel_write(c->open.backing_fd, bytes);
-  // close() of one descriptor of the open file (a dup'd one stays): stored as rank shards.
+  // close() of one descriptor of the open file (a dup'd one stays): stored as rank shards
+  // (once its split after close has run).
   ASSERT_TRUE(m.f->flush(c->open.fh).ok());
+  m.f->drain_splits();
   EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
   // A close with nothing written since says nothing new.
   EXPECT_TRUE(m.f->flush(c->open.fh).ok());
@@ -196,6 +207,7 @@ TEST(KernelWrites, AKernelThatRefusesTheBackingFileGetsRequestsFromThenOn) {
   ASSERT_TRUE(m.f->flush(c->open.fh).ok());
   EXPECT_FALSE(m.f->release(c->open.fh));
   EXPECT_EQ(m.read(m.lookup(d, "model.safetensors")), bytes);
+  m.f->drain_splits();
   EXPECT_EQ(m.src_names().size(), 3u);  // .ckptfs and two shards
   // The next file is not offered to the kernel at all.
   auto c2 = m.f->create(d, "b.txt", 0644, O_RDWR | O_CREAT | O_EXCL);
@@ -289,4 +301,204 @@ TEST(KernelWrites, WithOneRankTheFileIsItsShardAndNoByteIsCopied) {
   ASSERT_TRUE(ck.ok());
   ASSERT_TRUE((*ck)->valid()) << (*ck)->problems[0].to_string();
   EXPECT_EQ((*ck)->outputs.size(), 1u);
+}
+
+namespace {
+
+// One file written by the kernel into ckpt/model.safetensors and closed, driven on the write
+// layer itself so that each step of its split after close runs when the test says.
+struct AfterClose {
+  test::TempDir dir;
+  std::unique_ptr<flush::Flusher> flusher = flush::make_local_flusher();
+  UniqueFd d;
+  int fd = -1;  // the kernel's: the file as the writer writes it
+  std::shared_ptr<write::WriteFile> wf;
+  const std::string bytes = test::consolidated(11);
+  AfterClose() {
+    stdfs::create_directories(dir.path() + "/ckpt");
+    d = std::move(open_at(AT_FDCWD, dir.path() + "/ckpt", O_RDONLY | O_DIRECTORY)).value();
+    auto f = open_at(d.get(), "model.safetensors", O_RDWR | O_CREAT | O_EXCL, 0644);
+    fd = f->get();
+    write::PlanOptions plan;
+    plan.ranks = 2;
+    plan.split_after_close = true;
+    wf = std::move(write::WriteFile::open(std::move(f).value(), d.get(), dir.path() + "/ckpt",
+                                          /*fresh=*/true, *flusher, plan, "model.safetensors"))
+             .value();
+    EXPECT_TRUE(wf->kernel_writes());
+    kernel_write(fd, bytes);
+  }
+  write::Place place() const { return {d.get(), "model.safetensors", dir.path() + "/ckpt"}; }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& e : stdfs::directory_iterator(dir.path() + "/ckpt")) {
+      out.push_back(e.path().filename());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  // What a new mount of SRC serves under the name.
+  std::string served() {
+    fs::Options o;
+    o.settle = std::chrono::milliseconds(60'000);
+    o.revalidate = std::chrono::milliseconds(0);
+    auto f = std::move(fs::Filesystem::create(dir.path(), o)).value();
+    auto c = f->lookup(fs::kRootIno, "ckpt");
+    auto e = c ? f->lookup(c->ino, "model.safetensors") : Result<fs::EntryOut>(c.error());
+    if (!e) return "(" + e.error().message + ")";
+    auto h = f->open(e->ino, O_RDONLY);
+    if (!h) return "(" + h.error().message + ")";
+    auto r = f->reader(h->fh);
+    std::string out(r->size(), '\0');
+    auto n = r->read(0, out.size(), out.data());
+    f->release(h->fh);
+    return n ? out : "(" + n.error().message + ")";
+  }
+  bool staging_left() const {
+    for (const auto& e : stdfs::directory_iterator(dir.path() + "/ckpt/.ckptfs")) {
+      if (e.path().filename().string().starts_with("tx-")) return true;
+    }
+    return false;
+  }
+};
+
+const std::string kOne = format::shard_file_name(1, 1, 1);
+const std::string kTwo = format::shard_file_name(2, 1, 1);
+
+}  // namespace
+
+TEST(SplitAfterClose, CloseStoresTheFileAsItsOneShardAndTheSplitMakesTheRanksLater) {
+  AfterClose a;
+  ASSERT_TRUE(a.wf->finalize(a.place()).ok());
+  EXPECT_EQ(a.wf->state(), write::WriteFile::State::Committed);
+  // Stored at close: the file itself under its one shard's name, no byte copied.
+  EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne}));
+  EXPECT_EQ(a.served(), a.bytes);
+  auto job = a.wf->take_resplit();
+  ASSERT_TRUE(job.has_value());
+  EXPECT_FALSE(a.wf->take_resplit().has_value());  // taken once
+  auto staged = write::stage_resplit(*job, *a.flusher);
+  ASSERT_TRUE(staged.ok()) << staged.error().message;
+  // Staged, not committed: a reader still gets the one shard.
+  EXPECT_TRUE(a.staging_left());
+  EXPECT_EQ(a.served(), a.bytes);
+  auto names = write::commit_resplit(*job, std::move(staged).value());
+  ASSERT_TRUE(names.ok()) << names.error().message;
+  EXPECT_EQ(names->size(), 3u);  // two shards and the record
+  EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne, kTwo}));
+  EXPECT_FALSE(a.staging_left());
+  EXPECT_EQ(a.served(), a.bytes);
+  std::string got(a.bytes.size(), '\0');
+  ASSERT_EQ(*a.wf->read(0, got.size(), got.data()), got.size());  // an open reader's view
+  EXPECT_EQ(got, a.bytes);
+}
+
+TEST(SplitAfterClose, ANewSaveUnderTheNameBeforeTheSplitCommitsDropsTheSplit) {
+  AfterClose a;
+  ASSERT_TRUE(a.wf->finalize(a.place()).ok());
+  auto job = a.wf->take_resplit();
+  ASSERT_TRUE(job.has_value());
+  auto staged = write::stage_resplit(*job, *a.flusher);
+  ASSERT_TRUE(staged.ok()) << staged.error().message;
+  // Meanwhile a newer version is stored under the name (as its one shard).
+  const std::string newer = test::consolidated(12);
+  ASSERT_EQ(::unlinkat(a.d.get(), kOne.c_str(), 0), 0);
+  test::write_file(a.dir.path() + "/ckpt/" + kOne, newer);
+  auto names = write::commit_resplit(*job, std::move(staged).value());
+  ASSERT_TRUE(names.ok()) << names.error().message;
+  EXPECT_TRUE(names->empty());
+  EXPECT_FALSE(a.staging_left());
+  EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne}));
+  EXPECT_EQ(*read_small_file(a.dir.path() + "/ckpt/" + kOne, 1 << 24), newer);
+}
+
+TEST(SplitAfterClose, AWriteThroughADupAfterCloseLeavesTheOneShardAsItIs) {
+  AfterClose a;
+  ASSERT_TRUE(a.wf->finalize(a.place()).ok());
+  auto job = a.wf->take_resplit();
+  ASSERT_TRUE(job.has_value());
+  auto staged = write::stage_resplit(*job, *a.flusher);
+  ASSERT_TRUE(staged.ok()) << staged.error().message;
+  kernel_write(a.fd, "XXXX", 200);  // into the stored shard, in place
+  auto names = write::commit_resplit(*job, std::move(staged).value());
+  ASSERT_TRUE(names.ok()) << names.error().message;
+  EXPECT_TRUE(names->empty());  // the split copied bytes the shard no longer holds
+  EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne}));
+  EXPECT_FALSE(a.staging_left());
+  // And that descriptor's close says so.
+  auto st = a.wf->finalize(a.place());
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EIO);
+}
+
+TEST(SplitAfterClose, ADaemonKilledDuringTheSplitLeavesTheOneShard) {
+  AfterClose a;
+  ASSERT_TRUE(a.wf->finalize(a.place()).ok());
+  auto job = a.wf->take_resplit();
+  ASSERT_TRUE(job.has_value());
+  pid_t pid = ::fork();
+  if (pid == 0) {  // the daemon stages the split and dies before its commit
+    auto staged = write::stage_resplit(*job, *a.flusher);
+    _exit(staged.ok() ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(a.staging_left());
+  // The next mount serves the one shard and removes the dead staging.
+  EXPECT_EQ(a.served(), a.bytes);
+  EXPECT_FALSE(a.staging_left());
+  EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne}));
+}
+
+TEST(SplitAfterClose, TheMountRunsTheSplitAndUnmountWaitsForIt) {
+  Mount m(/*backing_reads=*/false, /*ranks=*/3);
+  // The splits wait at the gate until the test opens it.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  m.opts.split_gate = [&] {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return open; });
+  };
+  m.restart();
+  std::vector<std::string> bytes;
+  for (int i = 0; i < 3; ++i)
+    bytes.push_back(test::consolidated(13 + i, 600, fmt::format("f{}.", i)));
+  const fs::Ino d = m.ckpt();
+  for (int i = 0; i < 3; ++i) {
+    const std::string name = fmt::format("model-{:05d}-of-00003.safetensors", i + 1);
+    auto c = m.f->create(d, name, 0644, O_RDWR | O_CREAT | O_EXCL);
+    ASSERT_TRUE(c.ok()) << c.error().message;
+    kernel_write(c->open.backing_fd, bytes[i]);
+    auto st = m.f->flush(c->open.fh);
+    ASSERT_TRUE(st.ok()) << st.error().message;
+    m.f->release(c->open.fh);
+    // Whatever the split has done by now, the name reads as closed.
+    EXPECT_EQ(m.read(m.lookup(d, name)), bytes[i]);
+  }
+  // Closed, stored as one shard each, and the three splits pending.
+  EXPECT_EQ(m.f->pending_splits(), 3u);
+  EXPECT_NE(m.f->status_json().find("\"splits_pending\": 3"), std::string::npos)
+      << m.f->status_json();
+  EXPECT_EQ(m.src_names().size(), 1u + 3u);
+  {
+    std::lock_guard lock(mu);
+    open = true;
+  }
+  cv.notify_all();
+  m.f.reset();  // unmount: waits for the splits
+  auto names = m.src_names();
+  EXPECT_EQ(names.size(), 1u + 9u);
+  for (uint32_t k = 1; k <= 3; ++k) {
+    for (uint32_t r = 1; r <= 3; ++r) {
+      EXPECT_TRUE(std::count(names.begin(), names.end(), format::shard_file_name(r, k, 3)))
+          << r << " of " << k;
+    }
+  }
+  m.restart();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(m.read(m.lookup(m.ckpt(), fmt::format("model-{:05d}-of-00003.safetensors", i + 1))),
+              bytes[i]);
+  }
 }

@@ -86,6 +86,9 @@ struct Options {
   std::shared_ptr<const Clock> clock;
   // Makes the close watch (fs/seams.hpp); null: inotify_close_watch.
   CloseWatch::Factory close_watch;
+  // Called on the thread of the splits after close (write/resplit.hpp) before each one; null:
+  // none. Tests hold the splits there, to look at a file between its close and its split.
+  std::function<void()> split_gate;
   // Threads that build checkpoint views for when_ready's callers (fs/builds.hpp), so that no
   // FUSE worker reads a header or waits for another's build. 0: when_ready always says ready,
   // and every build runs on the thread that needs it (tests drive that path directly).
@@ -298,6 +301,11 @@ class Filesystem {
   // The content of .ckptfs/status.json: checkpoints tracked (serving, settling, refused and
   // why), reads, writes in flight, errors and the StatusExtra figures, as one JSON object.
   [[nodiscard]] std::string status_json() const;
+  // Files closed and stored as one shard whose split into rank shards (after close, for files
+  // the kernel wrote) is queued or running; drain_splits() waits until none is left, as the
+  // Filesystem's destruction (unmount) does.
+  [[nodiscard]] size_t pending_splits() const;
+  void drain_splits();
   // Installs (or, with an empty function, removes) the source of the "prefetch" figures.
   void set_status_extra(StatusExtra extra);
   // Counts an operation that failed with an unexpected errno (the adapter logs it too).

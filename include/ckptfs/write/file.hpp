@@ -34,6 +34,7 @@
 #include "ckptfs/util/result.hpp"
 #include "ckptfs/write/budget.hpp"
 #include "ckptfs/write/plan.hpp"
+#include "ckptfs/write/resplit.hpp"
 #include "ckptfs/write/router.hpp"
 
 namespace ckptfs::write {
@@ -153,6 +154,9 @@ class WriteFile {
   // Its backing file still has a name (not unlinked, not a placeholder removed at commit).
   [[nodiscard]] bool linked() const;
   [[nodiscard]] ino_t ino() const { return ino_; }
+  // The split into rank shards that the last close left to run after it (PlanOptions::
+  // split_after_close: the file was committed as its own one shard), taken once.
+  std::optional<ResplitJob> take_resplit();
 
  private:
   WriteFile() = default;
@@ -166,6 +170,10 @@ class WriteFile {
   bool adopt_locked(const Place& where, const std::string& prefix,
                     const std::shared_ptr<const format::Header>& parsed, uint64_t size);
   Status commit_locked(const Place& where, bool durable);
+  // Adopted and committed as one shard: what splits it into `set` after close.
+  std::optional<ResplitJob> resplit_job_locked(const Place& where, std::string header,
+                                               std::shared_ptr<const format::Header> parsed, Plan p,
+                                               layout::ShardSet set);
   // Why a complete routed file must be stored whole under `where` (StoreRules), if it must.
   std::optional<Error> refused_locked(const Place& where, const StoreRules& rules);
   Status fill_other_links_locked();
@@ -203,13 +211,14 @@ class WriteFile {
   std::optional<Error> error_;       // Failed
   std::vector<std::string> stored_;  // Committed: see stored_names()
   // The kernel writes the backing file (kernel_writes()); `stamp_` is its size, mtime and
-  // ctime when this object last looked, so a change since is a write.
+  // when this object last looked, so a change since is a write.
   bool kernel_writes_ = false;
-  std::array<int64_t, 5> stamp_{};
+  std::array<int64_t, 3> stamp_{};
   std::unique_ptr<flush::Transaction> guard_;  // see guard_model_name(); dropped at close
   // Committed by adopting the file itself as its one rank shard (Transaction::adopt): its
   // header bytes (the record's), and no router; the backing file is the shard.
   std::optional<std::string> adopted_;
+  std::optional<ResplitJob> resplit_;  // see take_resplit()
   std::atomic<bool> dirty_{false};
   bool durable_ = false;            // fsync was asked: the commit is made durable too
   MemoryBudget* budget_ = nullptr;  // shared by the mount's files; null: unbounded

@@ -24,6 +24,10 @@ struct PlanOptions {
   // an even dim-0 split: any tiling reads back the same, the style only helps a DCP reader.
   std::map<std::string, std::string> tp_plan;
   uint64_t min_split_bytes = 64 * 1024;  // smaller tensors go whole to one rank
+  // A file the kernel wrote is committed at close as its own one shard and split into `ranks`
+  // shards after (WriteFile::take_resplit, write/resplit.hpp), where the flusher adopts files:
+  // set by a caller that runs the splits it is handed.
+  bool split_after_close = false;
 };
 
 // Shard names carry 5 digits; more ranks than this is a mistake, not a plan.

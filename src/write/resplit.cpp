@@ -1,0 +1,97 @@
+// write/resplit: the split of a file stored as its own one shard into N rank shards, after
+// close (see the header).
+#include "ckptfs/write/resplit.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "ckptfs/format/names.hpp"
+#include "ckptfs/format/record.hpp"
+#include "ckptfs/write/router.hpp"
+
+namespace ckptfs::write {
+
+namespace {
+constexpr size_t kChunk = 1 << 20;
+}  // namespace
+
+std::array<int64_t, 5> shard_stamp(const struct stat& st) {
+  return {static_cast<int64_t>(st.st_size), st.st_mtim.tv_sec, st.st_mtim.tv_nsec,
+          st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+}
+
+Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flusher) {
+  struct stat st {};
+  if (::fstat(job.shard.get(), &st) != 0) return errno_error(job.what + ": stat failed");
+  flush::Target t;
+  t.dirfd = job.dir.get();
+  t.display = job.dir_display;
+  t.uid = st.st_uid;
+  t.gid = st.st_gid;
+  t.mode = st.st_mode & 07777;
+  // No placeholder: the one shard is the stored form until the commit, and a crash before it
+  // only drops this staging.
+  CKPTFS_TRY(auto tx, flusher.begin(t, job.set, job.what));
+  CKPTFS_TRY(auto r,
+             StreamRouter::create(job.header, job.parsed, job.plan, job.set, *tx, job.what));
+  std::string buf(static_cast<size_t>(std::min<uint64_t>(kChunk, std::max<uint64_t>(job.size, 1))),
+                  '\0');
+  for (uint64_t x = 0; x < job.size; x += buf.size()) {
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(buf.size(), job.size - x));
+    CKPTFS_CHECK(pread_exact(job.shard.get(), buf.data(), len, x, job.what));
+    CKPTFS_CHECK(r.write(x, std::string_view(buf.data(), len)));
+  }
+  return StagedResplit{std::move(tx)};
+}
+
+Result<std::vector<std::string>> commit_resplit(const ResplitJob& job, StagedResplit staged) {
+  const std::string first = format::shard_file_name(1, job.k, job.m);
+  struct stat now {
+  }, sh{};
+  if (::fstatat(job.dir.get(), first.c_str(), &now, AT_SYMLINK_NOFOLLOW) != 0 ||
+      now.st_dev != job.dev || now.st_ino != job.ino) {
+    spdlog::info(
+        "{}/{}: stored anew, renamed or removed since its close; its split into rank "
+        "shards is dropped",
+        job.dir_display, job.name);
+    return std::vector<std::string>{};
+  }
+  if (::fstat(job.shard.get(), &sh) != 0) return errno_error(job.what + ": stat failed");
+  if (shard_stamp(sh) != job.stamp) {
+    spdlog::warn(
+        "{}/{}: changed in its stored shard since its close (written through another "
+        "descriptor); left as one shard",
+        job.dir_display, job.name);
+    return std::vector<std::string>{};
+  }
+  CKPTFS_CHECK(staged.tx->set_owner(sh.st_uid, sh.st_gid, sh.st_mode));
+  flush::CommitInfo info;
+  info.name = job.name;
+  info.k = job.k;
+  info.m = job.m;
+  info.header = job.header;
+  info.size = job.size;
+  info.uid = sh.st_uid;
+  info.gid = sh.st_gid;
+  info.mode = sh.st_mode & 07777;
+  info.times = true;
+  info.atime = sh.st_atim;
+  info.mtime = sh.st_mtim;
+  // Durable: the one shard may already be (the writer's fsync, or a sync since its close), and
+  // the record must never name shards a power loss could leave unwritten.
+  CKPTFS_CHECK(staged.tx->commit(info, true));
+  std::vector<std::string> names;
+  for (uint32_t r = 0; r < job.set.shards.size(); ++r) {
+    names.push_back(format::shard_file_name(r + 1, job.k, job.m));
+  }
+  names.push_back(std::string(format::kStateDirName) + "/" + format::record_file_name(job.name));
+  spdlog::info("{}/{}: split into {} rank shards after its close", job.dir_display, job.name,
+               job.set.shards.size());
+  return names;
+}
+
+}  // namespace ckptfs::write
