@@ -136,7 +136,8 @@ status=0
 step "6/11 save_pretrained into the mount (stored as 4 rank shards, read back exactly)"
 if ((status == 0)); then
   "$PY" tools/demo_write.py --reference "$REF" --out "$MNT/run/step_2000/model" \
-    --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" || status=$?
+    --src "$SRC/run/step_2000/model" --plain "$WORK/plain/step_2000" \
+    --status "$MNT/.ckptfs/status.json" || status=$?
 fi
 if ((status == 0)); then
   echo

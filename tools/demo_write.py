@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="where to save, inside the mount")
     ap.add_argument("--src", required=True, help="the same directory in SRC")
     ap.add_argument("--plain", required=True, help="a plain directory for the comparison save")
+    ap.add_argument("--status", help="the mount's .ckptfs/status.json: wait for its splits after close")
     args = ap.parse_args()
 
     import torch
@@ -46,6 +47,20 @@ def main() -> int:
     t_plain = time.perf_counter() - t0
     print(f"save_pretrained ({total / 1e6:.0f} MB, max_shard_size={shard}): "
           f"{t_mount:.2f} s into the mount, {t_plain:.2f} s into a plain directory")
+    if args.status:
+        # Each file was stored at close as its own one shard; its split into the mount's rank
+        # shards runs after close (status.json's writes.splits_pending counts what is left).
+        t0 = time.perf_counter()
+        while True:
+            with open(args.status) as f:
+                if json.load(f)["writes"].get("splits_pending", 0) == 0:
+                    break
+            if time.perf_counter() - t0 > 120:
+                print("FAIL: the splits after close did not finish in 120 s")
+                return 1
+            time.sleep(0.01)
+        print(f"split into rank shards after close: done {time.perf_counter() - t0:.2f} s after "
+              "save_pretrained returned")
 
     print(f"\nwhat SRC holds ({args.src}):")
     for name in sorted(os.listdir(args.src)):
