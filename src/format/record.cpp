@@ -13,6 +13,15 @@ std::string record_file_name(std::string_view file_name) {
   return std::string(file_name) + std::string(kRecordSuffix);
 }
 
+std::vector<std::string> stored_names(std::string_view file_name, uint32_t k, uint32_t m,
+                                      uint32_t ranks) {
+  std::vector<std::string> names;
+  names.reserve(size_t{ranks} + 1);
+  for (uint32_t r = 1; r <= ranks; ++r) names.push_back(shard_file_name(r, k, m));
+  names.push_back(std::string(kStateDirName) + "/" + record_file_name(file_name));
+  return names;
+}
+
 std::optional<std::string_view> parse_record_name(std::string_view name) {
   if (name.starts_with(kStateDirName) && name.size() > kStateDirName.size() &&
       name[kStateDirName.size()] == '/') {

@@ -15,10 +15,6 @@
 
 namespace ckptfs::write {
 
-namespace {
-constexpr size_t kChunk = 1 << 20;
-}  // namespace
-
 std::array<int64_t, 5> shard_stamp(const struct stat& st) {
   return {static_cast<int64_t>(st.st_size), st.st_mtim.tv_sec, st.st_mtim.tv_nsec,
           st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
@@ -38,13 +34,7 @@ Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flush
   CKPTFS_TRY(auto tx, flusher.begin(t, job.set, job.what));
   CKPTFS_TRY(auto r,
              StreamRouter::create(job.header, job.parsed, job.plan, job.set, *tx, job.what));
-  std::string buf(static_cast<size_t>(std::min<uint64_t>(kChunk, std::max<uint64_t>(job.size, 1))),
-                  '\0');
-  for (uint64_t x = 0; x < job.size; x += buf.size()) {
-    const size_t len = static_cast<size_t>(std::min<uint64_t>(buf.size(), job.size - x));
-    CKPTFS_CHECK(pread_exact(job.shard.get(), buf.data(), len, x, job.what));
-    CKPTFS_CHECK(r.write(x, std::string_view(buf.data(), len)));
-  }
+  CKPTFS_CHECK(route_file(job.shard.get(), job.size, r, job.what));
   return StagedResplit{std::move(tx)};
 }
 
@@ -69,29 +59,13 @@ Result<std::vector<std::string>> commit_resplit(const ResplitJob& job, StagedRes
     return std::vector<std::string>{};
   }
   CKPTFS_CHECK(staged.tx->set_owner(sh.st_uid, sh.st_gid, sh.st_mode));
-  flush::CommitInfo info;
-  info.name = job.name;
-  info.k = job.k;
-  info.m = job.m;
-  info.header = job.header;
-  info.size = job.size;
-  info.uid = sh.st_uid;
-  info.gid = sh.st_gid;
-  info.mode = sh.st_mode & 07777;
-  info.times = true;
-  info.atime = sh.st_atim;
-  info.mtime = sh.st_mtim;
+  const auto info = flush::CommitInfo::of(job.name, job.k, job.m, job.header, job.size, sh);
   // Durable: the one shard may already be (the writer's fsync, or a sync since its close), and
   // the record must never name shards a power loss could leave unwritten.
   CKPTFS_CHECK(staged.tx->commit(info, true));
-  std::vector<std::string> names;
-  for (uint32_t r = 0; r < job.set.shards.size(); ++r) {
-    names.push_back(format::shard_file_name(r + 1, job.k, job.m));
-  }
-  names.push_back(std::string(format::kStateDirName) + "/" + format::record_file_name(job.name));
   spdlog::info("{}/{}: split into {} rank shards after its close", job.dir_display, job.name,
                job.set.shards.size());
-  return names;
+  return format::stored_names(job.name, job.k, job.m, static_cast<uint32_t>(job.set.shards.size()));
 }
 
 }  // namespace ckptfs::write

@@ -7,6 +7,7 @@
 
 #include "ckptfs/io/gather.hpp"
 #include "ckptfs/util/checked.hpp"
+#include "ckptfs/util/fd.hpp"
 
 namespace ckptfs::write {
 
@@ -178,6 +179,17 @@ Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
   src.staged = pread;
   CKPTFS_CHECK(io::gather(src, segs, dst));
   return static_cast<size_t>(n);
+}
+
+Status route_file(int fd, uint64_t size, StreamRouter& r, std::string_view what) {
+  std::string buf(static_cast<size_t>(std::min<uint64_t>(kCopyChunk, std::max<uint64_t>(size, 1))),
+                  '\0');
+  for (uint64_t x = 0; x < size; x += buf.size()) {
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - x));
+    CKPTFS_CHECK(pread_exact(fd, buf.data(), len, x, what));
+    CKPTFS_CHECK(r.write(x, std::string_view(buf.data(), len)));
+  }
+  return {};
 }
 
 }  // namespace ckptfs::write

@@ -91,6 +91,18 @@ def in_proc_mounts(mnt) -> bool:
         return any(line.split()[1] == str(mnt) for line in f)
 
 
+def wait_killed_mount_gone(mnt, timeout: float = 10.0) -> None:
+    """After its daemon was killed: waits for auto_unmount to take `mnt` out of the mount table
+    (/proc is asked: a stat of a dead FUSE mount fails with ENOTCONN, which os.path.ismount
+    reads as "not a mount"), and fails if it does not, after a lazy unmount of what is left."""
+    deadline = time.monotonic() + timeout
+    while in_proc_mounts(mnt):
+        if time.monotonic() > deadline:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            raise AssertionError(f"{mnt}: the killed daemon's mount still there after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
 def unmount(mnt, mounted=os.path.ismount) -> None:
     """`fusermount3 -u MNT` until `mounted(MNT)` is false (about 5 s), then a lazy unmount."""
     mnt = str(mnt)

@@ -50,8 +50,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_write import (  # noqa: E402  (after the importorskips, as test_write needs them)
-    MIB, MODEL_RE, SHARD_RE, Writer, blob, in_proc_mounts, make_model, max_shard_size_for, mkdir,
-    names, read, save_file_to)
+    MIB, MODEL_RE, SHARD_RE, Writer, blob, make_model, max_shard_size_for, mkdir, names, read,
+    save_file_to)
+from mount_util import in_proc_mounts  # noqa: E402
 
 
 def built_with_mpi() -> bool:

@@ -39,6 +39,7 @@ import time
 import pytest
 
 from conftest import BIN, ROOT, Mount, requires_fuse, wait_for
+from mount_util import splits_done
 
 pytestmark = [requires_fuse,
               pytest.mark.skipif(shutil.which("useradd") is None, reason="needs useradd")]
@@ -257,6 +258,7 @@ def test_sticky_bit_holds_for_hidden_and_consolidated_names(world, users):
         mt = pathlib.Path(m.mnt) / "sticky"
         body = model_bytes(2)
         as_user(a, "save", mt / MODEL, 0o644, data=body)
+        splits_done(m.mnt)  # the two rank shards, not the one stored at close
         as_user(a, "mkdir", mt / ".hf_metadata", 0o755)  # hidden once the shards are there
         as_user(b, "open", mt / "evil.bin", os.O_CREAT | os.O_WRONLY, 0o644, data=b"evil")
         as_user(b, "mkdir", mt / "evildir", 0o755)
@@ -289,6 +291,7 @@ def test_rmdir_takes_hidden_entries_only_when_the_caller_could(world, users):
             as_user(owner, "mkdir", mo / d, mode)
             os.chmod(top / d, mode)  # the caller's umask aside
             as_user(a, "save", mo / d / MODEL, 0o644, data=model_bytes(3))
+            splits_done(m.mnt)  # stored as one shard at close; damage the two rank shards
             (top / d / SHARD1).unlink()  # rank 1 lost: refused, nothing shown
             wait_for(lambda: as_user(c, "listdir", mo / d) == [], f"{d} to show nothing")
         assert errno_of(lambda: as_user(c, "rmdir", mo / "adir")) == errno.ENOTEMPTY

@@ -54,7 +54,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT, Mount, requires_fuse, run, unmount, wait_for
-from mount_util import in_proc_mounts, splits_done
+from mount_util import splits_done, wait_killed_mount_gone
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -1333,13 +1333,7 @@ def test_daemon_killed_mid_file(tmp_path):
         rc = m.stop(check=False)
         unmount(m.mnt)
     assert rc == -signal.SIGKILL
-    # auto_unmount takes the dead mount away; /proc is asked (a stat of a dead FUSE mount fails
-    # with ENOTCONN, which os.path.ismount reads as "not a mount").
-    try:
-        wait_for(lambda: not in_proc_mounts(m.mnt), "the killed daemon's mount to go", timeout=10)
-    finally:
-        if in_proc_mounts(m.mnt):
-            subprocess.run(["fusermount3", "-u", "-z", m.mnt], capture_output=True)
+    wait_killed_mount_gone(m.mnt)
 
     with Mount(src, tmp_path / "mnt", opts=["ranks=2"], log=str(tmp_path / "mnt.2.log")) as m2:
         mnt = pathlib.Path(m2.mnt)

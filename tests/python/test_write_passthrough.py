@@ -24,8 +24,8 @@ import tempfile
 
 import pytest
 
-from conftest import fuse_available, wait_for
-from mount_util import Mount, in_proc_mounts, splits_done, unmount  # noqa: E402
+from conftest import fuse_available
+from mount_util import Mount, splits_done, unmount, wait_killed_mount_gone  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not fuse_available(), reason="needs root and /dev/fuse")]
 
@@ -247,11 +247,7 @@ def test_a_daemon_killed_while_splits_after_close_run_loses_nothing_closed(tmp_p
         rc = m.stop(check=False)
         unmount(m.mnt)
     assert rc == -signal.SIGKILL
-    try:
-        wait_for(lambda: not in_proc_mounts(m.mnt), "the killed daemon's mount to go", timeout=10)
-    finally:
-        if in_proc_mounts(m.mnt):
-            subprocess.run(["fusermount3", "-u", "-z", m.mnt], capture_output=True)
+    wait_killed_mount_gone(m.mnt)
     print(f"splits pending at the kill: {pending}")
     with Mount(src, tmp_path / "mnt", opts=["ranks=4"], log=str(tmp_path / "mnt.2.log")) as m2:
         for k, sd in enumerate(sds, 1):

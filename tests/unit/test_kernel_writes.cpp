@@ -329,6 +329,16 @@ struct AfterClose {
     kernel_write(fd, bytes);
   }
   write::Place place() const { return {d.get(), "model.safetensors", dir.path() + "/ckpt"}; }
+  // Closes the file (stored as its one shard) and stages its split, not committed yet.
+  void close_and_stage(std::optional<write::ResplitJob>& job,
+                       std::optional<write::StagedResplit>& staged) {
+    ASSERT_TRUE(wf->finalize(place()).ok());
+    job = wf->take_resplit();
+    ASSERT_TRUE(job.has_value());
+    auto s = write::stage_resplit(*job, *flusher);
+    ASSERT_TRUE(s.ok()) << s.error().message;
+    staged = std::move(s).value();
+  }
   std::vector<std::string> names() const {
     std::vector<std::string> out;
     for (const auto& e : stdfs::directory_iterator(dir.path() + "/ckpt")) {
@@ -382,7 +392,7 @@ TEST(SplitAfterClose, CloseStoresTheFileAsItsOneShardAndTheSplitMakesTheRanksLat
   // Staged, not committed: a reader still gets the one shard.
   EXPECT_TRUE(a.staging_left());
   EXPECT_EQ(a.served(), a.bytes);
-  auto names = write::commit_resplit(*job, std::move(staged).value());
+  auto names = write::commit_resplit(*job, std::move(*staged));
   ASSERT_TRUE(names.ok()) << names.error().message;
   EXPECT_EQ(names->size(), 3u);  // two shards and the record
   EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne, kTwo}));
@@ -395,16 +405,14 @@ TEST(SplitAfterClose, CloseStoresTheFileAsItsOneShardAndTheSplitMakesTheRanksLat
 
 TEST(SplitAfterClose, ANewSaveUnderTheNameBeforeTheSplitCommitsDropsTheSplit) {
   AfterClose a;
-  ASSERT_TRUE(a.wf->finalize(a.place()).ok());
-  auto job = a.wf->take_resplit();
-  ASSERT_TRUE(job.has_value());
-  auto staged = write::stage_resplit(*job, *a.flusher);
-  ASSERT_TRUE(staged.ok()) << staged.error().message;
+  std::optional<write::ResplitJob> job;
+  std::optional<write::StagedResplit> staged;
+  ASSERT_NO_FATAL_FAILURE(a.close_and_stage(job, staged));
   // Meanwhile a newer version is stored under the name (as its one shard).
   const std::string newer = test::consolidated(12);
   ASSERT_EQ(::unlinkat(a.d.get(), kOne.c_str(), 0), 0);
   test::write_file(a.dir.path() + "/ckpt/" + kOne, newer);
-  auto names = write::commit_resplit(*job, std::move(staged).value());
+  auto names = write::commit_resplit(*job, std::move(*staged));
   ASSERT_TRUE(names.ok()) << names.error().message;
   EXPECT_TRUE(names->empty());
   EXPECT_FALSE(a.staging_left());
@@ -414,13 +422,11 @@ TEST(SplitAfterClose, ANewSaveUnderTheNameBeforeTheSplitCommitsDropsTheSplit) {
 
 TEST(SplitAfterClose, AWriteThroughADupAfterCloseLeavesTheOneShardAsItIs) {
   AfterClose a;
-  ASSERT_TRUE(a.wf->finalize(a.place()).ok());
-  auto job = a.wf->take_resplit();
-  ASSERT_TRUE(job.has_value());
-  auto staged = write::stage_resplit(*job, *a.flusher);
-  ASSERT_TRUE(staged.ok()) << staged.error().message;
+  std::optional<write::ResplitJob> job;
+  std::optional<write::StagedResplit> staged;
+  ASSERT_NO_FATAL_FAILURE(a.close_and_stage(job, staged));
   kernel_write(a.fd, "XXXX", 200);  // into the stored shard, in place
-  auto names = write::commit_resplit(*job, std::move(staged).value());
+  auto names = write::commit_resplit(*job, std::move(*staged));
   ASSERT_TRUE(names.ok()) << names.error().message;
   EXPECT_TRUE(names->empty());  // the split copied bytes the shard no longer holds
   EXPECT_EQ(a.names(), (std::vector<std::string>{".ckptfs", kOne}));

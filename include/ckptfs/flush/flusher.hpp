@@ -14,6 +14,7 @@
 // after it, the new one (recover() finishes the roll forward).
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -65,6 +66,24 @@ struct CommitInfo {
   // Set by a flusher whose shards live elsewhere (node-local targets): the record lists these
   // (owner, path, header) instead of the staged shards, and none is moved into the directory.
   std::vector<format::RecordShard> remote_shards;
+
+  // A file's commit, with its owner, permission bits and times taken from `st` (its fstat).
+  static CommitInfo of(std::string name, uint32_t k, uint32_t m, std::string header, uint64_t size,
+                       const struct stat& st) {
+    CommitInfo c;
+    c.name = std::move(name);
+    c.k = k;
+    c.m = m;
+    c.header = std::move(header);
+    c.size = size;
+    c.uid = st.st_uid;
+    c.gid = st.st_gid;
+    c.mode = st.st_mode & 07777;
+    c.times = true;
+    c.atime = st.st_atim;
+    c.mtime = st.st_mtim;
+    return c;
+  }
 };
 
 // One file's shards, staged and then committed. Not thread-safe: its WriteFile serializes.

@@ -77,6 +77,12 @@ Result<Record> parse_record(std::string_view text, std::string_view what);
 // The record file name for a file.
 std::string record_file_name(std::string_view file_name);
 
+// The names file `file_name` (model-k-of-m) occupies once committed as `ranks` rank shards,
+// relative to its directory: its shard files in rank order, then its record (under
+// kStateDirName).
+std::vector<std::string> stored_names(std::string_view file_name, uint32_t k, uint32_t m,
+                                      uint32_t ranks);
+
 // The file a record file name stands for, record_file_name's inverse: "model.safetensors" for
 // "model.safetensors.commit" (also as ".ckptfs/model.safetensors.commit", the path
 // source::record_files gives); nullopt for a name that is no record's (no suffix, or nothing

@@ -94,4 +94,11 @@ class StreamRouter {
   bool failed_ = false;
 };
 
+// The chunk in which the write path copies a whole file (through a router, or back from one).
+inline constexpr size_t kCopyChunk = 1 << 20;
+
+// Feeds bytes [0, size) of the file `fd` through `r` in order, kCopyChunk at a time: the split
+// of a file that is already whole (at close, or after it). `what` names the file in errors.
+Status route_file(int fd, uint64_t size, StreamRouter& r, std::string_view what);
+
 }  // namespace ckptfs::write
