@@ -199,6 +199,10 @@ class LocalTransaction final : public Transaction {
     return pwrite_all(fds_[rank].get(), bytes.data(), bytes.size(), offset, shard_what(rank));
   }
 
+  Result<bool> copy_in(uint32_t rank, uint64_t offset, int src_fd, uint64_t src_off,
+                       uint64_t n) override {
+    return copy_range(src_fd, src_off, fds_[rank].get(), offset, n, shard_what(rank));
+  }
   Status pread(uint32_t rank, uint64_t off, char* dst, size_t n) override {
     return pread_exact(fds_[rank].get(), dst, n, off, shard_what(rank));
   }

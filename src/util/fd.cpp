@@ -155,6 +155,31 @@ Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string
   return {};
 }
 
+Result<bool> copy_range(int in, uint64_t in_off, int out, uint64_t out_off, uint64_t len,
+                        std::string_view what) {
+  uint64_t done = 0;
+  while (done < len) {
+    auto ioff = static_cast<loff_t>(in_off + done);
+    auto ooff = static_cast<loff_t>(out_off + done);
+    const ssize_t n = ::copy_file_range(in, &ioff, out, &ooff, len - done, 0);
+    if (n < 0) {
+      const int e = errno;
+      if (e == EINTR) continue;
+      if (done == 0 && (e == EXDEV || e == ENOSYS || e == EOPNOTSUPP || e == EINVAL)) {
+        return false;
+      }
+      return make_error(e, "{}: copy of {} bytes at offset {} failed: {}", what, len, in_off,
+                        std::strerror(e));
+    }
+    if (n == 0) {
+      return make_error(EIO, "{}: ends before byte {} (a copy of {} bytes at offset {})", what,
+                        in_off + done, len, in_off);
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
 Result<std::string> read_small_file(const std::string& path, uint64_t limit) {
   int raw = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
   if (raw < 0) return open_regular_error(errno, path);

@@ -181,15 +181,58 @@ Result<size_t> StreamRouter::read(uint64_t off, size_t len, char* dst,
   return static_cast<size_t>(n);
 }
 
+Status StreamRouter::copy_rest(int fd) {
+  if (failed_) {
+    return make_error(kNeedsStaging, "{}: stream routing already abandoned", what_);
+  }
+  if (pos_ < header_.size()) {
+    return fail(make_error(EINVAL, "{}: the header has not arrived", what_));  // a bug
+  }
+  if (pos_ == file_size_) return {};
+  if (!geo_) return fail(make_error(EIO, "{}: data bytes in a file of no tensors", what_));
+  layout::map_range(*geo_, 0, pos_, file_size_ - pos_, segs_);
+  const std::vector<layout::Segment> segs = std::move(segs_);  // route_data reuses segs_
+  segs_.clear();
+  std::string buf;  // only where the sink copies nothing itself
+  for (const auto& sg : segs) {
+    if (sg.is_memory() || sg.is_transformed()) {
+      return fail(make_error(EIO, "{}: byte {} maps to no shard", what_, pos_));  // a bug
+    }
+    auto copied = sink_->copy_in(sg.shard, sg.src, fd, pos_, sg.len);
+    if (!copied) {
+      Error e = std::move(copied).error();
+      if (e.code == kNeedsStaging) e.code = EIO;
+      return fail(
+          std::move(e).context(fmt::format("{}: {}: rank {}", what_, tensor_at(pos_), sg.shard)));
+    }
+    if (*copied) {
+      pos_ += sg.len;
+      continue;
+    }
+    for (uint64_t left = sg.len; left > 0;) {  // through user space
+      if (buf.empty()) buf.resize(kCopyChunk);
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(left, buf.size()));
+      CKPTFS_CHECK(pread_exact(fd, buf.data(), n, pos_, what_));
+      CKPTFS_CHECK(route_data(std::string_view(buf.data(), n)));
+      left -= n;
+    }
+  }
+  return {};
+}
+
 Status route_file(int fd, uint64_t size, StreamRouter& r, std::string_view what) {
-  std::string buf(static_cast<size_t>(std::min<uint64_t>(kCopyChunk, std::max<uint64_t>(size, 1))),
+  // The header; all of a file of another size than the header describes, as write() takes it
+  // (and refuses it).
+  const bool whole = size == r.file_size();
+  const uint64_t head = whole ? std::min<uint64_t>(size, r.header().size()) : size;
+  std::string buf(static_cast<size_t>(std::min<uint64_t>(kCopyChunk, std::max<uint64_t>(head, 1))),
                   '\0');
-  for (uint64_t x = 0; x < size; x += buf.size()) {
-    const size_t len = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - x));
+  for (uint64_t x = 0; x < head; x += buf.size()) {
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(buf.size(), head - x));
     CKPTFS_CHECK(pread_exact(fd, buf.data(), len, x, what));
     CKPTFS_CHECK(r.write(x, std::string_view(buf.data(), len)));
   }
-  return {};
+  return whole ? r.copy_rest(fd) : Status{};
 }
 
 }  // namespace ckptfs::write

@@ -11,6 +11,7 @@
 #include "ckptfs/format/safetensors.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/checked.hpp"
+#include "ckptfs/util/fd.hpp"
 #include "ckptfs/write/plan.hpp"
 #include "ckptfs/write/router.hpp"
 #include "ckptfs/write/sniff.hpp"
@@ -535,6 +536,82 @@ TEST(Router, RejectsOutOfOrderWrites) {
                                     std::make_shared<const format::Header>(c.header), *p, *s, sink,
                                     "m")
                    .ok());
+}
+
+// A sink whose shards are files: it copies data in the kernel (copy_range), into one scratch file
+// per rank, and records what landed there as MemSink does (a byte copied twice fails too).
+class CopyingSink : public MemSink {
+ public:
+  explicit CopyingSink(const std::string& dir) : dir_(dir) {}
+  Result<bool> copy_in(uint32_t rank, uint64_t offset, int src_fd, uint64_t src_off,
+                       uint64_t n) override {
+    auto& fd = fds_[rank];
+    if (fd.get() < 0) {
+      fd = std::move(open_at(AT_FDCWD, fmt::format("{}/rank{}", dir_, rank),
+                             O_RDWR | O_CREAT | O_TRUNC, 0600))
+               .value();
+    }
+    CKPTFS_TRY(bool copied, copy_range(src_fd, src_off, fd.get(), offset, n, "scratch"));
+    if (!copied) return false;
+    std::string got(n, '\0');
+    CKPTFS_CHECK(pread_exact(fd.get(), got.data(), n, offset, "scratch"));
+    CKPTFS_CHECK(pwrite(rank, offset, got));
+    ++copies;
+    return true;
+  }
+  size_t copies = 0;
+
+ private:
+  std::string dir_;
+  std::map<uint32_t, UniqueFd> fds_;
+};
+
+TEST(Router, RouteFileCopiesTheDataInTheKernelWhereTheSinkCan) {
+  std::mt19937_64 rng(12);
+  auto c = make_consolidated(
+      {{"a", DType::F32, {64, 48}}, {"b", DType::BF16, {7, 300}}, {"c", DType::F32, {5}}}, rng);
+  test::TempDir dir;
+  const std::string path = dir.path() + "/model.safetensors";
+  test::write_file(path, c.bytes);
+  auto fd = std::move(open_at(AT_FDCWD, path, O_RDONLY)).value();
+  for (const bool kernel : {false, true}) {
+    SCOPED_TRACE(kernel ? "in the kernel" : "through user space");
+    Routed r;
+    r.plan = *plan(c.header, opts(3, 1), "model.safetensors");
+    r.shards = *shard_headers(c.header, r.plan, "model.safetensors");
+    CopyingSink copying(dir.path());
+    MemSink& sink = kernel ? copying : r.sink;
+    auto router =
+        StreamRouter::create(c.header_bytes, std::make_shared<const format::Header>(c.header),
+                             r.plan, r.shards, sink, "model.safetensors");
+    ASSERT_TRUE(router.ok()) << router.error().message;
+    auto st = route_file(fd.get(), c.bytes.size(), *router, "model.safetensors");
+    ASSERT_TRUE(st.ok()) << st.error().message;
+    EXPECT_TRUE(router->complete());
+    if (kernel) {
+      EXPECT_GT(copying.copies, 0u);
+      EXPECT_EQ(copying.calls, copying.copies + 3);  // only the three shard headers by pwrite
+      r.sink.files = copying.files;
+      r.sink.written = copying.written;
+    }
+    check_shards(c, r);
+  }
+  // A file shorter than its header says: an error naming it, never shards with zeros.
+  const std::string cut = dir.path() + "/cut.safetensors";
+  test::write_file(cut, c.bytes.substr(0, c.bytes.size() - 100));
+  auto cfd = std::move(open_at(AT_FDCWD, cut, O_RDONLY)).value();
+  auto p = plan(c.header, opts(3, 1), "cut");
+  auto s = shard_headers(c.header, *p, "cut");
+  CopyingSink copying(dir.path());
+  auto router = StreamRouter::create(
+      c.header_bytes, std::make_shared<const format::Header>(c.header), *p, *s, copying, "cut");
+  ASSERT_TRUE(router.ok());
+  ASSERT_TRUE(router->write(0, c.header_bytes).ok());
+  auto st = router->copy_rest(cfd.get());
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, EIO);
+  EXPECT_NE(st.error().message.find("cut"), std::string::npos) << st.error().message;
+  EXPECT_FALSE(router->complete());
 }
 
 TEST(Router, ZeroLengthWriteAndNoTensors) {

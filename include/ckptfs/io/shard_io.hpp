@@ -16,6 +16,13 @@ class ShardSink {
  public:
   virtual ~ShardSink() = default;
   virtual Status pwrite(uint32_t rank, uint64_t offset, std::string_view bytes) = 0;
+  // Copies `n` bytes at `src_off` of the file `src_fd` to `offset` of rank's shard, inside the
+  // kernel (util's copy_range). False, with nothing copied, where this sink cannot (its shards
+  // are no local files, or the kernel offers no such copy): the caller sends them by pwrite.
+  virtual Result<bool> copy_in(uint32_t /*rank*/, uint64_t /*offset*/, int /*src_fd*/,
+                               uint64_t /*src_off*/, uint64_t /*n*/) {
+    return false;
+  }
 };
 
 // Reads shards that a Flusher stored outside the source: on the node-local targets of the

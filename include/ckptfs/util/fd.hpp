@@ -78,6 +78,13 @@ Status pread_exact(int fd, void* buf, size_t len, uint64_t off, std::string_view
 Result<size_t> pread_upto(int fd, void* buf, size_t len, uint64_t off, std::string_view what);
 // Writes all of `len` bytes at `off`.
 Status pwrite_all(int fd, const void* buf, size_t len, uint64_t off, std::string_view what);
+// Copies `len` bytes at `in_off` of `in` to `out_off` of `out` inside the kernel
+// (copy_file_range: a reflink where the file system shares extents, else one page-cache copy
+// with no round trip through user space). False, with nothing copied, where the kernel offers
+// no such copy between these two files (EXDEV, ENOSYS, EOPNOTSUPP, EINVAL on the first call):
+// the caller copies through user space. A premature end of `in` is an error (EIO) naming `what`.
+Result<bool> copy_range(int in, uint64_t in_off, int out, uint64_t out_off, uint64_t len,
+                        std::string_view what);
 
 // Whole small file into memory (refuses files larger than `limit`, and anything but a regular
 // file as require_regular does; `path` is opened without blocking, symlinks followed).

@@ -47,6 +47,11 @@ class StreamRouter {
   // Errors: kNeedsStaging (see above), or the sink's own error (an EAGAIN from the sink is
   // reported as EIO so that kNeedsStaging keeps its one meaning).
   Status write(uint64_t file_offset, std::string_view bytes);
+  // Takes the rest of the file, bytes [received(), file_size()), from the same offsets of the
+  // file `fd` (one that holds the whole file): each run of a shard by the sink's in-kernel copy
+  // where it has one (ShardSink::copy_in), else read here and written as write() does. The
+  // header must have arrived through write() first.
+  Status copy_rest(int fd);
 
   // Reads bytes [off, off + len) of the file back (clamped to its size): the header from
   // memory, the data from the shards through `pread(rank, shard_offset, dst, n)`, which must
@@ -97,8 +102,9 @@ class StreamRouter {
 // The chunk in which the write path copies a whole file (through a router, or back from one).
 inline constexpr size_t kCopyChunk = 1 << 20;
 
-// Feeds bytes [0, size) of the file `fd` through `r` in order, kCopyChunk at a time: the split
-// of a file that is already whole (at close, or after it). `what` names the file in errors.
+// Feeds bytes [0, size) of the file `fd` through `r` in order: the split of a file that is
+// already whole (at close, or after it). The header goes through write(), which checks it; the
+// data by StreamRouter::copy_rest. `what` names the file in errors.
 Status route_file(int fd, uint64_t size, StreamRouter& r, std::string_view what);
 
 }  // namespace ckptfs::write
