@@ -72,6 +72,23 @@ def run(*args, check=True, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
+def small_tmpfs(tmp_path):
+    """An 8 MiB tmpfs mounted at tmp_path/tmpfs (real ENOSPC); unmounted at teardown."""
+    d = tmp_path / "tmpfs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "ckptfs-test", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)
+        if os.path.ismount(d):
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.fixture
 def mount_factory(tmp_path):
     """make(src, **Mount's parameters) -> a started Mount at tmp_path/mntN; all stopped at
     teardown (their exit status unchecked)."""

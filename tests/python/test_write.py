@@ -1353,21 +1353,6 @@ def test_daemon_killed_mid_file(tmp_path):
         assert_alive(m2)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "ckptfs-test", str(d)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", str(d)], capture_output=True)
-        if os.path.ismount(d):
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
-
 def test_enospc_on_small_source(small_tmpfs, mount_factory, tmp_path):
     """SRC on an 8 MiB tmpfs: writing a 12 MiB consolidated file fails at write() or close()
     with ENOSPC; the committed A/model.safetensors still reads byte-exact, the failed name does

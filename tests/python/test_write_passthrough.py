@@ -227,6 +227,32 @@ def test_a_save_with_ranks_returns_stored_as_one_shard_and_is_split_after_close(
         assert all(torch.equal(back[n], sd[n]) for n in sd)
 
 
+def test_a_split_after_close_out_of_space_leaves_the_one_shard(small_tmpfs, mount_factory):
+    """SRC on an 8 MiB tmpfs: a 5 MiB save fits, and close() returns 0 with it stored as its one
+    shard; the split into two rank shards needs another 5 MiB and fails with ENOSPC. The file
+    stays its one shard (nothing of the split left behind, the log says why) and reads back
+    exactly, through this mount and the next."""
+    src = small_tmpfs / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, opts=["ranks=2"])
+    sd = model(5, 1024)  # 5 MiB of tensors
+    st.save_file(sd, str(pathlib.Path(m.mnt) / "ck" / "model.safetensors"))
+    kernel_backs_or_skip(m)
+    splits_done(m.mnt)
+    names = sorted(os.listdir(src / "ck"))
+    assert names == [".ckptfs", "shard-00001-model-00001-of-00001.safetensors"], names
+    assert not [n for n in os.listdir(src / "ck" / ".ckptfs") if n.startswith("tx-")]
+    log = pathlib.Path(m.log).read_text()
+    assert "stays stored as one shard" in log and "No space left on device" in log, log[-2000:]
+    back = st.load_file(str(pathlib.Path(m.mnt) / "ck" / "model.safetensors"))
+    assert all(torch.equal(back[n], sd[n]) for n in sd)
+    del back
+    assert m.stop() == 0
+    m2 = mount_factory(src, opts=["ranks=2"])
+    back = st.load_file(str(pathlib.Path(m2.mnt) / "ck" / "model.safetensors"))
+    assert all(torch.equal(back[n], sd[n]) for n in sd)
+
+
 def test_a_daemon_killed_while_splits_after_close_run_loses_nothing_closed(tmp_path):
     """kill -9 of the daemon right after the saves returned, while their splits are queued or
     running: after a remount every file reads as closed, from its one shard or its rank
