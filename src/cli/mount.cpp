@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 
 #include <fmt/core.h>
 #include <spdlog/spdlog.h>
@@ -165,6 +166,10 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::s
   } else if (key == "target_rate_mb") {  // hidden: caps each rank's writes (benchmark)
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "target_rate_mb"));
     m.opts.target_rate_mb = n;
+  } else if (key == "split_delay_ms") {  // hidden: each split after close waits first (tests)
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "split_delay_ms"));
+    if (n > 60'000) return make_error(EINVAL, "split_delay_ms: must be 0..60000");
+    o.fs.split_gate = [d = std::chrono::milliseconds(n)] { std::this_thread::sleep_for(d); };
   } else if (key == "show_shards") {
     o.fs.show_shards = true;
   } else if (key == "prefetch") {

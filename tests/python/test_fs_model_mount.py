@@ -8,7 +8,9 @@ kernel's FUSE client; this test makes that mount and runs it. One mount per rank
 (-o ranks=1, 2, 3: the unit variant draws the count per sequence), each serving an empty SRC
 with short settle and revalidate times and no kernel caching of entries and attributes, so
 that "time passes" is a short sleep; writer_view=0 as in the unit variant (the model is what
-every other process sees). The sequences of one mount run one after the other, each from an
+every other process sees). With ranks 2 and 3 the kernel writes the files (write passthrough)
+and each is split after its close; the hidden -o split_delay_ms holds each split 200 ms, so
+steps run between a close and its split. The sequences of one mount run one after the other, each from an
 empty tree.
 
 CKPTFS_MODEL_MOUNT_SEQS sequences per mount (default 3), CKPTFS_MODEL_OPS steps each (default
@@ -35,6 +37,9 @@ SEQS = int(os.environ.get("CKPTFS_MODEL_MOUNT_SEQS", "3"))
 SETTLE = REVALIDATE = 0.05  # seconds
 # What "time passes" sleeps: past settle and revalidate (the kernel keeps nothing: timeouts 0).
 WAIT_MS = int(os.environ.get("CKPTFS_MODEL_WAIT_MS", "150"))
+# With ranks > 1 a file the kernel wrote is stored at close as its own one shard and split after
+# close; the split waits this long first, so the model's checks run in both states.
+SPLIT_DELAY_MS = 200
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
@@ -45,6 +50,8 @@ def test_model_sequences_through_fuse(tmp_path, ranks):
     src.mkdir()
     opts = [f"ranks={ranks}", f"revalidate={REVALIDATE}", "entry_timeout=0", "attr_timeout=0",
             "writer_view=0"]
+    if ranks > 1:  # each split after close waits (hidden option): steps read between the close
+        opts.append(f"split_delay_ms={SPLIT_DELAY_MS}")  # and the split, and after it
     with Mount(src, tmp_path / "mnt", opts=opts, settle=SETTLE) as m:
         env = {**os.environ, "CKPTFS_MODEL_MOUNT": m.mnt, "CKPTFS_MODEL_SRC": str(src),
                "CKPTFS_MODEL_RANKS": str(ranks), "CKPTFS_MODEL_WAIT_MS": str(WAIT_MS),
