@@ -56,7 +56,7 @@ if [[ -n ${LD_LIBRARY_PATH:-} ]]; then
   ldp=${ldp%:}
   if [[ -n $ldp ]]; then export LD_LIBRARY_PATH=$ldp; else unset LD_LIBRARY_PATH; fi
 fi
-args=(-q -p no:cacheprovider)
+args=(-q -p no:cacheprovider --durations=12)  # the slowest tests, for the CI time budget
 if [[ ${CKPTFS_ASAN:-0} == 1 ]]; then
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
   if [[ $tier == mount ]]; then
