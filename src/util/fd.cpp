@@ -172,8 +172,10 @@ Result<bool> copy_range(int in, uint64_t in_off, int out, uint64_t out_off, uint
                         std::strerror(e));
     }
     if (n == 0) {
-      return make_error(EIO, "{}: ends before byte {} (a copy of {} bytes at offset {})", what,
-                        in_off + done, len, in_off);
+      return make_error(EIO,
+                        "{}: the file copied from ends at byte {}, inside a copy of {} bytes at "
+                        "offset {}",
+                        what, in_off + done, len, in_off);
     }
     done += static_cast<uint64_t>(n);
   }

@@ -190,9 +190,8 @@ Status StreamRouter::copy_rest(int fd) {
   }
   if (pos_ == file_size_) return {};
   if (!geo_) return fail(make_error(EIO, "{}: data bytes in a file of no tensors", what_));
-  layout::map_range(*geo_, 0, pos_, file_size_ - pos_, segs_);
-  const std::vector<layout::Segment> segs = std::move(segs_);  // route_data reuses segs_
-  segs_.clear();
+  std::vector<layout::Segment> segs;  // not segs_: route_data below uses that
+  layout::map_range(*geo_, 0, pos_, file_size_ - pos_, segs);
   std::string buf;  // only where the sink copies nothing itself
   for (const auto& sg : segs) {
     if (sg.is_memory() || sg.is_transformed()) {
