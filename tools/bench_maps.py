@@ -20,8 +20,9 @@ vocabulary 32000: about 1.2 GB at 10 layers) is saved four times into DIR/src:
           torchtitan-gpt-oss: strided reads through io::gather's window) and under HF's, as stored.
 Pairs compared: titan/hf (the map, DCP: the model files hold the same bytes), lora/base (the
 split against the base model a user would otherwise have: the model files hold the same bytes,
-the rank file 2.5 times the tensors) and lora/unsplit (the same rank file, split or not: the
-split's own cost). Each round mounts SRC afresh for each directory and times the first listing
+the rank file 2.5 times the tensors), lora/unsplit (the same rank file, split or not: the
+split's own cost) and, with --pairs merged, lora/base again with lora/ mounted -o lora=merged
+(every linear weight computed on read as W + 2 * (B @ A): the merge's cost; the same bytes' size). Each round mounts SRC afresh for each directory and times the first listing
 (the daemon builds the view: headers or pickles parsed, the map compiled or the split made) and
 reads every consolidated model file with read(2) in 8 MiB calls: first with the source files
 dropped from the page cache (cold: echo 1 > /proc/sys/vm/drop_caches), then again once the kernel
@@ -30,7 +31,7 @@ of the way). The two directories of a pair alternate within a round, in alternat
 medians of --rounds, and the ratios titan/hf and lora/base. Compare within one run.
 
 Usage (as root, with the venv of tools/setup.sh):
-  bench_maps.py [--layers 10] [--rounds 5] [--pairs titan,lora,split,gptoss] [--bin build/src/ckptfs]
+  bench_maps.py [--layers 10] [--rounds 5] [--pairs titan,lora,split,merged,gptoss] [--bin build/src/ckptfs]
                 [--dir /var/tmp/ckptfs-bench-maps]
 """
 
@@ -96,7 +97,7 @@ def save(src: str, layers: int, pairs: list[str]) -> None:
                 json.dump(cfg, f)
     if "gptoss" in pairs:
         save_gpt_oss(src, w)
-    if "lora" in pairs or "split" in pairs:
+    if "lora" in pairs or "split" in pairs or "merged" in pairs:
         r = 16
         peft = {}
         for k, v in hf.items():
@@ -210,7 +211,8 @@ def warm_source(src: str, d: str) -> None:
             read_all(os.path.join(src, d, n))
 
 
-def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str]) -> dict:
+def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str], opts: dict) -> dict:
+    """`opts`: extra -o options of the mount serving a directory."""
     out = {}
     for mode in ("cold", "warm"):
         for d in order:
@@ -219,7 +221,8 @@ def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str])
                 drop_caches()
             else:
                 warm_source(src, d)
-            proc = subprocess.Popen([binary, "mount", src, mnt, "-f", "-o", "settle=0,prefetch=off"],
+            o = ",".join(["settle=0,prefetch=off", *([opts[d]] if d in opts else [])])
+            proc = subprocess.Popen([binary, "mount", src, mnt, "-f", "-o", o],
                                     stdout=open(log, "a"), stderr=subprocess.STDOUT)
             try:
                 deadline = time.monotonic() + 30
@@ -241,11 +244,13 @@ def one_round(binary: str, src: str, mnt: str, log: str, order: tuple[str, str])
     return out
 
 
-# pair -> (the directory through the map or split, the one served as stored, what inspect says)
-PAIRS = {"titan": ("titan", "hf", "model map: torchtitan-llama3"),
-         "lora": ("lora", "base", "lora: LoRA (r=16"),
-         "split": ("lora", "unsplit", "lora: LoRA (r=16"),
-         "gptoss": ("gptoss", "gptoss_hf", "model map: torchtitan-gpt-oss")}
+# pair -> (the directory through the map or split, the one served as stored, what inspect says,
+# the -o options of the first one's mount)
+PAIRS = {"titan": ("titan", "hf", "model map: torchtitan-llama3", ""),
+         "lora": ("lora", "base", "lora: LoRA (r=16", ""),
+         "split": ("lora", "unsplit", "lora: LoRA (r=16", ""),
+         "merged": ("lora", "base", "lora: LoRA (r=16", "lora=merged"),
+         "gptoss": ("gptoss", "gptoss_hf", "model map: torchtitan-gpt-oss", "")}
 
 
 def main() -> int:
@@ -256,6 +261,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp/ckptfs-bench-maps")
     ap.add_argument("--pairs", default="titan,lora,split",
                     help="titan (the map, vs hf), lora (the split, vs base), split (the split, vs unsplit), "
+                         "merged (-o lora=merged, vs base), "
                          "gptoss (the map with its experts transposed on read, vs the same bytes stored transposed)")
     a = ap.parse_args()
     pairs = [p for p in a.pairs.split(",") if p]
@@ -268,23 +274,24 @@ def main() -> int:
     save(src, a.layers, pairs)
     print(f"saved {', '.join(pairs)} in {time.perf_counter() - t0:.1f} s", flush=True)
     for p in pairs:
-        d, _, want = PAIRS[p]
+        d, _, want, _ = PAIRS[p]
         insp = subprocess.run([a.bin, "inspect", os.path.join(src, d)], capture_output=True, text=True)
         assert want in insp.stdout, insp.stdout[:2000] + insp.stderr
     rounds = []
     for r in range(a.rounds):
         res = {}
         for p in pairs:
-            d, ref, _ = PAIRS[p]
+            d, ref, _, opt = PAIRS[p]
             order = (d, ref) if r % 2 == 0 else (ref, d)
-            got = one_round(a.bin, src, os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mount.log"), order)
+            got = one_round(a.bin, src, os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mount.log"), order,
+                            {d: opt} if opt else {})
             res |= {f"{p}: {k}": v for k, v in got.items()}
         rounds.append(res)
     for key in sorted(rounds[0]):
         vals = [x[key] for x in rounds]
         print(f"{key:30s} median {statistics.median(vals):.3f}  (all: {', '.join(f'{v:.3f}' for v in vals)})")
     for p in pairs:
-        d, ref, _ = PAIRS[p]
+        d, ref, _, _ = PAIRS[p]
         for key in ("cold GB/s", "warm GB/s", "list s"):
             ratios = [x[f"{p}: {d} {key}"] / x[f"{p}: {ref} {key}"] for x in rounds]
             print(f"{d}/{ref} {key:10s}{' ' * (20 - len(d) - len(ref))}median {statistics.median(ratios):.3f}  "

@@ -54,6 +54,9 @@ ckptfs -o options:
                          default: the built-in whose detect clause fits each checkpoint
   hf_config=PATH         config.json for mapped checkpoints without their own (the view
                          shows it as their config.json)
+  lora=split|merged      a LoRA checkpoint (verl's lora_train_meta.json): the base model and
+                         lora_adapter/ (split, default), or the merged model W + scale*(B@A),
+                         computed on read, as PEFT's merge_and_unload() gives it (merged)
   show_shards            list the hidden shard files under <checkpoint>/.shards/
   prefetch=on|off        push consolidated files into the page cache ahead of readers
                          (default: on below 8 cores with 2 GiB available, else off)
@@ -235,6 +238,11 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::s
     o.fs.ranks = r;
   } else if (key == "dtype") {
     CKPTFS_CHECK(layout::set_dtype_policy(o.fs.build, val));
+  } else if (key == "lora") {
+    if (val != "split" && val != "merged") {
+      return make_error(EINVAL, "lora: expected split or merged, got '{}'", val);
+    }
+    o.fs.build.lora_merged = val == "merged";
   } else if (key == "split") {
     if (val == "even") {
       o.fs.split = write::PlanOptions::EvenDim0;

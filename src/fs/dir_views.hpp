@@ -80,6 +80,7 @@ struct ShardFds {
   // The matrices transposed tensors read, shared by the threads reading this View (internally
   // locked; mutable because readers hold the fds const).
   mutable io::StridedWindows windows;
+  mutable io::FactorCache factors;  // merged LoRA weights' factors (-o lora=merged), as windows
   int64_t count = 0;
   ShardFds() = default;
   ShardFds(const ShardFds&) = delete;

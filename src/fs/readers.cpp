@@ -38,6 +38,7 @@ void OutputReader::plan(uint64_t off, uint64_t len, ReadPlan& out) const {
   out.direct = nullptr;
   out.src = io::GatherSource{&ck, fds_->raw, ck.outputs[output_].header, {}, fds_->remote.get()};
   out.src.windows = &fds_->windows;
+  out.src.factors = &fds_->factors;
   out.size = 0;
   for (const auto& s : out.segs) out.size += s.len;
 }

@@ -1,4 +1,5 @@
-// io/gather: executes extent-map segments: one preadv per shard span, casts converted in blocks.
+// io/gather: executes extent-map segments: one preadv per shard span, casts converted in blocks,
+// merged LoRA weights read with their factors.
 #include "ckptfs/io/gather.hpp"
 
 #include <limits.h>
@@ -24,6 +25,8 @@ struct Scratch {
   std::vector<char> sink = std::vector<char>(kGatherMaxGap);
   std::vector<char> cast;    // source elements of a cast segment, at most kCastBlock bytes
   std::vector<char> remote;  // one span of a node-local shard, scattered into the iovecs
+  std::vector<float> merge;  // a row's delta and base elements (io::merge_elements)
+  std::vector<char> merged;  // a block's merged elements, before the bytes asked for are copied
 };
 
 Scratch& scratch() {
@@ -144,6 +147,91 @@ Status gather_cast(const GatherSource& src, const layout::Segment& g, char* dst,
       dst += left;
       left = 0;
     }
+  }
+  return {};
+}
+
+// Reads the factors of merged tensor `tensor` (src.ckpt->tensors) through their output's plan
+// (plain runs of the rank shards) and widens them to F32. Called before gather() touches its
+// scratch: it gathers itself.
+Result<std::shared_ptr<const LoraFactors>> read_factors(const GatherSource& src, uint32_t tensor) {
+  const auto& ck = *src.ckpt;
+  const layout::Tensor& w = ck.tensors[tensor];
+  const layout::Tensor& A = ck.tensors[w.merge->a];
+  const layout::Tensor& B = ck.tensors[w.merge->b];
+  auto f = std::make_shared<LoraFactors>();
+  f->r = A.shape[0];
+  f->rows = w.shape[0];
+  f->cols = w.shape[1];
+  f->delta = B.dtype;
+  f->scale = w.merge->scale;
+  std::vector<layout::Segment> segs;
+  std::vector<char> bytes;
+  for (const layout::Tensor* t : {&A, &B}) {
+    layout::map_range(ck, t->output, t->out_offset, t->nbytes, segs);
+    bytes.resize(t->nbytes);
+    GatherSource in = src;
+    in.header = ck.outputs[t->output].header;
+    CKPTFS_CHECK(gather(in, segs, bytes.data()));
+    auto& out = t == &A ? f->a : f->b;
+    out.resize(t->numel);
+    format::convert(t->dtype, format::DType::F32, bytes.data(), out.data(), t->numel);
+  }
+  return std::shared_ptr<const LoraFactors>(std::move(f));
+}
+
+// The factors of every merged tensor that segs merges, in `held` (by tensor), from src.factors
+// or read.
+Status hold_factors(const GatherSource& src, std::span<const layout::Segment> segs,
+                    std::vector<std::pair<uint32_t, std::shared_ptr<const LoraFactors>>>& held) {
+  for (const auto& g : segs) {
+    if (!g.is_merge()) continue;
+    const uint32_t t = g.merge - 1;
+    if (!src.ckpt || t >= src.ckpt->tensors.size() || !src.ckpt->tensors[t].merge) {
+      return make_error(EIO, "{}: a merged weight's plan without its checkpoint",
+                        src.name_of(g.shard));
+    }
+    if (std::any_of(held.begin(), held.end(), [&](const auto& h) { return h.first == t; })) {
+      continue;
+    }
+    std::shared_ptr<const LoraFactors> f = src.factors ? src.factors->find(t) : nullptr;
+    if (!f) {
+      auto r = read_factors(src, t);
+      if (!r) {
+        return std::move(r).error().context(
+            fmt::format("the LoRA factors of {}", src.ckpt->tensors[t].name));
+      }
+      f = std::move(r).value();
+      if (src.factors) src.factors->add(t, f);
+    }
+    held.emplace_back(t, std::move(f));
+  }
+  return {};
+}
+
+// Reads the base elements of merge segment `g` block by block (kCastBlock source bytes at most),
+// merges them with factors `f`, and copies the bytes asked for (skip, len) into dst.
+Status gather_merge(const GatherSource& src, const layout::Segment& g, const LoraFactors& f,
+                    char* dst, Scratch& s) {
+  const uint64_t isz = format::dtype_bits(g.from) / 8;
+  const uint64_t osz = format::dtype_bits(g.to) / 8;
+  const uint64_t total = g.elems();
+  const uint64_t per_block = std::max<uint64_t>(1, kCastBlock / isz);
+  const uint64_t first = std::min(total, per_block);
+  if (s.cast.size() < first * isz) s.cast.resize(first * isz);
+  if (s.merged.size() < first * osz) s.merged.resize(first * osz);
+  uint64_t skip = g.skip;
+  uint64_t left = g.len;
+  for (uint64_t e = 0; e < total && left > 0; e += per_block) {
+    const uint64_t n = std::min(per_block, total - e);
+    iovec iov{s.cast.data(), static_cast<size_t>(n * isz)};
+    CKPTFS_CHECK(read_span(src, g.shard, &iov, 1, g.src + e * isz));
+    merge_elements(f, g.from, g.to, g.elem + e, s.cast.data(), n, s.merged.data(), s.merge);
+    const uint64_t c = std::min(n * osz - skip, left);
+    std::memcpy(dst, s.merged.data() + skip, c);
+    dst += c;
+    left -= c;
+    skip = 0;
   }
   return {};
 }
@@ -291,6 +379,9 @@ std::string GatherSource::name_of(uint32_t shard) const {
 }
 
 Status gather(const GatherSource& src, std::span<const layout::Segment> segs, char* dst) {
+  // Merged LoRA weights' factors first: reading them gathers, which reuses the scratch.
+  std::vector<std::pair<uint32_t, std::shared_ptr<const LoraFactors>>> held;
+  CKPTFS_CHECK(hold_factors(src, segs, held));
   auto& s = scratch();
   s.order.clear();
   s.dst_off.resize(segs.size());
@@ -307,6 +398,11 @@ Status gather(const GatherSource& src, std::span<const layout::Segment> segs, ch
         pos += segs[i].len;
         s.dst_off[++i] = pos;
       }
+    } else if (g.is_merge()) {
+      const auto& f = std::find_if(held.begin(), held.end(), [&](const auto& h) {
+                        return h.first == g.merge - 1;
+                      })->second;
+      CKPTFS_CHECK(gather_merge(src, g, *f, dst + pos, s));
     } else if (g.is_cast()) {
       CKPTFS_CHECK(gather_cast(src, g, dst + pos, s.cast));
     } else {

@@ -592,6 +592,9 @@ class Builder {
       if (ck_->adapter && k == ck_->adapter->k) {
         f.name = std::string(format::kAdapterModelName);
         f.folder = ck_->adapter->dir;
+      } else if (!ck_->lora_merged.empty() && k == lora_m_ + 1) {  // never shown
+        f.name = std::string(format::kAdapterModelName);
+        f.folder = std::string(format::kLoraFactorsFolder);
       } else {
         f.name = format::model_file_name(k, m);
       }
@@ -659,7 +662,7 @@ class Builder {
   // A PEFT LoRA state dict (BuildInput::lora): the base model under HF names, the adapter in a
   // folder of its own (layout/lora.hpp).
   void apply_lora() {
-    lora_m_ = lora::apply(*in_.lora, *ck_, tensor_k_);
+    lora_m_ = lora::apply(*in_.lora, opts_.lora_merged, *ck_, tensor_k_);
     tensor_index_.clear();
     for (uint32_t i = 0; i < ck_->tensors.size(); ++i)
       tensor_index_.emplace(ck_->tensors[i].name, i);
@@ -753,6 +756,11 @@ class Builder {
         for (const auto& c : t.chunks) shards.insert(c.shard);
         for (const auto& r : t.runs) {
           for (const auto& c : ck_->stored[r.src].chunks) shards.insert(c.shard);
+        }
+        if (t.merge) {  // a merged weight is read from its factors' shards too
+          for (uint32_t fi : {t.merge->a, t.merge->b}) {
+            for (const auto& c : ck_->tensors[fi].chunks) shards.insert(c.shard);
+          }
         }
         if (!f.folder.empty()) continue;  // the adapter's: not the model's index
         index.weight_map.emplace_back(t.name, f.name);

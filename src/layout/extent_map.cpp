@@ -70,15 +70,18 @@ class RunFinder {
   std::vector<uint64_t> big_;
 };
 
+// A cast segment of `t` (merge 0), or a merge segment of tensor merge - 1 whose first element is
+// `elem`, appended to the last one where it continues it.
 inline void emit_cast(std::vector<Segment>& out, const Tensor& t, uint32_t shard, uint64_t src,
-                      uint64_t len, uint8_t skip) {
+                      uint64_t len, uint8_t skip, uint32_t merge, uint64_t elem) {
   if (len == 0) return;
   if (!out.empty()) {
     auto& last = out.back();
     const uint64_t osz = format::dtype_bits(t.dtype) / 8;
     if (skip == 0 && last.shard == shard && !last.is_strided() && last.from == t.src_dtype &&
         last.to == t.dtype && (last.skip + last.len) % osz == 0 &&
-        last.src + last.src_len() == src) {
+        last.src + last.src_len() == src && last.merge == merge &&
+        (merge == 0 || last.elem + last.elems() == elem)) {
       last.len += len;
       return;
     }
@@ -87,19 +90,24 @@ inline void emit_cast(std::vector<Segment>& out, const Tensor& t, uint32_t shard
   g.from = t.src_dtype;
   g.to = t.dtype;
   g.skip = skip;
+  g.merge = merge;
+  g.elem = merge == 0 ? 0 : elem;
   out.push_back(g);
 }
 
 // Maps bytes [a, b) of a cast tensor to runs of whole source elements: the elements that
-// hold output bytes [a, b), the first `a % osz` bytes of the first one skipped.
-void map_cast_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& out) {
+// hold output bytes [a, b), the first `a % osz` bytes of the first one skipped. `merge`: 1 + the
+// tensor's index when it is a merged LoRA weight (merge segments, which may have from == to).
+void map_cast_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segment>& out,
+                     uint32_t merge = 0) {
   const uint64_t osz = format::dtype_bits(t.dtype) / 8;
   const uint64_t isz = format::dtype_bits(t.src_dtype) / 8;
   const uint64_t ea = a / osz;
   const uint64_t eb = (b + osz - 1) / osz;
   if (whole_chunk(t)) {
     const auto& c = t.chunks[0];
-    emit_cast(out, t, c.shard, c.file_offset + ea * isz, b - a, static_cast<uint8_t>(a % osz));
+    emit_cast(out, t, c.shard, c.file_offset + ea * isz, b - a, static_cast<uint8_t>(a % osz),
+              merge, ea);
     return;
   }
   RunFinder runs(t);
@@ -114,7 +122,7 @@ void map_cast_tensor(const Tensor& t, uint64_t a, uint64_t b, std::vector<Segmen
     const uint64_t lo = std::max(a, p * osz);
     const uint64_t hi = std::min(b, (p + n) * osz);
     emit_cast(out, t, c->shard, c->file_offset + (rp.chunk_elem + delta) * isz, hi - lo,
-              static_cast<uint8_t>(lo - p * osz));
+              static_cast<uint8_t>(lo - p * osz), merge, p);
     p += n;
   }
 }
@@ -294,6 +302,8 @@ void map_range(const Checkpoint& ckpt, uint32_t file, uint64_t off, uint64_t len
     if (tend <= pos) continue;
     if (t.mapped) {
       map_mapped_tensor(ckpt, t, pos - t.out_offset, tend - t.out_offset, out);
+    } else if (t.merge) {
+      map_cast_tensor(t, pos - t.out_offset, tend - t.out_offset, out, f.data_tensors[i] + 1);
     } else {
       map_tensor(t, pos - t.out_offset, tend - t.out_offset, out);
     }

@@ -40,6 +40,29 @@ struct Layer {
   int32_t a = -1, b = -1, base = -1;  // tensor indexes in ck.tensors
 };
 
+// -o lora=merged computes in F32 (layout/lora.hpp): F16, BF16 and F32 only, A and B alike.
+bool merge_dtype(format::DType d) {
+  return d == format::DType::F16 || d == format::DType::BF16 || d == format::DType::F32;
+}
+
+Status mergeable(const Tensor& W, const Tensor& A, const Tensor& B) {
+  if (!merge_dtype(W.src_dtype) || !merge_dtype(A.src_dtype) || A.src_dtype != B.src_dtype) {
+    return make_error(EINVAL,
+                      "-o lora=merged: a base weight of {} with lora_A {} and lora_B {} is not "
+                      "merged (F16, BF16 or F32, and lora_A's dtype equal to lora_B's)",
+                      format::dtype_name(W.src_dtype), format::dtype_name(A.src_dtype),
+                      format::dtype_name(B.src_dtype));
+  }
+  return {};
+}
+
+// A factor of a merged view is read as stored, whatever the dtype policy: the merge rounds in
+// the trained dtypes, as PEFT's does.
+void served_as_stored(Tensor& t) {
+  t.dtype = t.src_dtype;
+  t.nbytes = *format::byte_size(t.dtype, t.numel);  // checked when the tensor was built
+}
+
 }  // namespace
 
 Result<Placed> place(std::string_view stored) {
@@ -129,7 +152,7 @@ std::string adapter_config_json(const LoraInput& in, const std::vector<std::stri
   return j.dump(2);
 }
 
-uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tensor_k) {
+uint32_t apply(const LoraInput& in, bool merged, Checkpoint& ck, std::vector<uint32_t>& tensor_k) {
   size_t more = 0;
   auto problem = [&](std::string file, std::string tensor, std::string msg) {
     if (ck.problems.size() >= kMaxProblems) {
@@ -190,6 +213,7 @@ uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tenso
   for (const auto& [m, l] : layers) ordered.emplace(m, &l);
   std::vector<std::string> modules;
   modules.reserve(ordered.size());
+  std::vector<const Layer*> merges;  // the layers whose base weight is served merged
   for (const auto& [m, lp] : ordered) {
     const Layer& l = *lp;
     const std::string module(m);
@@ -228,6 +252,13 @@ uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tenso
                             dims(W->shape), dims(A.shape), dims(B.shape)));
         continue;
       }
+      if (merged) {
+        if (auto st = mergeable(*W, A, B); !st) {
+          problem(files_of(*W), W->name, st.error().message);
+          continue;
+        }
+        merges.push_back(&l);
+      }
     }
     modules.push_back(module);
   }
@@ -243,6 +274,21 @@ uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tenso
     if (placed[i].adapter) tensor_k[i] = m + 1;
     ck.tensors[i].name = std::move(placed[i].name);
   }
+  if (merged && base > 0) {
+    // scale as PEFT's LoraLayer.update_layer (use_rslora false): lora_alpha / r in double, then
+    // F32, as a Python float scalar is when it multiplies an F32 tensor.
+    const auto scale = static_cast<float>(static_cast<double>(in.lora_alpha) / in.r);
+    for (const Layer* l : merges) {
+      ck.tensors[static_cast<uint32_t>(l->base)].merge =
+          Tensor::Merge{static_cast<uint32_t>(l->a), static_cast<uint32_t>(l->b), scale};
+      for (int32_t f : {l->a, l->b}) served_as_stored(ck.tensors[static_cast<uint32_t>(f)]);
+    }
+    ck.lora_merged = fmt::format(
+        "LoRA (r={}, lora_alpha={}) merged: {} base weights served as W + {}/{} * (B @ A), as "
+        "PEFT's merge_and_unload() gives them; no adapter folder (-o lora=merged)",
+        in.r, in.lora_alpha, merges.size(), in.lora_alpha, in.r);
+    return m;
+  }
   Adapter a;
   a.dir = std::string(format::kLoraAdapterDir);
   a.k = m + 1;
@@ -250,15 +296,16 @@ uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tenso
   a.base_tensors = base;
   a.adapter_tensors = adapter;
   a.layers = static_cast<uint32_t>(modules.size());
-  a.note = base > 0 ? fmt::format(
-                          "LoRA (r={}, lora_alpha={}): the base model's {} tensors under HF "
-                          "names in the directory, the adapter ({} tensors, {} layers) in {}/",
-                          in.r, in.lora_alpha, base, adapter, a.layers, a.dir)
-                    : fmt::format(
-                          "LoRA (r={}, lora_alpha={}): the rank files hold the adapter only "
-                          "({} tensors, {} layers; verl's save_lora_only): {}/ is shown, and no "
-                          "base model files (load the base model from where training began)",
-                          in.r, in.lora_alpha, adapter, a.layers, a.dir);
+  a.note = base > 0 || !merged ? "" : "-o lora=merged: no base weight to merge into; ";
+  a.note += base > 0 ? fmt::format(
+                           "LoRA (r={}, lora_alpha={}): the base model's {} tensors under HF "
+                           "names in the directory, the adapter ({} tensors, {} layers) in {}/",
+                           in.r, in.lora_alpha, base, adapter, a.layers, a.dir)
+                     : fmt::format(
+                           "LoRA (r={}, lora_alpha={}): the rank files hold the adapter only "
+                           "({} tensors, {} layers; verl's save_lora_only): {}/ is shown, and no "
+                           "base model files (load the base model from where training began)",
+                           in.r, in.lora_alpha, adapter, a.layers, a.dir);
   ck.adapter = std::move(a);
   return m;
 }

@@ -2,7 +2,9 @@
 checkpoint just works"): FSDP1 (verl's default strategy, fsdp_config.json FSDP_version 1), FSDP2,
 HSDP (a 2x2 ("ddp", "fsdp") mesh: [Replicate, Shard(0)]), FSDP1 without a device mesh (refused,
 saying why), and LoRA: the base model under HF names in the checkpoint directory and the adapter,
-as PEFT saves it, in lora_adapter/ (with verl's save_lora_only, the adapter alone).
+as PEFT saves it, in lora_adapter/ (with verl's save_lora_only, the adapter alone), or with
+-o lora=merged the model PEFT's merge_and_unload() gives, computed on read (F32, and BF16 weights
+with F32 factors as PEFT's autocast_adapter_dtype leaves them).
 
 Every checkpoint is written by verl 0.9.1's own FSDPCheckpointManager (tests/python/writers/
 verl_save.py) on 4 gloo ranks, one AdamW step, with the model wrapped as verl's FSDP engine wraps
@@ -49,6 +51,7 @@ CASES = {
     "nomesh": "--strategy fsdp --no-mesh",
     "lora": f"--strategy fsdp --lora {LORA}",
     "lora-only": f"--strategy fsdp2 --lora {LORA} --lora-only",
+    "lora-bf16": f"--strategy fsdp2 --lora {LORA} --dtype bfloat16",
 }
 
 
@@ -89,6 +92,15 @@ def src(tmp_path_factory):
 def mnt(src, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verl-strategies-mnt")
     with Mount(src, tmp / "mnt", log=str(tmp / "mnt.log")) as m:
+        yield pathlib.Path(m.mnt)
+        assert m.proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def merged_mnt(src, tmp_path_factory):
+    """The same rank files mounted with -o lora=merged."""
+    tmp = tmp_path_factory.mktemp("verl-strategies-merged")
+    with Mount(src, tmp / "mnt", opts=["lora=merged"], log=str(tmp / "mnt.log")) as m:
         yield pathlib.Path(m.mnt)
         assert m.proc.poll() is None
 
@@ -259,3 +271,39 @@ def test_lora_adapter_is_no_more_readable_than_the_rank_files(src):
                     fn()
     finally:
         shutil.rmtree(world, ignore_errors=True)
+
+
+def off_by_more_than_a_rounding(got: "torch.Tensor", want: "torch.Tensor", base: "torch.Tensor") -> int:
+    """How many elements of a merged weight differ from PEFT's by more than one unit in the last
+    place of the magnitudes summed (|W| + |delta|): a GEMM summing in another order moves the delta
+    by a rounding, which near W = -delta is many units of the (tiny) result."""
+    eps = torch.finfo(want.dtype).eps
+    g, w, b = got.double(), want.double(), base.double()
+    return int(((g - w).abs() > eps * (b.abs() + (w - b).abs())).sum())
+
+
+@pytest.mark.parametrize("name", ["lora", "lora-bf16"])
+def test_lora_merged_is_peft_merge_and_unload(src, merged_mnt, name):
+    """-o lora=merged: the directory shows the merged model and no adapter folder; from_pretrained
+    loads it with nothing missing; every weight is PEFT's merge_and_unload() of the trained model
+    (the writer's, outside ckptfs) within a rounding (bit for bit on x86-64 with torch's MKL: the
+    count is printed), the LoRA layers' weights differing from the base model's (the merge is not
+    a no-op)."""
+    d = merged_mnt / name / ACTOR
+    names = os.listdir(d)
+    assert "lora_adapter" not in names and "config.json" in names, names
+    got = served(d)
+    want = load(src / f"merged-reference-{name}.safetensors")
+    base = load(src / f"base-reference-{name}.safetensors")
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    far = {k: off_by_more_than_a_rounding(got[k], want[k], base[k]) for k in want}
+    far = {k: n for k, n in far.items() if n or got[k].dtype != want[k].dtype}
+    assert not far, f"elements further than a rounding from merge_and_unload: {far}"
+    exact = sum(torch.equal(got[k], want[k]) for k in want)
+    merged = [k for k in want if "_proj." in k]
+    assert merged and all(not torch.equal(got[k], base[k]) for k in merged), "the merge changed nothing"
+    print(f"{name}: {exact}/{len(want)} tensors bit-equal to merge_and_unload")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert {str(v.dtype) for v in got.values()} == {str(v.dtype) for v in want.values()}
+    del model

@@ -1,15 +1,28 @@
 // The LoRA split (layout/lora): the naming rules of a PEFT LoRA state dict, the refusals, and the
 // builder pass on declared chunks (the base model under HF names in the directory, the adapter
-// in lora_adapter/ under PEFT's saved names, adapter_config.json), with no file touched; and
-// verl's side of it (format/verl): lora_train_meta.json, FSDP_version 1, FSDP1's ShardedTensors.
+// in lora_adapter/ under PEFT's saved names, adapter_config.json), with no file touched; the
+// merged view (-o lora=merged: W + scale * (B @ A) through map_range and gather, on memfd shards);
+// and verl's side of it (format/verl): lora_train_meta.json, FSDP_version 1, FSDP1's
+// ShardedTensors.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <map>
+#include <random>
 
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
+#include "ckptfs/format/cast.hpp"
 #include "ckptfs/format/verl.hpp"
+#include "ckptfs/io/gather.hpp"
+#include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/layout/lora.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "fixture.hpp"
 
 namespace {
 
@@ -278,6 +291,248 @@ TEST(LoraSplit, ProblemsAreBounded) {
   EXPECT_LE(ck->problems.size(), 33u);
   EXPECT_NE(ck->problems.back().message.find("more LoRA naming problem"), std::string::npos)
       << problems(*ck);
+}
+
+// ---- the merged view (-o lora=merged) -----------------------------------------------------
+
+using format::DType;
+
+// Values of dtype `d` (F32, BF16 or F16) from a normal distribution of scale `sd`, as bytes.
+std::string values(std::mt19937_64& rng, DType d, size_t n, float sd) {
+  std::normal_distribution<float> dist(0.0f, sd);
+  std::vector<float> f(n);
+  for (auto& x : f) x = dist(rng);
+  std::string out(n * (format::dtype_bits(d) / 8), '\0');
+  format::convert(DType::F32, d, f.data(), out.data(), n);
+  return out;
+}
+
+std::vector<float> widened(DType d, const std::string& b) {
+  std::vector<float> f(b.size() / (format::dtype_bits(d) / 8));
+  format::convert(d, DType::F32, b.data(), f.data(), f.size());
+  return f;
+}
+
+// Rounds an F32 value to `d` and back.
+float through(DType d, float x) {
+  char tmp[4];
+  format::convert(DType::F32, d, &x, tmp, 1);
+  format::convert(d, DType::F32, tmp, &x, 1);
+  return x;
+}
+
+// A LoRA layer q_proj (W [rows, cols] as `wd`, A [r, cols] and B [rows, r] as `fd`) and a norm,
+// over two safetensors rank shards: W's rows split 4 / rows - 4, A's rows split 1 / r - 1 (so the
+// factors are read across shards too), B whole in the second shard.
+struct MergedCase {
+  uint64_t rows = 6, cols = 5, r = 2;
+  int64_t alpha = 3;
+  DType wd = DType::BF16, fd = DType::BF16;
+  std::string w, a, b, norm;
+  std::shared_ptr<const layout::Checkpoint> ck;
+  std::vector<UniqueFd> fds;
+  std::vector<int> raw;
+
+  void build(bool merged, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    w = values(rng, wd, rows * cols, 1.0f);
+    a = values(rng, fd, r * cols, 0.5f);
+    b = values(rng, fd, rows * r, 0.05f);
+    norm = values(rng, DType::F32, cols, 1.0f);
+    const uint64_t wsz = format::dtype_bits(wd) / 8, fsz = format::dtype_bits(fd) / 8;
+    const std::string q = P + "model.layers.0.q_proj";
+    auto chunk = [](std::string name, DType d, std::vector<uint64_t> off, std::vector<uint64_t> sz,
+                    std::vector<uint64_t> full, std::string data) {
+      return test::ChunkSpec{std::move(name), d, std::move(off), std::move(sz), std::move(full),
+                             std::move(data)};
+    };
+    std::vector<test::ShardSpec> specs = {
+        {format::shard_file_name(1, 1, 1),
+         {chunk(q + ".base_layer.weight", wd, {0, 0}, {4, cols}, {rows, cols},
+                w.substr(0, 4 * cols * wsz)),
+          chunk(q + ".lora_A.default.weight", fd, {0, 0}, {1, cols}, {r, cols},
+                a.substr(0, cols * fsz)),
+          chunk(P + "model.norm.weight", DType::F32, {0}, {cols}, {{cols}}, norm)}},
+        {format::shard_file_name(2, 1, 1),
+         {chunk(q + ".base_layer.weight", wd, {4, 0}, {rows - 4, cols}, {rows, cols},
+                w.substr(4 * cols * wsz)),
+          chunk(q + ".lora_A.default.weight", fd, {1, 0}, {r - 1, cols}, {r, cols},
+                a.substr(cols * fsz)),
+          chunk(q + ".lora_B.default.weight", fd, {0, 0}, {rows, r}, {rows, r}, b)}},
+    };
+    layout::BuildInput in;
+    in.dir = "actor";
+    std::map<std::string, std::string> files;
+    for (const auto& sp : specs) {
+      auto bytes = test::make_shard_bytes(sp);
+      in.shards.push_back(test::shard_input(sp.file_name, bytes));
+      files[sp.file_name] = bytes;
+    }
+    in.lora =
+        layout::LoraInput{"lora_train_meta.json", static_cast<uint32_t>(r), alpha, "CAUSAL_LM"};
+    layout::BuildOptions opts;
+    opts.lora_merged = merged;
+    ck = layout::build_checkpoint(std::move(in), opts);
+    for (const auto& sh : ck->shards) {
+      int fd = ::memfd_create("shard", MFD_CLOEXEC);
+      const auto& bytes = files.at(sh.name);
+      EXPECT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+      fds.emplace_back(fd);
+      raw.push_back(fd);
+    }
+  }
+
+  // W + alpha / r * (B @ A) as PEFT merges it on CPU, written out with its own loops: the
+  // product in F32 (fused multiply-adds, k in order, as torch's MKL GEMM sums it), scaled, rounded
+  // to lora_B's dtype, added to W in F32, rounded to W's dtype.
+  [[nodiscard]] std::string expected() const {
+    const auto W = widened(wd, w), A = widened(fd, a), B = widened(fd, b);
+    const auto scale = static_cast<float>(static_cast<double>(alpha) / static_cast<double>(r));
+    std::vector<float> out(rows * cols);
+    for (uint64_t i = 0; i < rows; ++i) {
+      for (uint64_t j = 0; j < cols; ++j) {
+        float d = 0;
+        for (uint64_t k = 0; k < r; ++k) d = std::fma(B[i * r + k], A[k * cols + j], d);
+        out[i * cols + j] = W[i * cols + j] + through(fd, d * scale);
+      }
+    }
+    std::string bytes(w.size(), '\0');
+    format::convert(DType::F32, wd, out.data(), bytes.data(), out.size());
+    return bytes;
+  }
+
+  [[nodiscard]] std::string read(uint32_t file, uint64_t off, uint64_t len,
+                                 io::FactorCache* cache) const {
+    std::vector<layout::Segment> segs;
+    layout::map_range(*ck, file, off, len, segs);
+    uint64_t n = 0;
+    for (const auto& g : segs) n += g.len;
+    std::string out(n, '\0');
+    io::GatherSource src{ck.get(), raw, ck->outputs[file].header, {}};
+    src.factors = cache;
+    auto st = io::gather(src, segs, out.data());
+    EXPECT_TRUE(st.ok()) << st.error().message;
+    return out;
+  }
+};
+
+TEST(LoraMerged, TheDirectoryShowsTheMergedModelAndNoAdapter) {
+  MergedCase c;
+  c.build(true, 1);
+  const auto& ck = *c.ck;
+  ASSERT_TRUE(ck.valid()) << problems(ck);
+  EXPECT_FALSE(ck.adapter);
+  EXPECT_NE(ck.lora_merged.find("1 base weights served as W + 3/2 * (B @ A)"), std::string::npos)
+      << ck.lora_merged;
+  ASSERT_EQ(ck.outputs.size(), 2u);
+  EXPECT_EQ(ck.outputs[0].path(), "model-00001-of-00001.safetensors");
+  EXPECT_EQ(ck.outputs[1].folder, format::kLoraFactorsFolder);  // never shown
+  auto index = nlohmann::json::parse(ck.index_json);
+  EXPECT_EQ(index["weight_map"].size(), 2u);
+  // The merged weight's output is read from every shard its factors are in.
+  EXPECT_EQ(ck.outputs[0].shards, (std::vector<uint32_t>{0, 1}));
+  const layout::Tensor* w = nullptr;
+  for (const auto& t : ck.tensors) {
+    if (t.name == "model.layers.0.q_proj.weight") w = &t;
+  }
+  ASSERT_NE(w, nullptr);
+  ASSERT_TRUE(w->merge);
+  EXPECT_EQ(w->merge->scale, 1.5f);
+  EXPECT_EQ(ck.tensors[w->merge->a].name, P + "model.layers.0.q_proj.lora_A.weight");
+  EXPECT_EQ(ck.tensors[w->merge->b].name, P + "model.layers.0.q_proj.lora_B.weight");
+}
+
+// Every byte range of the merged file, in every dtype pair PEFT merges: equal to the merged
+// weight's bytes; the norm and the header as unmerged; with and without the factor cache.
+TEST(LoraMerged, EveryRangeReadsWPlusScaledBA) {
+  struct Case {
+    DType wd, fd;
+    uint64_t rows = 6, cols = 5, step = 3;
+  };
+  for (auto [wd, fd, rows, cols, step] :
+       {Case{DType::BF16, DType::BF16}, Case{DType::F32, DType::F32}, Case{DType::F16, DType::F16},
+        Case{DType::F32, DType::BF16}, Case{DType::BF16, DType::F32},
+        // W over several of gather's blocks (kCastBlock source bytes each).
+        Case{DType::BF16, DType::F32, 520, 300, 4099}}) {
+    SCOPED_TRACE(fmt::format("W {} [{}, {}], factors {}", format::dtype_name(wd), rows, cols,
+                             format::dtype_name(fd)));
+    MergedCase c;
+    c.wd = wd;
+    c.fd = fd;
+    c.rows = rows;
+    c.cols = cols;
+    c.build(true, 2);
+    ASSERT_TRUE(c.ck->valid()) << problems(*c.ck);
+    const auto& ck = *c.ck;
+    const auto& f = ck.outputs[0];
+    io::FactorCache cache;
+    const std::string whole = c.read(0, 0, f.size, &cache);
+    ASSERT_EQ(whole.size(), f.size);
+    EXPECT_EQ(whole.substr(0, f.header.size()), f.header);
+    const std::string want = c.expected();
+    EXPECT_NE(want, c.w);  // the adapter changes the weight: the test can tell
+    for (uint32_t ti : f.tensors) {
+      const auto& t = ck.tensors[ti];
+      const std::string got = whole.substr(t.out_offset, t.nbytes);
+      EXPECT_EQ(got, t.merge ? want : c.norm) << t.name;
+    }
+    for (uint64_t off = 0; off < f.size; off += step) {
+      for (uint64_t len : {1ull, 2ull, 5ull, 11ull, 64ull, 300'001ull}) {
+        ASSERT_EQ(c.read(0, off, len, off % 2 ? &cache : nullptr),
+                  whole.substr(off, std::min(len, f.size - off)))
+            << off << "+" << len;
+      }
+    }
+  }
+}
+
+// What lora=merged cannot merge is refused naming the tensor, and an adapter alone (verl's
+// save_lora_only) is shown as it is, saying why nothing was merged.
+TEST(LoraMerged, WhatCannotBeMergedIsSaid) {
+  MergedCase c;
+  c.wd = DType::F64;
+  c.build(true, 3);
+  ASSERT_FALSE(c.ck->valid());
+  EXPECT_TRUE(std::any_of(c.ck->problems.begin(), c.ck->problems.end(), [&](const auto& p) {
+    return p.tensor == P + "model.layers.0.q_proj.base_layer.weight" &&
+           p.message.find("-o lora=merged: a base weight of F64") != std::string::npos;
+  })) << problems(*c.ck);
+  MergedCase split;  // the same F64 weight unmerged: served
+  split.wd = DType::F64;
+  split.build(false, 3);
+  EXPECT_TRUE(split.ck->valid()) << problems(*split.ck);
+
+  std::vector<T> only;
+  for (const auto& t : peft_state_dict(2)) {
+    if (t.name.find(".lora_") != std::string::npos) only.push_back(t);
+  }
+  layout::BuildInput in;
+  in.dir = "actor";
+  layout::ShardInput s;
+  s.name = "model_world_size_1_rank_0.pt";
+  s.stamp.size = 1ull << 40;
+  in.shards.push_back(s);
+  in.declared.emplace();
+  in.declared->format = "test";
+  for (const auto& t : only) {
+    layout::DeclaredChunk d;
+    d.tensor = t.name;
+    d.dtype = DType::F32;
+    d.offsets.assign(t.shape.size(), 0);
+    d.sizes = t.shape;
+    d.full_shape = t.shape;
+    in.declared->chunks.push_back(std::move(d));
+  }
+  in.lora = layout::LoraInput{"lora_train_meta.json", 2, 16, "CAUSAL_LM"};
+  layout::BuildOptions opts;
+  opts.lora_merged = true;
+  auto ck = layout::build_checkpoint(std::move(in), opts);
+  ASSERT_TRUE(ck->valid()) << problems(*ck);
+  ASSERT_TRUE(ck->adapter);
+  EXPECT_TRUE(ck->lora_merged.empty());
+  EXPECT_NE(ck->adapter->note.find("-o lora=merged: no base weight to merge into"),
+            std::string::npos)
+      << ck->adapter->note;
 }
 
 // ---- verl's files ----------------------------------------------------------------------------

@@ -36,6 +36,10 @@ inline constexpr std::string_view kSafetensorsSuffix = ".safetensors";
 inline constexpr std::string_view kLoraAdapterDir = "lora_adapter";
 inline constexpr std::string_view kAdapterModelName = "adapter_model.safetensors";
 inline constexpr std::string_view kAdapterConfigName = "adapter_config.json";
+// A LoRA checkpoint served merged (-o lora=merged): the folder of the output holding the LoRA
+// factors the merged weights are computed from. Never shown, listed or looked up: only `inspect`
+// names it.
+inline constexpr std::string_view kLoraFactorsFolder = "(lora factors)";
 
 struct ShardName {
   uint32_t shard = 0;  // rank + 1

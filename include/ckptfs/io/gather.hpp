@@ -5,7 +5,8 @@
 // costs one system call per shard rather than one per run. Cast segments are read in blocks
 // of kCastBlock source bytes and converted into place (format/cast.hpp); strided segments
 // (transposed matrices) column group by column group from a window of their matrix shared by
-// the threads reading the view (StridedWindows).
+// the threads reading the view (StridedWindows); merge segments (merged LoRA weights) like cast
+// ones, merged with their factors (io/merge.hpp), which are read first through this same plan.
 #pragma once
 
 #include <functional>
@@ -16,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ckptfs/io/merge.hpp"
 #include "ckptfs/io/shard_io.hpp"
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/util/result.hpp"
@@ -76,6 +78,8 @@ struct GatherSource {
   // Where strided segments keep the matrices they read (null: each is read for itself, in
   // kCastBlock pieces).
   StridedWindows* windows = nullptr;
+  // Where merge segments keep the LoRA factors they read (null: read for each gather).
+  FactorCache* factors = nullptr;
 
   [[nodiscard]] std::string name_of(uint32_t shard) const;
 };

@@ -129,13 +129,25 @@ struct Tensor {
   std::vector<MapRun> runs;
   std::string origin;
 
+  // A LoRA checkpoint served merged (BuildOptions::lora_merged): this base weight [out, in] is
+  // served as W + scale * (B @ A), computed on read (layout/lora.hpp says how it rounds). `a` and
+  // `b` index Checkpoint::tensors: lora_A [r, in] and lora_B [out, r], in the hidden output of the
+  // factors (format::kLoraFactorsFolder).
+  struct Merge {
+    uint32_t a = 0, b = 0;
+    float scale = 0;
+    bool operator==(const Merge&) const = default;
+  };
+  std::optional<Merge> merge;
+
   [[nodiscard]] bool is_cast() const { return dtype != src_dtype; }
 };
 
 struct OutputFile {
   std::string name;
   // Empty: shown in the checkpoint directory. Else the virtual folder of that directory it is
-  // shown in (a LoRA checkpoint's adapter, Checkpoint::adapter): never in the index.
+  // shown in (a LoRA checkpoint's adapter, Checkpoint::adapter): never in the index. A merged
+  // LoRA view's factors are in format::kLoraFactorsFolder, which is never shown at all.
   std::string folder;
   uint32_t k = 0;                 // its number in model-k-of-m
   bool written = false;           // header and name from a commit record (written through ckptfs)
@@ -212,6 +224,9 @@ struct Checkpoint {
   // A LoRA split applied (BuildInput::lora): where the adapter is shown. `index_json` is then
   // the base model's only, and empty when no base tensor was stored (verl's save_lora_only).
   std::optional<Adapter> adapter;
+  // A LoRA split served merged instead (BuildOptions::lora_merged): what inspect says of it;
+  // empty otherwise. `adapter` is then unset.
+  std::string lora_merged;
 
   [[nodiscard]] bool valid() const { return problems.empty(); }
   // Every output was written through ckptfs and committed: its records prove it complete, so
@@ -249,6 +264,10 @@ struct BuildOptions {
   bool no_map = false;
   std::string hf_config;
   std::string hf_config_what;  // its path, for messages
+  // A PEFT LoRA state dict (BuildInput::lora) is served merged (-o lora=merged): the directory
+  // shows the model PEFT's merge_and_unload() gives, and no adapter folder. With no base weight
+  // stored (verl's save_lora_only) the adapter is shown as without it.
+  bool lora_merged = false;
 };
 
 // Sets the dtype policy from an option value: "auto" (NeMo's mapping), "stored", or a cast

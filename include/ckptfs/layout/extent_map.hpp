@@ -2,8 +2,9 @@
 //
 // Forward (reads): consolidated (file, offset, length) -> ordered segments, each either
 // header bytes from memory, a run of bytes in one shard file, (a tensor served in another
-// dtype than stored) a run of elements in one shard file to convert, or (a transposed tensor)
-// elements picked at a stride. Adjacent runs that are
+// dtype than stored) a run of elements in one shard file to convert, (a transposed tensor)
+// elements picked at a stride, or (a merged LoRA weight) a run of elements to merge with their
+// LoRA factors. Adjacent runs that are
 // contiguous in the same shard are coalesced, so a row-sharded tensor is one run per chunk.
 //
 // The one byte geometry between chunks and consolidated files: reads of the mount, the write
@@ -34,21 +35,28 @@ struct Segment {
   // the first. Never cast, never spliced.
   uint8_t esize = 0;
   uint64_t stride = 0;
+  // A merge segment (merge != 0; a merged LoRA weight, Tensor::merge): the whole elements of
+  // dtype `from` at `src` are elements `elem`, `elem + 1`, ... of tensor `merge - 1`
+  // (Checkpoint::tensors), each merged with its LoRA factors (io/merge.hpp) and given as `to`
+  // (as a cast segment, `skip` and `len` say which bytes). Never spliced.
+  uint32_t merge = 0;
+  uint64_t elem = 0;
 
   [[nodiscard]] bool is_memory() const { return shard == kMemory; }
   [[nodiscard]] bool is_cast() const { return from != to; }
   [[nodiscard]] bool is_strided() const { return stride != 0; }
+  [[nodiscard]] bool is_merge() const { return merge != 0; }
   // Its bytes are not a run of the shard as it lies: they exist only once gathered.
-  [[nodiscard]] bool is_transformed() const { return is_cast() || is_strided(); }
-  // Elements converted (cast segments) or picked (strided ones), and the source bytes they
-  // span (every shard segment).
+  [[nodiscard]] bool is_transformed() const { return is_cast() || is_strided() || is_merge(); }
+  // Elements converted (cast and merge segments) or picked (strided ones), and the source bytes
+  // they span (every shard segment).
   [[nodiscard]] uint64_t elems() const {
     const uint64_t osz = is_strided() ? esize : format::dtype_bits(to) / 8;
     return (skip + len + osz - 1) / osz;
   }
   [[nodiscard]] uint64_t src_len() const {
     if (is_strided()) return (elems() - 1) * stride + esize;
-    return is_cast() ? elems() * (format::dtype_bits(from) / 8) : len;
+    return is_cast() || is_merge() ? elems() * (format::dtype_bits(from) / 8) : len;
   }
   bool operator==(const Segment&) const = default;
 };

@@ -15,6 +15,14 @@
 // (lora_embedding_A/B, lora_magnitude_vector: DoRA, a LoRA bias), an adapter name other than
 // verl's "default", PEFT's modules_to_save copies, base_layer anywhere but before the last
 // component, an empty component, and two stored names that give one served name.
+//
+// Merged (BuildOptions::lora_merged, -o lora=merged): each base weight with a LoRA layer is
+// served as PEFT's merge_and_unload() leaves it, W + scale * (B @ A) with scale = lora_alpha / r,
+// computed on read by io/merge.hpp. It rounds as PEFT does on CPU: A and B widened to F32, the
+// product summed in F32 and scaled in F32, rounded to lora_B's dtype, then added to W in F32 and
+// rounded to W's dtype (round to nearest even). Only F16, BF16 and F32 factors and weights are
+// merged (F64 and the rest are refused, naming the tensor). The factors go to a hidden output
+// (format::kLoraFactorsFolder), served as stored; no adapter folder is shown.
 #pragma once
 
 #include <cstdint>
@@ -54,7 +62,9 @@ std::string adapter_config_json(const LoraInput& in, const std::vector<std::stri
 // [r, in] and lora_B [out, r] with lora_train_meta.json's r and, when base weights are stored,
 // a base layer [out, in]; no base layer without its LoRA pair), and sets ck.adapter. Returns m
 // (0: no base tensor stored). Problems, at most 32 and a count, go to ck.problems. Linear in the
-// tensors (hash maps by name and module).
-uint32_t apply(const LoraInput& in, Checkpoint& ck, std::vector<uint32_t>& tensor_k);
+// tensors (hash maps by name and module). `merged`: the base weights are merged as above and
+// ck.lora_merged is set in place of ck.adapter (where base weights are stored; else the adapter
+// is shown as unmerged, and ck.adapter's note says why); the factors' output is still m + 1.
+uint32_t apply(const LoraInput& in, bool merged, Checkpoint& ck, std::vector<uint32_t>& tensor_k);
 
 }  // namespace ckptfs::layout::lora

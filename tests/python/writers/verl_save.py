@@ -121,7 +121,7 @@ def _peft_config(lora):
 def _peft_references(cfg, dtype, lora, full, ids, parent, name):
     """Rank 0: the trained PEFT model rebuilt outside FSDP (the full state dict loaded into a fresh
     get_peft_model of the same config), saved the ways PEFT saves it: save_pretrained (the adapter),
-    its logits on `ids`, and unload()'s base model."""
+    its logits on `ids`, merge_and_unload()'s merged model, and unload()'s base model."""
     import torch
     from peft import get_peft_model
     from safetensors.torch import save_file
@@ -137,6 +137,11 @@ def _peft_references(cfg, dtype, lora, full, ids, parent, name):
         logits = model(input_ids=ids).logits
     save_file({"logits": logits.contiguous(), "input_ids": ids.contiguous()},
               os.path.join(parent, f"logits-{name}.safetensors"))
+    if any(".base_layer." in k for k in full):  # save_lora_only stores no base weight to merge
+        merged = get_peft_model(LlamaForCausalLM(cfg).to(getattr(torch, dtype)), _peft_config(lora))
+        merged.load_state_dict(full, strict=False)
+        save_file({k: v.clone().contiguous() for k, v in merged.merge_and_unload().state_dict().items()},
+                  os.path.join(parent, f"merged-reference-{name}.safetensors"))
     base = model.unload()
     save_file({k: v.clone().contiguous() for k, v in base.state_dict().items()},
               os.path.join(parent, f"base-reference-{name}.safetensors"))
