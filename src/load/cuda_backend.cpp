@@ -5,20 +5,10 @@
 #include <vector>
 
 #include "ckptfs/load/backend.hpp"
+#include "cuda_error.hpp"
 
 namespace ckptfs::load {
 namespace {
-
-Error cuda_error(cudaError_t e, std::string_view what) {
-  return make_error(e == cudaErrorMemoryAllocation ? ENOMEM : EIO, "{}: {} ({})", what,
-                    cudaGetErrorString(e), cudaGetErrorName(e));
-}
-
-#define CKPTFS_CUDA(call, what)                                               \
-  do {                                                                        \
-    cudaError_t ckptfs_cuda_e = (call);                                       \
-    if (ckptfs_cuda_e != cudaSuccess) return cuda_error(ckptfs_cuda_e, what); \
-  } while (0)
 
 class CudaBackend final : public Backend {
  public:

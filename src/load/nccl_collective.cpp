@@ -7,6 +7,7 @@
 
 #include "ckptfs/load/backend.hpp"
 #include "ckptfs/load/collective.hpp"
+#include "cuda_error.hpp"
 
 namespace ckptfs::load {
 namespace {
@@ -14,10 +15,6 @@ namespace {
 Error nccl_error(ncclResult_t r, std::string_view what) {
   return make_error(EIO, "{}: {}", what, ncclGetErrorString(r));
 }
-Error cuda_error(cudaError_t e, std::string_view what) {
-  return make_error(EIO, "{}: {}", what, cudaGetErrorString(e));
-}
-
 class NcclCollective final : public Collective {
  public:
   NcclCollective(unsigned rank, unsigned size, int device)
