@@ -12,7 +12,8 @@
 #   6. save_pretrained into the mount; 7. ckptfs load of the shards; 8. a native torch DCP
 #      save (FSDP2, 2 ranks) into the mount, served as HF; 9. verl's own FSDP checkpoint
 #      manager saves into the mount (2 ranks), served as HF with its huggingface/ config, and a
-#      LoRA checkpoint: the base model, and lora_adapter/ loaded with PEFT
+#      LoRA checkpoint: the base model, and lora_adapter/ loaded with PEFT; then mounted with
+#      -o lora=merged: the merged model, as PEFT's merge_and_unload() gives it
 #   10. torchtitan's own checkpointer (FSDP2, 2 ranks) saves a Llama into the mount, under its
 #      own names and RoPE row order; the built-in model map torchtitan-llama3 serves it under
 #      HF's (issue 22, docs/maps.md), and a Qwen3-MoE through torchtitan-qwen3-moe;
@@ -28,6 +29,7 @@ SRC=$WORK/src                       # what is mounted: a training run with one s
 CK=$SRC/run/step_1000               # the checkpoint (NeMo layout: shards in $CK/model/)
 REF=$WORK/reference/step_1000       # save_pretrained output of the same model
 MNT=$WORK/mnt
+MERGED=$WORK/merged                 # a second mount, -o lora=merged (step 9)
 BIN=$ROOT/build/src/ckptfs
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 GEN_OPTS=(--layout fsdp_tp --world 4 --tp 2 --nemo --files 2 --layers 4 --hidden 512
@@ -91,6 +93,7 @@ DAEMON=
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  grep -qs " $MERGED fuse" /proc/mounts && fusermount3 -u -z "$MERGED" 2>/dev/null
   if grep -qs " $MNT fuse" /proc/mounts; then
     for _ in $(seq 50); do
       fusermount3 -u "$MNT" 2>/dev/null && break
@@ -182,7 +185,8 @@ if ((status == 0)); then
   # The same ranks then save a second checkpoint with LoRA (rank 8, all-linear; verl's own
   # _build_lora_module): its rank files hold PEFT's names.
   rm -rf "$SRC/run/verl" "$SRC/run/merged-verl" "$SRC/run/reference-verl.safetensors" \
-    "$SRC/run/verl-lora" "$SRC/run/"{peft-reference-verl-lora,logits-verl-lora.safetensors,base-reference-verl-lora.safetensors}
+    "$SRC/run/verl-lora" "$SRC/run/"{peft-reference-verl-lora,logits-verl-lora.safetensors} \
+    "$SRC/run/"{base-reference-verl-lora.safetensors,merged-reference-verl-lora.safetensors}
   "$PY" tests/python/writers/verl_save.py "$MNT/run/verl" --ranks 2 --case "$MNT/run/verl-lora:--lora 8" \
     >"$WORK/verl_save.log" 2>&1 || { tail -n 20 "$WORK/verl_save.log"; status=1; }
 fi
@@ -208,6 +212,20 @@ if ((status == 0)); then
     status=1
   fi
   ((status == 0)) && { "$PY" tools/demo.py --lora-view "$LACTOR" --tokens 8 || status=$?; }
+fi
+if ((status == 0)); then
+  # The same rank files mounted with -o lora=merged (a second mount, of the run's directory):
+  # the model PEFT's merge_and_unload() gives, W + scale * (B @ A) computed on read, checked
+  # against the writer's own merge_and_unload().
+  mkdir -p "$MERGED"
+  "$BIN" mount "$SRC/run/verl-lora" "$MERGED" -o lora=merged,settle=0 --log-file "$WORK/merged.log" ||
+    status=$?
+  if ((status == 0)); then
+    ls "$MERGED/global_step_1/actor"
+    check_from_pretrained "$MERGED/global_step_1/actor" \
+      "$MNT/run/merged-reference-verl-lora.safetensors" || status=$?
+    fusermount3 -u "$MERGED" || status=$?
+  fi
 fi
 
 step "10/11 torchtitan's checkpointer and megatron-core save into the mount; served under HF names through the model maps torchtitan-llama3, torchtitan-qwen3-moe and megatron-deepseek-v3"
