@@ -54,11 +54,27 @@ inline void product_row(const float* b, const float* a, uint64_t r, uint64_t col
 }
 
 #if defined(__x86_64__)
-// With the FMA instruction, 8 columns at a time, each column's sum in one register (the same
-// steps, in the same order, as product_row).
+// With the FMA instruction, 32 or 8 columns at a time, each column's sum in one register lane (the
+// same steps, in the same order, as product_row).
 __attribute__((target("avx2,fma"))) void product_row_fma(const float* b, const float* a, uint64_t r,
                                                          uint64_t cols, uint64_t m, float* acc) {
   uint64_t j = 0;
+  // 32 columns at a time: four independent chains, so the FMA unit is not waiting on one.
+  for (; j + 32 <= m; j += 32) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (uint64_t k = 0; k < r; ++k) {
+      const __m256 bk = _mm256_set1_ps(b[k]);
+      const float* ak = a + k * cols + j;
+      c0 = _mm256_fmadd_ps(bk, _mm256_loadu_ps(ak), c0);
+      c1 = _mm256_fmadd_ps(bk, _mm256_loadu_ps(ak + 8), c1);
+      c2 = _mm256_fmadd_ps(bk, _mm256_loadu_ps(ak + 16), c2);
+      c3 = _mm256_fmadd_ps(bk, _mm256_loadu_ps(ak + 24), c3);
+    }
+    _mm256_storeu_ps(acc + j, c0);
+    _mm256_storeu_ps(acc + j + 8, c1);
+    _mm256_storeu_ps(acc + j + 16, c2);
+    _mm256_storeu_ps(acc + j + 24, c3);
+  }
   for (; j + 8 <= m; j += 8) {
     __m256 c = _mm256_setzero_ps();
     for (uint64_t k = 0; k < r; ++k) {
