@@ -294,7 +294,8 @@ def main() -> int:
         d, ref, _, _ = PAIRS[p]
         for key in ("cold GB/s", "warm GB/s", "list s"):
             ratios = [x[f"{p}: {d} {key}"] / x[f"{p}: {ref} {key}"] for x in rounds]
-            print(f"{d}/{ref} {key:10s}{' ' * (20 - len(d) - len(ref))}median {statistics.median(ratios):.3f}  "
+            label = f"{p}: {d}/{ref}"
+            print(f"{label} {key:10s}{' ' * max(1, 28 - len(label))}median {statistics.median(ratios):.3f}  "
                   f"(all: {', '.join(f'{v:.3f}' for v in ratios)})")
     shutil.rmtree(a.dir)
     return 0
