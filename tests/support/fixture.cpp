@@ -116,6 +116,17 @@ std::string random_bytes(std::mt19937_64& rng, size_t n) {
   return s;
 }
 
+std::map<std::string, std::string> add_shards(layout::BuildInput& in,
+                                              const std::vector<ShardSpec>& specs) {
+  std::map<std::string, std::string> files;
+  for (const auto& s : specs) {
+    auto bytes = make_shard_bytes(s);
+    in.shards.push_back(shard_input(s.file_name, bytes));
+    files[s.file_name] = std::move(bytes);
+  }
+  return files;
+}
+
 std::string consolidated(uint64_t seed, uint64_t rows, std::string_view prefix) {
   std::mt19937_64 rng(seed);
   const uint64_t w = rows * 64 * 4, b = 64 * 4, e = 3 * 4;

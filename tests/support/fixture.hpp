@@ -63,6 +63,11 @@ layout::ShardInput shard_input(const std::string& name, const std::string& bytes
 
 std::string random_bytes(std::mt19937_64& rng, size_t n);
 
+// Adds each spec's shard (its bytes made by make_shard_bytes) to `in`; returns the bytes by file
+// name, for the test to put where it reads them from.
+std::map<std::string, std::string> add_shards(layout::BuildInput& in,
+                                              const std::vector<ShardSpec>& specs);
+
 // A consolidated safetensors file as save_pretrained writes one (tensors "<prefix>z.weight"
 // [rows, 64], "<prefix>a.bias" [64], "<prefix>m.embed" [3], F32, random bytes from `seed`),
 // with a header laid out unlike ckptfs's own (keys out of order, __metadata__ last, spaces,

@@ -245,12 +245,7 @@ CastView build_view(const std::vector<test::ShardSpec>& specs, const layout::Bui
   CastView v;
   layout::BuildInput in;
   in.dir = "ckpt";
-  std::map<std::string, std::string> files;
-  for (const auto& s : specs) {
-    auto bytes = test::make_shard_bytes(s);
-    in.shards.push_back(test::shard_input(s.file_name, bytes));
-    files[s.file_name] = bytes;
-  }
+  const auto files = test::add_shards(in, specs);
   in.dtypes = std::move(dtypes);
   v.ck = layout::build_checkpoint(std::move(in), opts);
   for (const auto& sh : v.ck->shards) {

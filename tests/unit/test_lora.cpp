@@ -111,7 +111,7 @@ struct T {
 // A declared checkpoint of one shard file holding `tensors` (F32, one chunk each), with
 // lora_train_meta.json's `r` unless r is 0.
 std::shared_ptr<const layout::Checkpoint> build(const std::vector<T>& tensors, uint32_t r,
-                                                int64_t alpha = 16) {
+                                                int64_t alpha = 16, bool merged = false) {
   layout::BuildInput in;
   in.dir = "actor";
   layout::ShardInput s;
@@ -135,7 +135,9 @@ std::shared_ptr<const layout::Checkpoint> build(const std::vector<T>& tensors, u
     in.declared->chunks.push_back(std::move(d));
   }
   if (r > 0) in.lora = layout::LoraInput{"lora_train_meta.json", r, alpha, "CAUSAL_LM"};
-  return layout::build_checkpoint(std::move(in));
+  layout::BuildOptions opts;
+  opts.lora_merged = merged;
+  return layout::build_checkpoint(std::move(in), opts);
 }
 
 const std::string P = "base_model.model.";
@@ -362,12 +364,7 @@ struct MergedCase {
     };
     layout::BuildInput in;
     in.dir = "actor";
-    std::map<std::string, std::string> files;
-    for (const auto& sp : specs) {
-      auto bytes = test::make_shard_bytes(sp);
-      in.shards.push_back(test::shard_input(sp.file_name, bytes));
-      files[sp.file_name] = bytes;
-    }
+    const auto files = test::add_shards(in, specs);
     in.lora =
         layout::LoraInput{"lora_train_meta.json", static_cast<uint32_t>(r), alpha, "CAUSAL_LM"};
     layout::BuildOptions opts;
@@ -506,27 +503,7 @@ TEST(LoraMerged, WhatCannotBeMergedIsSaid) {
   for (const auto& t : peft_state_dict(2)) {
     if (t.name.find(".lora_") != std::string::npos) only.push_back(t);
   }
-  layout::BuildInput in;
-  in.dir = "actor";
-  layout::ShardInput s;
-  s.name = "model_world_size_1_rank_0.pt";
-  s.stamp.size = 1ull << 40;
-  in.shards.push_back(s);
-  in.declared.emplace();
-  in.declared->format = "test";
-  for (const auto& t : only) {
-    layout::DeclaredChunk d;
-    d.tensor = t.name;
-    d.dtype = DType::F32;
-    d.offsets.assign(t.shape.size(), 0);
-    d.sizes = t.shape;
-    d.full_shape = t.shape;
-    in.declared->chunks.push_back(std::move(d));
-  }
-  in.lora = layout::LoraInput{"lora_train_meta.json", 2, 16, "CAUSAL_LM"};
-  layout::BuildOptions opts;
-  opts.lora_merged = true;
-  auto ck = layout::build_checkpoint(std::move(in), opts);
+  auto ck = build(only, 2, 16, /*merged=*/true);
   ASSERT_TRUE(ck->valid()) << problems(*ck);
   ASSERT_TRUE(ck->adapter);
   EXPECT_TRUE(ck->lora_merged.empty());
