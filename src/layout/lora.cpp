@@ -296,6 +296,12 @@ uint32_t apply(const LoraInput& in, bool merged, Checkpoint& ck, std::vector<uin
   a.base_tensors = base;
   a.adapter_tensors = adapter;
   a.layers = static_cast<uint32_t>(modules.size());
+  if (merged && base == 0) {  // asked for, not done: the daemon's log says so (ck.notes)
+    ck.notes.push_back(
+        fmt::format("{}: -o lora=merged: the rank files hold no base weight to merge into (verl's "
+                    "save_lora_only); {}/ is shown, as without the option",
+                    ck.dir, format::kLoraAdapterDir));
+  }
   a.note = base > 0 || !merged ? "" : "-o lora=merged: no base weight to merge into; ";
   a.note += base > 0 ? fmt::format(
                            "LoRA (r={}, lora_alpha={}): the base model's {} tensors under HF "

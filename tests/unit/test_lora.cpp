@@ -510,6 +510,10 @@ TEST(LoraMerged, WhatCannotBeMergedIsSaid) {
   EXPECT_NE(ck->adapter->note.find("-o lora=merged: no base weight to merge into"),
             std::string::npos)
       << ck->adapter->note;
+  ASSERT_EQ(ck->notes.size(), 1u);  // logged by the daemon
+  EXPECT_NE(ck->notes[0].find("actor: -o lora=merged: the rank files hold no base weight"),
+            std::string::npos)
+      << ck->notes[0];
 }
 
 // ---- verl's files ----------------------------------------------------------------------------

@@ -19,8 +19,9 @@
 // Merged (BuildOptions::lora_merged, -o lora=merged): each base weight with a LoRA layer is
 // served as PEFT's merge_and_unload() leaves it, W + scale * (B @ A) with scale = lora_alpha / r,
 // computed on read by io/merge.hpp. It rounds as PEFT does on CPU: A and B widened to F32, the
-// product summed in F32 and scaled in F32, rounded to lora_B's dtype, then added to W in F32 and
-// rounded to W's dtype (round to nearest even). Only F16, BF16 and F32 factors and weights are
+// product summed in F32 (fused multiply-adds over k in order, as torch's MKL GEMM) and scaled in
+// F32, rounded to lora_B's dtype, then added to W in F32 and rounded to W's dtype (round to
+// nearest even). Only F16, BF16 and F32 factors and weights are
 // merged (F64 and the rest are refused, naming the tensor). The factors go to a hidden output
 // (format::kLoraFactorsFolder), served as stored; no adapter folder is shown.
 #pragma once
