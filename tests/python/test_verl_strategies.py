@@ -101,7 +101,7 @@ def merged_mnt(src, tmp_path_factory):
     """The same rank files mounted with -o lora=merged."""
     tmp = tmp_path_factory.mktemp("verl-strategies-merged")
     with Mount(src, tmp / "mnt", opts=["lora=merged"], log=str(tmp / "mnt.log")) as m:
-        yield pathlib.Path(m.mnt)
+        yield pathlib.Path(m.mnt)  # its log: mnt.log beside it
         assert m.proc.poll() is None
 
 
@@ -307,3 +307,15 @@ def test_lora_merged_is_peft_merge_and_unload(src, merged_mnt, name):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert {str(v.dtype) for v in got.values()} == {str(v.dtype) for v in want.values()}
     del model
+
+
+def test_lora_merged_without_a_base_weight_shows_the_adapter_saying_why(src, merged_mnt):
+    """-o lora=merged on verl's save_lora_only: nothing to merge into, so lora_adapter/ is shown as
+    without the option (PEFT's own adapter, byte for byte), and the daemon's log says why."""
+    d = merged_mnt / "lora-only" / ACTOR
+    names = os.listdir(d)
+    assert "lora_adapter" in names, names
+    assert filecmp.cmp(d / "lora_adapter" / "adapter_model.safetensors",
+                       src / "peft-reference-lora-only" / "adapter_model.safetensors", shallow=False)
+    log = (merged_mnt.parent / "mnt.log").read_text()
+    assert "-o lora=merged: the rank files hold no base weight to merge into" in log, log[-2000:]
