@@ -73,44 +73,67 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
   const auto& out = ck.outputs[n.output];
   const std::string where = source_path(join_rel(n.rel, n.key.name));
   CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), n.rel, O_RDONLY | O_DIRECTORY));
+  struct stat dst {};
+  if (::fstat(dir.get(), &dst) != 0) return errno_error(source_path(n.rel));
   // Every rank shard of the file, those its bytes are not read from included (a rank given no
   // tensor holds a header only): the commit gave them all the file's times.
-  std::vector<uint32_t> shards = out.shards;
+  std::vector<std::string> shards;
+  bool remote = false;
+  for (uint32_t s : out.shards) remote = remote || ck.shards[s].remote();
   if (auto mn = format::parse_model_name(out.name)) {
-    for (uint32_t s = 0; s < ck.shards.size(); ++s) {
-      auto sn = format::parse_shard_name(ck.shards[s].name);
-      if (sn && sn->k == mn->k && sn->m == mn->m &&
-          !std::binary_search(out.shards.begin(), out.shards.end(), s)) {
-        shards.push_back(s);
-      }
+    for (const auto& sh : ck.shards) {
+      auto sn = format::parse_shard_name(sh.name);
+      if (sn && sn->k == mn->k && sn->m == mn->m) shards.push_back(sh.name);
     }
   }
-  for (uint32_t s : shards) {
-    const auto& sh = ck.shards[s];
-    if (sh.remote()) {
+  for (uint32_t s : out.shards) {
+    if (std::find(shards.begin(), shards.end(), ck.shards[s].name) == shards.end()) {
+      shards.push_back(ck.shards[s].name);
+    }
+  }
+  const std::string rec = format::record_file_name(n.key.name);
+  {
+    // Under the directory's lock, as a split after close commits (WritePath::run_resplit): the
+    // view may predate that split, so the shards are those of the commit record as it is now
+    // (a split after this sees its one shard changed and leaves it one shard).
+    auto st = nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
+    std::unique_lock lock(st->mu);
+    st->built.wait(lock, [&] { return !st->building; });
+    // .ckptfs opened without following a link (as the views read records), then its record.
+    auto state =
+        open_at(dir.get(), std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (!state && state.error().code != ENOENT) return std::move(state).error();
+    if (state) {
+      // Unreadable or no longer this file's: the view's shards, as before the lock.
+      if (auto text = read_small_file_beneath(state->get(), rec, format::kMaxSideFileSize)) {
+        auto r = format::parse_record(*text, where);
+        if (r && r->name == out.name && !r->shards.empty()) {
+          remote = r->remote();
+          shards.clear();
+          for (const auto& sh : r->shards) shards.push_back(sh.name);
+        }
+      }
+    }
+    if (remote) {
       return make_error(EPERM,
                         "{}: its shards are on node-local targets; its attributes are "
                         "its commit record's",
                         where);
     }
-    const char* name = sh.name.c_str();
-    if ((a.mode && ::fchmodat(dir.get(), name, *a.mode & 07777, 0) != 0) ||
-        ((a.uid || a.gid) &&
-         ::fchownat(dir.get(), name, a.uid ? *a.uid : static_cast<uid_t>(-1),
-                    a.gid ? *a.gid : static_cast<gid_t>(-1), AT_SYMLINK_NOFOLLOW) != 0) ||
-        ((a.atime || a.mtime) && ::utimensat(dir.get(), name, times, AT_SYMLINK_NOFOLLOW) != 0)) {
-      return errno_error(fmt::format("{}: {}", where, sh.name));
+    for (const auto& sh : shards) {
+      const char* name = sh.c_str();
+      if ((a.mode && ::fchmodat(dir.get(), name, *a.mode & 07777, 0) != 0) ||
+          ((a.uid || a.gid) &&
+           ::fchownat(dir.get(), name, a.uid ? *a.uid : static_cast<uid_t>(-1),
+                      a.gid ? *a.gid : static_cast<gid_t>(-1), AT_SYMLINK_NOFOLLOW) != 0) ||
+          ((a.atime || a.mtime) && ::utimensat(dir.get(), name, times, AT_SYMLINK_NOFOLLOW) != 0)) {
+        return errno_error(fmt::format("{}: {}", where, sh));
+      }
     }
-  }
-  // Its commit record carries the file's times as its shards do (flush/local.cpp): the
-  // directory's shown mtime is its newest input's.
-  if (a.atime || a.mtime) {
-    // .ckptfs opened without following a link (as the views read records), then its record.
-    const std::string rec = format::record_file_name(n.key.name);
-    auto state =
-        open_at(dir.get(), std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-    if (!state && state.error().code != ENOENT) return std::move(state).error();
-    if (state && ::utimensat(state->get(), rec.c_str(), times, AT_SYMLINK_NOFOLLOW) != 0 &&
+    // Its commit record carries the file's times as its shards do (flush/local.cpp): the
+    // directory's shown mtime is its newest input's.
+    if ((a.atime || a.mtime) && state &&
+        ::utimensat(state->get(), rec.c_str(), times, AT_SYMLINK_NOFOLLOW) != 0 &&
         errno != ENOENT) {
       return errno_error(fmt::format("{}: {}/{}", where, format::kStateDirName, rec));
     }
@@ -120,10 +143,10 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
   // the view was built, a chmod before this utimens, is theirs too).
   struct stat st = virtual_attr(n);
   int64_t mtime = INT64_MIN, atime = INT64_MIN, ctime = INT64_MIN;
-  for (uint32_t s : shards) {
+  for (const auto& name : shards) {
     struct stat sh {};
-    if (::fstatat(dir.get(), ck.shards[s].name.c_str(), &sh, AT_SYMLINK_NOFOLLOW) != 0) {
-      return errno_error(fmt::format("{}: {}", where, ck.shards[s].name));
+    if (::fstatat(dir.get(), name.c_str(), &sh, AT_SYMLINK_NOFOLLOW) != 0) {
+      return errno_error(fmt::format("{}: {}", where, name));
     }
     st.st_mode = S_IFREG | (sh.st_mode & 07777);
     st.st_uid = sh.st_uid;
@@ -490,6 +513,11 @@ Result<struct stat> Filesystem::Impl::setattr(Ino ino, const SetAttr& a,
     struct timespec ts[2] = {{0, UTIME_OMIT}, {0, UTIME_OMIT}};
     if (a.atime) ts[0] = *a.atime;
     if (a.mtime) ts[1] = *a.mtime;
+    // A directory's times are set under its lock: a split after close commits there under it
+    // and gives the directory back the mtime it found (WritePath::run_resplit).
+    auto dir_st = n->kind == Kind::Dir ? nodes.dir_state(n->dev, n->bino) : nullptr;
+    std::unique_lock<std::mutex> dir_lock;
+    if (dir_st) dir_lock = std::unique_lock(dir_st->mu);
     if (::utimensat(pfd.get(), last.c_str(), ts, AT_SYMLINK_NOFOLLOW) != 0) {
       return errno_error(where);
     }

@@ -198,10 +198,19 @@ void WritePath::run_resplit(write::ResplitJob& job) {
   {
     std::unique_lock lock(st->mu);
     st->built.wait(lock, [&] { return !st->building; });
+    struct stat before {};
+    const bool dated = ::fstat(job.dir.get(), &before) == 0;
     auto names = write::commit_resplit(job, std::move(staged).value());
     if (!names) {
       spdlog::warn("{}: stays stored as one shard: {}", job.what, names.error().message);
     } else if (!names->empty()) {
+      // The split is the daemon's, not a change anyone made to the directory: it keeps the
+      // mtime it had (the file's close, or a cp -a, tar x or rsync -a that set it since).
+      const struct timespec ts[2] = {{0, UTIME_OMIT}, before.st_mtim};
+      if (dated && ::futimens(job.dir.get(), ts) != 0) {
+        spdlog::warn("{}: the directory's mtime could not be kept: {}", job.dir_display,
+                     std::strerror(errno));
+      }
       writes_.produced(job.dir.get(), *names);
       st->next_check = d_.clock->now();
     }

@@ -32,6 +32,7 @@ import time
 import pytest
 
 from conftest import Mount, requires_fuse
+from mount_util import splits_done
 
 pytestmark = requires_fuse
 
@@ -253,19 +254,24 @@ def sample_tree(tmp_path):
     return t
 
 
+@pytest.mark.parametrize("split", ["prompt", "late"])
 @pytest.mark.parametrize("tool", ["cp", "rsync", "rsync-inplace", "tar"])
-def test_copy_tools_keep_modes_and_times(tmp_path, sample_tree, tool):
+def test_copy_tools_keep_modes_and_times(tmp_path, sample_tree, tool, split):
     """Every file's and directory's mode and mtime, the checkpoint directory's own included (its
     view shows its newest input's mtime: the shards' and their commit records', which carry the
     copied file's times), files under 8 bytes and adapter_model.safetensors (kept whole after
-    being held or routed while written) included. tools/setup.sh installs rsync."""
+    being held or routed while written) included. tools/setup.sh installs rsync.
+    `late`: each split after close waits 300 ms (the hidden -o split_delay_ms), so it commits
+    after the tool set the times, the directory's last (on a busy machine it does so anyway):
+    the directory keeps the mtime the tool gave it, and the files the times."""
     if tool.startswith("rsync") and shutil.which("rsync") is None:
         pytest.skip("needs rsync (tools/setup.sh installs it)")
     src = tmp_path / "src"
     src.mkdir()
     # No attribute cache: each stat asks the daemon (a cached answer to the tool's own utimens
     # would hide a time lost afterwards, at close).
-    with Mount(src, tmp_path / "mnt", opts=["ranks=2", "attr_timeout=0"]) as m:
+    opts = ["ranks=2", "attr_timeout=0"] + (["split_delay_ms=300"] if split == "late" else [])
+    with Mount(src, tmp_path / "mnt", opts=opts) as m:
         dst = pathlib.Path(m.mnt)
         plain = tmp_path / "plain"
         plain.mkdir()
@@ -281,6 +287,8 @@ def test_copy_tools_keep_modes_and_times(tmp_path, sample_tree, tool):
                 tarball = tmp_path / "ck.tar"
                 subprocess.run(["tar", "cf", str(tarball), "-C", str(sample_tree), "ck"], check=True)
                 subprocess.run(["tar", "xf", str(tarball), "-C", str(target)], check=True)
+        if split == "late":
+            splits_done(m.mnt)
         want, got = tree(plain / "ck"), tree(dst / "ck")
         want["."] = (oct((plain / "ck").stat().st_mode), (plain / "ck").stat().st_mtime_ns, None)
         got["."] = (oct((dst / "ck").stat().st_mode), (dst / "ck").stat().st_mtime_ns, None)
@@ -298,3 +306,27 @@ def test_copy_tools_keep_modes_and_times(tmp_path, sample_tree, tool):
             sent = [ln for ln in r.stdout.splitlines() if ln.startswith(">f")]
             assert not sent, f"a second rsync sent again: {sent}"
         assert m.proc.poll() is None
+
+
+def test_times_set_after_a_split_reach_every_shard(tmp_path):
+    """A utimens through a descriptor opened before the split after close committed (its view
+    still shows the file as one shard) reaches every rank shard the split made, and the record:
+    the file shows the times it was given, in SRC and through the next mount."""
+    src = tmp_path / "src"
+    src.mkdir()
+    t = 1_600_000_000_000_000_000
+    with Mount(src, tmp_path / "mnt", opts=["ranks=2", "split_delay_ms=300"]) as m:
+        f = pathlib.Path(m.mnt) / "model.safetensors"
+        f.write_bytes(st_file(4096, "a.weight"))
+        fd = os.open(f, os.O_RDONLY)  # the file as one shard, before its split
+        try:
+            splits_done(m.mnt)
+            assert len([n for n in os.listdir(src) if n.startswith("shard-")]) == 2
+            os.utime(fd, ns=(t, t))
+        finally:
+            os.close(fd)
+    times = {n: (src / n).stat().st_mtime_ns for n in os.listdir(src) if n.startswith("shard-")}
+    assert times and set(times.values()) == {t}, times
+    assert (src / ".ckptfs" / "model.safetensors.commit").stat().st_mtime_ns == t
+    with Mount(src, tmp_path / "mnt") as m:
+        assert (pathlib.Path(m.mnt) / "model.safetensors").stat().st_mtime_ns == t
