@@ -25,7 +25,7 @@ struct Scratch {
   std::vector<char> sink = std::vector<char>(kGatherMaxGap);
   std::vector<char> cast;    // source elements of a cast segment, at most kCastBlock bytes
   std::vector<char> remote;  // one span of a node-local shard, scattered into the iovecs
-  std::vector<float> merge;  // a row's delta and base elements (io::merge_elements)
+  MergeScratch merge;        // io::merge_elements' buffers
   std::vector<char> merged;  // a block's merged elements, before the bytes asked for are copied
 };
 
@@ -161,7 +161,6 @@ Result<std::shared_ptr<const LoraFactors>> read_factors(const GatherSource& src,
   const layout::Tensor& B = ck.tensors[w.merge->b];
   auto f = std::make_shared<LoraFactors>();
   f->r = A.shape[0];
-  f->rows = w.shape[0];
   f->cols = w.shape[1];
   f->delta = B.dtype;
   f->scale = w.merge->scale;

@@ -109,13 +109,13 @@ void round_through(format::DType d, float* v, uint64_t n, std::vector<char>& tmp
 }  // namespace
 
 void merge_elements(const LoraFactors& f, format::DType from, format::DType to, uint64_t elem,
-                    const char* w, uint64_t n, char* out, std::vector<float>& scratch) {
+                    const char* w, uint64_t n, char* out, MergeScratch& scratch) {
   const uint64_t isz = format::dtype_bits(from) / 8;
   const uint64_t osz = format::dtype_bits(to) / 8;
-  if (scratch.size() < 2 * f.cols) scratch.resize(2 * f.cols);
-  float* acc = scratch.data();
-  float* base = scratch.data() + f.cols;
-  thread_local std::vector<char> tmp;
+  if (scratch.f32.size() < 2 * f.cols) scratch.f32.resize(2 * f.cols);
+  float* acc = scratch.f32.data();
+  float* base = scratch.f32.data() + f.cols;
+  std::vector<char>& tmp = scratch.round;
   uint64_t done = 0;
   while (done < n) {  // row by row: a run of columns of one row of W
     const uint64_t e = elem + done;

@@ -16,7 +16,7 @@ namespace ckptfs::io {
 struct LoraFactors {
   std::vector<float> a;  // lora_A [r, cols], row-major, widened to F32 (exactly)
   std::vector<float> b;  // lora_B [rows, r], row-major, widened to F32 (exactly)
-  uint64_t r = 0, rows = 0, cols = 0;
+  uint64_t r = 0, cols = 0;
   format::DType delta = format::DType::F32;  // lora_B's dtype: the delta is rounded to it
   float scale = 0;
 };
@@ -46,10 +46,16 @@ class FactorCache {
   mutable uint64_t tick_ = 0;
 };
 
+// A merging thread's buffers, reused between calls (io::gather keeps one per thread).
+struct MergeScratch {
+  std::vector<float> f32;   // a row's delta and base elements
+  std::vector<char> round;  // F32 values rounded through a narrower dtype
+};
+
 // Merges `n` elements of W starting at element `elem` (row-major in W [rows, cols]): `w` holds
 // them as `from`, `out` receives them as `to` (the served dtype; a cast after the merge when it
-// differs). `scratch` is reused between calls. Both dtypes are F16, BF16 or F32 (to may be F64).
+// differs). Both dtypes are F16, BF16 or F32 (to may be F64).
 void merge_elements(const LoraFactors& f, format::DType from, format::DType to, uint64_t elem,
-                    const char* w, uint64_t n, char* out, std::vector<float>& scratch);
+                    const char* w, uint64_t n, char* out, MergeScratch& scratch);
 
 }  // namespace ckptfs::io
