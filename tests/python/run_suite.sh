@@ -57,6 +57,15 @@ if [[ -n ${LD_LIBRARY_PATH:-} ]]; then
   if [[ -n $ldp ]]; then export LD_LIBRARY_PATH=$ldp; else unset LD_LIBRARY_PATH; fi
 fi
 args=(-q -p no:cacheprovider --durations=12)  # the slowest tests, for the CI time budget
+# The mount tiers run their files on CKPTFS_TEST_WORKERS pytest-xdist workers (default 2, this
+# CI machine's cores; 1 runs them in one process): a file's tests stay on one worker, in order,
+# with its module fixtures (--dist loadfile). Much of the tier waits on the frameworks' writers'
+# gloo jobs, daemons and child processes, so two files at once fill the cores. The mpi tier runs
+# alone: its mpirun jobs take the cores themselves.
+workers=${CKPTFS_TEST_WORKERS:-2}
+if [[ $tier == mount ]] && ((workers > 1)) && "$py" -c 'import xdist' 2>/dev/null; then
+  args+=(-n "$workers" --dist loadfile)
+fi
 if [[ ${CKPTFS_ASAN:-0} == 1 ]]; then
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
   if [[ $tier == mount ]]; then

@@ -22,6 +22,7 @@ node-local cases under mpirun. Skipped (never faked) without root, /dev/fuse, us
 from __future__ import annotations
 
 import errno
+import fcntl
 import grp
 import json
 import os
@@ -65,20 +66,23 @@ class User:
 
 @pytest.fixture(scope="session")
 def users() -> dict[str, User]:
-    """ckptfs-a, -b (group ckptfs-team) and -c, made once if missing."""
-    try:
-        grp.getgrnam(TEAM)
-    except KeyError:
-        subprocess.run(["groupadd", TEAM], check=True, capture_output=True)
+    """ckptfs-a, -b (group ckptfs-team) and -c, made once if missing. pytest-xdist's workers
+    (run_suite.sh) ask at once: the check and the useradd run under one lock file."""
     out = {}
-    for key, (name, group) in USERS.items():
+    with open("/tmp/ckptfs-test-users.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            pwd.getpwnam(name)
+            grp.getgrnam(TEAM)
         except KeyError:
-            cmd = ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin"]
-            cmd += ["-N", "-g", group] if group else ["-U"]
-            subprocess.run(cmd + [name], check=True, capture_output=True)
-        out[key] = User(name)
+            subprocess.run(["groupadd", TEAM], check=True, capture_output=True)
+        for key, (name, group) in USERS.items():
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                cmd = ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin"]
+                cmd += ["-N", "-g", group] if group else ["-U"]
+                subprocess.run(cmd + [name], check=True, capture_output=True)
+            out[key] = User(name)
     return out
 
 
