@@ -17,7 +17,9 @@
 # Environment: CKPTFS_FUZZ_SECONDS (default 40 per target; 5 targets), CKPTFS_MOUNT_FUZZ_SECONDS (default
 # 45 here, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 45 here, the write-path fuzz
 # through a mount), CKPTFS_ASAN_MOUNT_FUZZ_SECONDS and CKPTFS_ASAN_WRITE_FUZZ_SECONDS (default
-# 30, the same in step 7), CKPTFS_PYTEST_ARGS (more pytest arguments for step 6).
+# 30, the same in step 7), CKPTFS_PYTEST_ARGS (more pytest arguments for step 6),
+# CKPTFS_TEST_WORKERS (pytest-xdist workers of the mount tiers in steps 6 and 7; default 2, 1 for
+# one process).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
