@@ -4,16 +4,16 @@
 // (to nearest even, no flush-to-zero), which the daemon never changes.
 #include "ckptfs/format/cast.hpp"
 
+#include "ckptfs/format/cast_bits.hpp"
+
 #include <bit>
 #include <cstring>
 
 namespace ckptfs::format {
 namespace {
 
-inline uint16_t f32_to_bf16_i(uint32_t x) {
-  const uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? 0xffffu : r);
-}
+// The two BF16 conversions live in format/cast_bits.hpp.
+inline uint16_t f32_to_bf16_i(uint32_t x) { return bits::f32_to_bf16(x); }
 
 inline uint16_t f32_to_f16_i(uint32_t x) {
   const uint32_t sign = (x >> 16) & 0x8000u;
@@ -41,7 +41,7 @@ inline uint32_t f16_to_f32_i(uint16_t h) {
   return r | sign;
 }
 
-inline uint32_t bf16_to_f32_i(uint16_t h) { return static_cast<uint32_t>(h) << 16; }
+inline uint32_t bf16_to_f32_i(uint16_t h) { return bits::bf16_to_f32(h); }
 
 inline uint16_t f16_to_bf16_i(uint16_t h) {
   const uint32_t f = f16_to_f32_i(h);

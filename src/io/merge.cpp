@@ -2,6 +2,7 @@
 #include "ckptfs/io/merge.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -10,6 +11,7 @@
 #endif
 
 #include "ckptfs/format/cast.hpp"
+#include "ckptfs/format/cast_bits.hpp"
 
 namespace ckptfs::io {
 
@@ -106,6 +108,26 @@ void round_through(format::DType d, float* v, uint64_t n, std::vector<char>& tmp
   format::convert(d, format::DType::F32, tmp.data(), v, n);
 }
 
+// BF16 W served as BF16, in one pass: out = bf16(W + delta) with delta = scale * acc, rounded
+// through BF16 first when lora_B is BF16 (kRound). The same operations, in the same order, as the
+// general path below (whose format::convert uses these conversions), so the same bits.
+template <bool kRound>
+void merge_bf16(const float* acc, float scale, const char* w, char* out, uint64_t m) {
+  using format::bits::bf16_to_f32;
+  using format::bits::f32_to_bf16;
+  for (uint64_t j = 0; j < m; ++j) {
+    float d = acc[j] * scale;
+    if constexpr (kRound) {
+      d = std::bit_cast<float>(bf16_to_f32(f32_to_bf16(std::bit_cast<uint32_t>(d))));
+    }
+    uint16_t wv = 0;
+    std::memcpy(&wv, w + 2 * j, 2);
+    const float sum = std::bit_cast<float>(bf16_to_f32(wv)) + d;
+    const uint16_t o = f32_to_bf16(std::bit_cast<uint32_t>(sum));
+    std::memcpy(out + 2 * j, &o, 2);
+  }
+}
+
 }  // namespace
 
 void merge_elements(const LoraFactors& f, format::DType from, format::DType to, uint64_t elem,
@@ -130,6 +152,17 @@ void merge_elements(const LoraFactors& f, format::DType from, format::DType to, 
     const auto product = product_row_soft;
 #endif
     product(f.b.data() + row * f.r, f.a.data() + col, f.r, f.cols, m, acc);
+    if (from == format::DType::BF16 && to == format::DType::BF16 &&
+        (f.delta == format::DType::BF16 || f.delta == format::DType::F32)) {
+      char* dst = out + done * osz;
+      if (f.delta == format::DType::BF16) {
+        merge_bf16<true>(acc, f.scale, w + done * isz, dst, m);
+      } else {
+        merge_bf16<false>(acc, f.scale, w + done * isz, dst, m);
+      }
+      done += m;
+      continue;
+    }
     for (uint64_t j = 0; j < m; ++j) acc[j] *= f.scale;
     round_through(f.delta, acc, m, tmp);  // get_delta_weight's .to(lora_B's dtype)
     format::convert(from, format::DType::F32, w + done * isz, base, m);

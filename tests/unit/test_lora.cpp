@@ -449,8 +449,10 @@ TEST(LoraMerged, EveryRangeReadsWPlusScaledBA) {
   for (auto [wd, fd, rows, cols, step] :
        {Case{DType::BF16, DType::BF16}, Case{DType::F32, DType::F32}, Case{DType::F16, DType::F16},
         Case{DType::F32, DType::BF16}, Case{DType::BF16, DType::F32},
-        // W over several of gather's blocks (kCastBlock source bytes each).
-        Case{DType::BF16, DType::F32, 520, 300, 4099}}) {
+        // W over several of gather's blocks (kCastBlock source bytes each); enough elements
+        // that rounding the delta to lora_B's BF16 first changes some of them.
+        Case{DType::BF16, DType::F32, 520, 300, 4099},
+        Case{DType::BF16, DType::BF16, 520, 300, 4099}}) {
     SCOPED_TRACE(fmt::format("W {} [{}, {}], factors {}", format::dtype_name(wd), rows, cols,
                              format::dtype_name(fd)));
     MergedCase c;
