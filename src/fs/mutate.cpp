@@ -12,6 +12,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/path.hpp"
 #include "impl.hpp"
 #include "names.hpp"
@@ -64,6 +65,52 @@ Status Filesystem::Impl::may_delete_entry(const DirRef& d, const std::string& na
                        source_path(join_rel(d.node.rel, name)));
 }
 
+namespace {
+
+// The rank shards of written output `out` (every one, those its bytes are not read from
+// included: a rank given no tensor holds a header only), as its commit record names them now: a
+// split after close may have committed since the view was built. A record is read only where the
+// views read it (source::trusted_state: .ckptfs and the record the daemon's); otherwise the
+// view's shards. `state`: .ckptfs, or -1 where there is none. EPERM for node-local shards.
+Result<std::vector<std::string>> written_shards(const layout::Checkpoint& ck,
+                                                const layout::OutputFile& out, int state,
+                                                const std::string& rec, const std::string& where) {
+  std::vector<std::string> names;
+  bool remote = false;
+  struct stat sst {
+  }, rst{};
+  if (state >= 0 && ::fstat(state, &sst) == 0 && source::trusted_state(sst) &&
+      ::fstatat(state, rec.c_str(), &rst, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(rst.st_mode) &&
+      source::trusted_state(rst)) {
+    if (auto text = read_small_file_beneath(state, rec, format::kMaxSideFileSize)) {
+      if (auto r = format::parse_record(*text, where); r && r->name == out.name) {
+        remote = r->remote();
+        for (const auto& sh : r->shards) names.push_back(sh.name);
+      }
+    }
+  }
+  if (names.empty()) {  // no record to go by: the view's
+    const auto mn = format::parse_model_name(out.name);
+    for (uint32_t s = 0; s < ck.shards.size(); ++s) {
+      auto sn = format::parse_shard_name(ck.shards[s].name);
+      if (std::binary_search(out.shards.begin(), out.shards.end(), s) ||
+          (mn && sn && sn->k == mn->k && sn->m == mn->m)) {
+        names.push_back(ck.shards[s].name);
+        remote = remote || ck.shards[s].remote();
+      }
+    }
+  }
+  if (remote) {
+    return make_error(EPERM,
+                      "{}: its shards are on node-local targets; its attributes are its "
+                      "commit record's",
+                      where);
+  }
+  return names;
+}
+
+}  // namespace
+
 // chmod, chown and utimens of a consolidated file written through the mount (it has a commit
 // record): they are its shards' (every one of them, alike), as written_attr shows them. The
 // shards change, so the view is a new version. Node-local shards live elsewhere: EPERM.
@@ -75,27 +122,11 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
   CKPTFS_TRY(UniqueFd dir, open_beneath(root.get(), n.rel, O_RDONLY | O_DIRECTORY));
   struct stat dst {};
   if (::fstat(dir.get(), &dst) != 0) return errno_error(source_path(n.rel));
-  // Every rank shard of the file, those its bytes are not read from included (a rank given no
-  // tensor holds a header only): the commit gave them all the file's times.
-  std::vector<std::string> shards;
-  bool remote = false;
-  for (uint32_t s : out.shards) remote = remote || ck.shards[s].remote();
-  if (auto mn = format::parse_model_name(out.name)) {
-    for (const auto& sh : ck.shards) {
-      auto sn = format::parse_shard_name(sh.name);
-      if (sn && sn->k == mn->k && sn->m == mn->m) shards.push_back(sh.name);
-    }
-  }
-  for (uint32_t s : out.shards) {
-    if (std::find(shards.begin(), shards.end(), ck.shards[s].name) == shards.end()) {
-      shards.push_back(ck.shards[s].name);
-    }
-  }
   const std::string rec = format::record_file_name(n.key.name);
+  std::vector<std::string> shards;
   {
-    // Under the directory's lock, as a split after close commits (WritePath::run_resplit): the
-    // view may predate that split, so the shards are those of the commit record as it is now
-    // (a split after this sees its one shard changed and leaves it one shard).
+    // Under the directory's lock, as a split after close commits (WritePath::run_resplit): a
+    // split after this sees its one shard changed and leaves it one shard.
     auto st = nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
     std::unique_lock lock(st->mu);
     st->built.wait(lock, [&] { return !st->building; });
@@ -103,23 +134,7 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
     auto state =
         open_at(dir.get(), std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
     if (!state && state.error().code != ENOENT) return std::move(state).error();
-    if (state) {
-      // Unreadable or no longer this file's: the view's shards, as before the lock.
-      if (auto text = read_small_file_beneath(state->get(), rec, format::kMaxSideFileSize)) {
-        auto r = format::parse_record(*text, where);
-        if (r && r->name == out.name && !r->shards.empty()) {
-          remote = r->remote();
-          shards.clear();
-          for (const auto& sh : r->shards) shards.push_back(sh.name);
-        }
-      }
-    }
-    if (remote) {
-      return make_error(EPERM,
-                        "{}: its shards are on node-local targets; its attributes are "
-                        "its commit record's",
-                        where);
-    }
+    CKPTFS_TRY(shards, written_shards(ck, out, state ? state->get() : -1, rec, where));
     for (const auto& sh : shards) {
       const char* name = sh.c_str();
       if ((a.mode && ::fchmodat(dir.get(), name, *a.mode & 07777, 0) != 0) ||
