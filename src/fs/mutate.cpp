@@ -137,12 +137,23 @@ Result<struct stat> Filesystem::Impl::set_written_attr(const Node& n, const SetA
     CKPTFS_TRY(shards, written_shards(ck, out, state ? state->get() : -1, rec, where));
     for (const auto& sh : shards) {
       const char* name = sh.c_str();
+      struct stat before {};
+      const bool known = ::fstatat(dir.get(), name, &before, AT_SYMLINK_NOFOLLOW) == 0;
       if ((a.mode && ::fchmodat(dir.get(), name, *a.mode & 07777, 0) != 0) ||
           ((a.uid || a.gid) &&
            ::fchownat(dir.get(), name, a.uid ? *a.uid : static_cast<uid_t>(-1),
                       a.gid ? *a.gid : static_cast<gid_t>(-1), AT_SYMLINK_NOFOLLOW) != 0) ||
           ((a.atime || a.mtime) && ::utimensat(dir.get(), name, times, AT_SYMLINK_NOFOLLOW) != 0)) {
         return errno_error(fmt::format("{}: {}", where, sh));
+      }
+      // A split after close still pending for this shard (the file's one shard) expects it as
+      // it is now: an attribute change is no change of its bytes. (A write through a descriptor
+      // kept from before the close, landing between the two stats, would be taken along; the
+      // kernel gives no way to tell it apart.)
+      struct stat after {};
+      if (known && ::fstatat(dir.get(), name, &after, AT_SYMLINK_NOFOLLOW) == 0 &&
+          after.st_ino == before.st_ino && after.st_size == before.st_size) {
+        writing.attr_changed(before, after);
       }
     }
     // Its commit record carries the file's times as its shards do (flush/local.cpp): the

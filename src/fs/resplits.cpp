@@ -48,4 +48,24 @@ void Resplits::loop() {
   }
 }
 
+void SplitStamps::expect(uint64_t dev, uint64_t ino, const Stamp& s) {
+  std::lock_guard lock(mu_);
+  expected_[{dev, ino}] = s;
+}
+
+void SplitStamps::changed(uint64_t dev, uint64_t ino, const Stamp& before, const Stamp& after) {
+  std::lock_guard lock(mu_);
+  auto it = expected_.find({dev, ino});
+  if (it != expected_.end() && it->second == before) it->second = after;
+}
+
+std::optional<SplitStamps::Stamp> SplitStamps::take(uint64_t dev, uint64_t ino) {
+  std::lock_guard lock(mu_);
+  auto it = expected_.find({dev, ino});
+  if (it == expected_.end()) return std::nullopt;
+  Stamp s = it->second;
+  expected_.erase(it);
+  return s;
+}
+
 }  // namespace ckptfs::fs

@@ -2,12 +2,17 @@
 // (write/resplit.hpp), run one at a time on a thread of their own; unmount waits for them.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "ckptfs/write/resplit.hpp"
 
@@ -43,6 +48,27 @@ class Resplits {
   bool running_ = false;  // the worker is running a job it took from queue_
   bool stop_ = false;
   std::thread worker_;  // started by the first post()
+};
+
+// The stamp (write::shard_stamp) each split after close, queued or running, expects of its one
+// shard, keyed by the shard's device and inode. Taken at the file's close; moved on by this
+// daemon's own chmod, chown and utimens of the file (cp -p, shutil.copy2 and mv set them after
+// close: a change of its attributes, not of its bytes, which must not cost it its split); taken
+// back by the split when it commits. Each call is made under the directory's lock
+// (DirState::mu) of the shard, as the split's commit is.
+class SplitStamps {
+ public:
+  using Stamp = std::array<int64_t, 5>;
+  void expect(uint64_t dev, uint64_t ino, const Stamp& s);
+  // This daemon changed the attributes of shard (dev, ino), and nothing else, from `before` to
+  // `after`: a split that expected `before` now expects `after`.
+  void changed(uint64_t dev, uint64_t ino, const Stamp& before, const Stamp& after);
+  // What the split of shard (dev, ino) expects, forgotten here (nullopt: nothing registered).
+  std::optional<Stamp> take(uint64_t dev, uint64_t ino);
+
+ private:
+  std::mutex mu_;  // guards expected_ (a leaf lock: taken under DirState::mu, nothing under it)
+  std::map<std::pair<uint64_t, uint64_t>, Stamp> expected_;
 };
 
 }  // namespace ckptfs::fs

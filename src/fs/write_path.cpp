@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 
 #include <spdlog/spdlog.h>
 
@@ -172,15 +173,20 @@ Status WritePath::settle(Ino ino, write::WriteFile& wf, const SettleFn& fn) {
 }
 
 Status WritePath::close(Ino ino, write::WriteFile& wf) {
-  auto st = settle(ino, wf, [this](write::WriteFile& f, const write::Place& p) -> Status {
-    CKPTFS_CHECK(f.finalize(
-        p, p.dirfd < 0 ? write::StoreRules{} : checks_.rules(p.dirfd, p.dir_display, p.name)));
+  std::optional<write::ResplitJob> job;
+  auto st = settle(ino, wf, [&](write::WriteFile& f, const write::Place& p) -> Status {
+    auto done = f.finalize(
+        p, p.dirfd < 0 ? write::StoreRules{} : checks_.rules(p.dirfd, p.dir_display, p.name));
+    // Its split's stamp is expected from here, under the directory's lock: a chmod, chown or
+    // utimens right after the close moves it on (attr_changed) rather than cancel the split.
+    if ((job = f.take_resplit())) stamps_.expect(job->dev, job->ino, job->stamp);
+    CKPTFS_CHECK(std::move(done));
     if (p.dirfd < 0) return {};
     auto why = f.stored_whole();
     if (!why) return {};
     return checks_.place_whole(p.dirfd, p.dir_display, p.name, *why);
   });
-  if (auto job = wf.take_resplit()) resplits_.post(std::move(*job));
+  if (job) resplits_.post(std::move(*job));
   return st;
 }
 
@@ -188,11 +194,15 @@ void WritePath::run_resplit(write::ResplitJob& job) {
   if (d_.opts.split_gate) d_.opts.split_gate();
   auto staged = write::stage_resplit(job, d_.flusher);
   if (!staged) {
+    stamps_.take(job.dev, job.ino);
     spdlog::warn("{}: stays stored as one shard: {}", job.what, staged.error().message);
     return;
   }
   struct stat dst {};
-  if (::fstat(job.dir.get(), &dst) != 0) return;  // the staging goes with `staged`
+  if (::fstat(job.dir.get(), &dst) != 0) {
+    stamps_.take(job.dev, job.ino);
+    return;  // the staging goes with `staged`
+  }
   const auto dev = static_cast<uint64_t>(dst.st_dev), ino = static_cast<uint64_t>(dst.st_ino);
   auto st = d_.nodes.dir_state(dev, ino);
   {
@@ -200,6 +210,8 @@ void WritePath::run_resplit(write::ResplitJob& job) {
     st->built.wait(lock, [&] { return !st->building; });
     struct stat before {};
     const bool dated = ::fstat(job.dir.get(), &before) == 0;
+    // The one shard as this daemon last left it: its close, or a chmod, chown or utimens since.
+    job.stamp = stamps_.take(job.dev, job.ino).value_or(job.stamp);
     auto names = write::commit_resplit(job, std::move(staged).value());
     if (!names) {
       spdlog::warn("{}: stays stored as one shard: {}", job.what, names.error().message);

@@ -81,6 +81,13 @@ class WritePath {
   [[nodiscard]] size_t pending_splits() const { return resplits_.pending(); }
   // Waits until none is left.
   void drain_splits() { resplits_.drain(); }
+  // This daemon changed the attributes of shard `before` (chmod, chown, utimens) to `after`:
+  // a split after close that is still pending for it goes ahead (SplitStamps). Under the
+  // shard's directory's lock.
+  void attr_changed(const struct stat& before, const struct stat& after) {
+    stamps_.changed(static_cast<uint64_t>(before.st_dev), static_cast<uint64_t>(before.st_ino),
+                    write::shard_stamp(before), write::shard_stamp(after));
+  }
 
   // --- write_rename.cpp: a rename onto a model name ----------------------------------------------
   // Before file `from_name` of `from` (stat `src_st`) moves onto model name `to_name` of `to`:
@@ -114,6 +121,7 @@ class WritePath {
   write::MemoryBudget budget_;  // the write path's memory (Options::write_memory)
   // May a file under a model name be stored as rank shards (write/store_checks.hpp).
   write::StoreChecks checks_;
+  SplitStamps stamps_;  // what each pending split expects of its one shard
   // Last: destroyed first, so that unmount waits for its splits while the rest still works.
   Resplits resplits_{[this](write::ResplitJob& job) { run_resplit(job); }};
 };

@@ -308,6 +308,38 @@ def test_copy_tools_keep_modes_and_times(tmp_path, sample_tree, tool, split):
         assert m.proc.poll() is None
 
 
+def test_attributes_set_right_after_close_keep_the_split(tmp_path):
+    """shutil.copy2 (and cp -p, mv across file systems) sets a copy's mode and times after its
+    close, while its split after close is pending: that is the daemon's own change of the one
+    shard's attributes, not of its bytes, so the split still goes ahead. Every rank shard then
+    has the mode and times given, and the bytes read back."""
+    src = tmp_path / "src"
+    src.mkdir()
+    t = 1_600_000_000_000_000_000
+    body = st_file(4096, "a.weight")
+    orig = tmp_path / "orig.safetensors"
+    orig.write_bytes(body)
+    os.chmod(orig, 0o640)
+    os.utime(orig, ns=(t, t))
+    with Mount(src, tmp_path / "mnt", opts=["ranks=2", "split_delay_ms=300"]) as m:
+        mnt = pathlib.Path(m.mnt)
+        shutil.copy2(orig, mnt / "model.safetensors")  # copyfile, then chmod and utime by path
+        (mnt / "ck").mkdir()
+        (mnt / "ck" / "model.safetensors").write_bytes(body)
+        with open(mnt / "ck" / "model.safetensors", "rb") as f:  # through a descriptor too
+            os.chmod(f.fileno(), 0o600)
+            os.utime(f.fileno(), ns=(t, t))
+        splits_done(m.mnt)
+        for d, mode in ((src, 0o640), (src / "ck", 0o600)):
+            shards = sorted(n for n in os.listdir(d) if n.startswith("shard-"))
+            assert len(shards) == 2, f"{d}: {sorted(os.listdir(d))}"
+            got = {n: ((d / n).stat().st_mtime_ns, (d / n).stat().st_mode & 0o7777) for n in shards}
+            assert set(got.values()) == {(t, mode)}, got
+        for f in (mnt / "model.safetensors", mnt / "ck" / "model.safetensors"):
+            assert f.read_bytes() == body
+            assert f.stat().st_mtime_ns == t
+
+
 def test_times_set_after_a_split_reach_every_shard(tmp_path):
     """A utimens through a descriptor opened before the split after close committed (its view
     still shows the file as one shard) reaches every rank shard the split made, and the record:
