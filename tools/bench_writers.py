@@ -7,13 +7,16 @@ state dict of --size-mb MB (bf16, 64 tensors, row-sharded over --ranks processes
 rank shards into OUT/sharded/, then rank 0 lists them, reads them back and writes
 OUT/model-*.safetensors and the index. Rounds alternate the plain directory and a fresh mount
 (-o ranks=R) of another directory on the same file system; the machine is noisy, so compare
-medians within one run. Reported: wall time of the whole save (spawn excluded), the bytes the
-save left on the backing file system (du of the plain directory and of SRC), and, once, that
-the consolidated files read back through the mount equal the plain save's.
+medians within one run. Reported: wall time of the whole save (spawn excluded); the time until
+it is stored (the save, then the unmount, which waits for what the daemon does after close:
+a split into rank shards, or the check that a consolidated file reads as its sharded/ view and
+its store as links of those shards); the bytes the save left on the backing file system (du of
+the plain directory and of SRC, each inode once); and, once, that the consolidated files read
+back through the mount equal the plain save's. --bin2 adds a second binary, in the same rounds.
 
 Usage (as root, with the venv of tools/setup.sh):
   bench_writers.py [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
-                   [--bin build/src/ckptfs] [--dir /tmp/ckptfs-bench-writers]
+                   [--bin build/src/ckptfs] [--bin2 OTHER] [--dir /tmp/ckptfs-bench-writers]
 """
 
 from __future__ import annotations
@@ -81,45 +84,59 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mount-ranks", type=int, default=1)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "src", "ckptfs"))
+    ap.add_argument("--bin2", default=None)
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-writers")
     a = ap.parse_args()
     shutil.rmtree(a.dir, ignore_errors=True)
     plain, src, mnt = (os.path.join(a.dir, n) for n in ("plain", "src", "mnt"))
     for d in (plain, src, mnt):
         os.makedirs(d)
-    times = {"plain": [], "mount": []}
+    bins = {"mount": a.bin}
+    if a.bin2:
+        bins["mount2"] = a.bin2
+    kinds = ["plain", *bins]
+    times = {k: [] for k in kinds}
+    stored = {k: [] for k in kinds}
     sizes = {}
     for rnd in range(a.rounds):
-        for kind in (("plain", "mount") if rnd % 2 == 0 else ("mount", "plain")):
+        for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
             if kind == "plain":
                 out = os.path.join(plain, f"r{rnd}")
                 times["plain"].append(save(out, a.size_mb, a.ranks))
+                stored["plain"].append(times["plain"][-1])
                 sizes["plain"] = du(out)
             else:
-                proc = subprocess.Popen([a.bin, "mount", src, mnt, "-f", "-o",
+                proc = subprocess.Popen([bins[kind], "mount", src, mnt, "-f", "-o",
                                          f"settle=0,ranks={a.mount_ranks}"], stderr=subprocess.DEVNULL)
                 while not os.path.ismount(mnt):
                     time.sleep(0.02)
+                name = f"r{rnd}-{kind}"
                 try:
-                    out = os.path.join(mnt, f"r{rnd}")
-                    times["mount"].append(save(out, a.size_mb, a.ranks))
+                    out = os.path.join(mnt, name)
+                    times[kind].append(save(out, a.size_mb, a.ranks))
+                    t0 = time.perf_counter()
                     if rnd == 0:
                         ref = os.path.join(plain, "r0")
                         for n in os.listdir(ref):
                             if n != "sharded":
                                 assert filecmp.cmp(os.path.join(out, n), os.path.join(ref, n),
                                                    shallow=False), n
+                        t0 = time.perf_counter()
                 finally:
-                    subprocess.run(["fusermount3", "-u", mnt], check=False)
-                    proc.wait(timeout=60)
-                sizes["mount"] = du(os.path.join(src, f"r{rnd}"))
+                    while subprocess.run(["fusermount3", "-u", mnt], capture_output=True).returncode:
+                        time.sleep(0.05)  # the writer's processes are still going
+                    proc.wait(timeout=600)
+                stored[kind].append(times[kind][-1] + time.perf_counter() - t0)
+                sizes[kind] = du(os.path.join(src, name))
             print(f"[bench_writers] round {rnd + 1} {kind}: {times[kind][-1]:.2f} s", flush=True)
     print(f"\n{a.size_mb} MB bf16 state dict, {a.ranks} ranks, consolidation on "
           f"(mount -o ranks={a.mount_ranks}); median of {a.rounds}")
-    print("| where | save (s) | bytes on disk |")
-    print("|---|---|---|")
-    for k in ("plain", "mount"):
-        print(f"| {k} | {statistics.median(times[k]):.2f} | {sizes[k] / 1e6:.0f} MB |")
+    print("| where | save (s) | until stored (s) | bytes on disk |")
+    print("|---|---|---|---|")
+    for k in kinds:
+        what = k if k == "plain" else f"{k} ({bins[k]})"
+        print(f"| {what} | {statistics.median(times[k]):.2f} | {statistics.median(stored[k]):.2f} "
+              f"| {sizes[k] / 1e6:.0f} MB |")
     shutil.rmtree(a.dir, ignore_errors=True)
     return 0
 

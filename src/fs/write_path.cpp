@@ -13,6 +13,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/util/path.hpp"
+#include "ckptfs/write/dedup.hpp"
 #include "dir_views.hpp"
 
 namespace ckptfs::fs {
@@ -47,6 +48,17 @@ Result<std::shared_ptr<write::WriteFile>> WritePath::start(UniqueFd fd, const Wr
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return make_error(errno, "stat failed");
   const DevIno key{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+  if (st.st_nlink > 1 && format::looks_like_shard_name(name)) {
+    // A consolidator's shards, which the directory above may store its output as (write/dedup):
+    // that stays as it is, whatever is written here now.
+    const auto parts = split_rel(d.rel);
+    if (!d.rel.empty() && parts.name == write::kOriginDir) {
+      CKPTFS_TRY(UniqueFd parent,
+                 open_beneath(d_.root, std::string(parts.dir), O_RDONLY | O_DIRECTORY));
+      CKPTFS_CHECK(
+          write::unshare_stored(parent.get(), name, st, source_path(join_rel(d.rel, name))));
+    }
+  }
   // The state registered under this number, unless it belongs to a file since unlinked
   // (committed, or removed while open) whose number this one reuses.
   if (auto wf = writes_.find(key.first, key.second); wf && wf->linked()) return wf;
@@ -192,7 +204,16 @@ Status WritePath::close(Ino ino, write::WriteFile& wf) {
 
 void WritePath::run_resplit(write::ResplitJob& job) {
   if (d_.opts.split_gate) d_.opts.split_gate();
-  auto staged = write::stage_resplit(job, d_.flusher);
+  // A consolidator's output is stored as links of the shards it was made from (write/dedup),
+  // else split as the mount asks; with one rank there is nothing else to do.
+  auto linked = write::stage_links(job, d_.flusher);
+  if (!linked) spdlog::warn("{}: not stored as links: {}", job.what, linked.error().message);
+  if ((!linked || !*linked) && job.set.shards.size() < 2) {
+    stamps_.take(job.dev, job.ino);
+    return;
+  }
+  auto staged = linked && *linked ? Result<write::StagedResplit>(std::move(**linked))
+                                  : write::stage_resplit(job, d_.flusher);
   if (!staged) {
     stamps_.take(job.dev, job.ino);
     spdlog::warn("{}: stays stored as one shard: {}", job.what, staged.error().message);

@@ -13,6 +13,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/write/dedup.hpp"
 #include "ckptfs/write/file.hpp"
 #include "ckptfs/write/sniff.hpp"
 
@@ -139,7 +140,14 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
     }
   }
   if (set->shards.size() == 1 && adopt_locked(where, prefix, parsed, size)) {
-    return commit_locked(where, durable);
+    CKPTFS_CHECK(commit_locked(where, durable));
+    // Closed beside the rank shards a consolidator made it from (write/dedup): after the close,
+    // it is stored as links of them if it reads as their view.
+    if (state_ == State::Committed && adopted_ && kernel_writes_ && plan_opts_.split_after_close &&
+        may_have_origin(where.dirfd)) {
+      resplit_ = resplit_job_locked(where, prefix, parsed, std::move(*p), std::move(*set));
+    }
+    return {};
   }
   // Written by the kernel, and split later: stored now as its own one shard (if that form
   // passes the same checks), so that close() returns without copying a byte.

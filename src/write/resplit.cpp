@@ -35,7 +35,7 @@ Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flush
   CKPTFS_TRY(auto r,
              StreamRouter::create(job.header, job.parsed, job.plan, job.set, *tx, job.what));
   CKPTFS_CHECK(route_file(job.shard.get(), job.size, r, job.what));
-  return StagedResplit{std::move(tx)};
+  return StagedResplit{std::move(tx), static_cast<uint32_t>(job.set.shards.size())};
 }
 
 Result<std::vector<std::string>> commit_resplit(const ResplitJob& job, StagedResplit staged) {
@@ -64,8 +64,8 @@ Result<std::vector<std::string>> commit_resplit(const ResplitJob& job, StagedRes
   // the record must never name shards a power loss could leave unwritten.
   CKPTFS_CHECK(staged.tx->commit(info, true));
   spdlog::info("{}/{}: split into {} rank shards after its close", job.dir_display, job.name,
-               job.set.shards.size());
-  return format::stored_names(job.name, job.k, job.m, static_cast<uint32_t>(job.set.shards.size()));
+               staged.shards);
+  return format::stored_names(job.name, job.k, job.m, staged.shards);
 }
 
 }  // namespace ckptfs::write

@@ -71,6 +71,49 @@ def test_a_save_is_written_by_the_kernel_and_split_at_close(tmp_path, mount_fact
     assert (src / "ck" / "config.json").read_text() == '{"model_type": "llama"}'
 
 
+def test_a_consolidated_file_beside_its_shards_is_stored_once(tmp_path, mount_factory):
+    """A consolidated file written beside the rank shards it was made from (OUT/sharded/, where
+    torch DCP's enable_consolidation and torchtitan's last_save_in_hf leave them) is stored,
+    after its close, as hard links of those shards once every byte reads as their view: one
+    stored copy (write/dedup). One byte of difference, or shards of another owner, and it stays
+    its own one shard. Either way it reads back as written."""
+    from shardgen import TensorSpec, write_checkpoint
+    src = tmp_path / "src"
+    cases = ("same", "differs", "other-owner")
+    for i, case in enumerate(cases):
+        write_checkpoint(str(src / case / "sharded"),
+                         [TensorSpec("a.weight", "F32", (64, 32), (2, 1)),
+                          TensorSpec("b.weight", "BF16", (16, 16), (1, 2))], world=2, seed=i)
+    for p in (src / "other-owner" / "sharded").glob("shard-*"):
+        os.chown(p, 12345, 12345)
+    m = mount_factory(src)
+    kernel_backs_or_skip(m)
+    mnt = pathlib.Path(m.mnt)
+    name = "model-00001-of-00001.safetensors"
+    written = {}
+    for case in cases:
+        body = bytearray((mnt / case / "sharded" / name).read_bytes())
+        if case == "differs":
+            body[-1] ^= 1
+        written[case] = bytes(body)
+        (mnt / case / name).write_bytes(written[case])
+    splits_done(m.mnt)
+    for case in cases:
+        d = src / case
+        stored = sorted(n for n in os.listdir(d) if n.startswith("shard-"))
+        if case == "same":
+            origin = sorted(n for n in os.listdir(d / "sharded") if n.startswith("shard-"))
+            assert stored == origin, stored
+            for n in stored:
+                assert (d / n).stat().st_ino == (d / "sharded" / n).stat().st_ino, n
+        else:
+            assert len(stored) == 1 and (d / stored[0]).stat().st_nlink == 1, (case, stored)
+        assert (mnt / case / name).read_bytes() == written[case], case
+    # What `same` stored is the shards' inodes: removing sharded/ leaves it whole.
+    shutil.rmtree(src / "same" / "sharded")
+    assert (mnt / "same" / name).read_bytes() == written["same"]
+
+
 def test_write_passthrough_off_keeps_the_request_path(tmp_path, mount_factory):
     src = tmp_path / "src"
     (src / "ck").mkdir(parents=True)

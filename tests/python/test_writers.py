@@ -30,6 +30,7 @@ import sys
 import pytest
 
 from conftest import ROOT, Mount, have, requires_fuse
+from mount_util import splits_done
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -117,7 +118,37 @@ def test_torch_hf_writer_with_consolidation(dirs, mapping):
         if n.endswith(".safetensors"):
             view.update(tensors(mnt / "out" / "sharded" / n))
     assert not same_tensors(view, ref), "the mount's view of the rank shards"
+    if mapping:  # several files, their headers written first: stored as written (two copies)
+        assert not any(n.startswith("shard-") for n in os.listdir(src / "out"))
+        assert m.proc.poll() is None
+        return
+    assert_stored_once(src / "out", mnt / "out", plain / "out", want)
+    # A new save into sharded/ (the test's own open with O_TRUNC of a rank shard there) leaves
+    # what out/ stored as it was: it gets its own copy of that shard first.
+    victim = sorted(n for n in os.listdir(src / "out" / "sharded") if n.startswith("shard-"))[0]
+    with open(mnt / "out" / "sharded" / victim, "wb") as f:
+        f.write(b"not a shard")
+    assert (src / "out" / victim).stat().st_nlink == 1
+    assert_same_files(mnt / "out", plain / "out", want)
+    # Removing sharded/ leaves out/'s files whole.
+    shutil.rmtree(mnt / "out" / "sharded")
+    assert_same_files(mnt / "out", plain / "out", want)
     assert m.proc.poll() is None
+
+
+def assert_stored_once(src: pathlib.Path, mnt: pathlib.Path, plain: pathlib.Path, want: list[str]):
+    """The consolidated files are stored as links of the rank shards in sharded/ that they were
+    made from (one stored copy), and still read as the plain save's."""
+    splits_done(next(p for p in mnt.parents if p.is_mount()))
+    stored = sorted(n for n in os.listdir(src) if n.startswith("shard-"))
+    assert stored, sorted(os.listdir(src))
+    for n in stored:
+        a, b = (src / n).stat(), (src / "sharded" / n).stat()
+        assert (a.st_ino, a.st_nlink) == (b.st_ino, 2), f"{n}: not stored as a link of sharded/{n}"
+    inodes = {p.stat().st_ino: p.stat().st_size for p in src.rglob("*") if p.is_file()}
+    consolidated = sum((plain / n).stat().st_size for n in want if n.endswith(".safetensors"))
+    assert sum(inodes.values()) < consolidated * 1.1 + 65536, "the bytes are stored twice"
+    assert_same_files(mnt, plain, want)
 
 
 @pytest.mark.skipif(not have("torchtitan.components.checkpoint"), reason="torchtitan 0.3.0 not installed")
@@ -140,6 +171,8 @@ def test_torchtitan_last_save_in_hf(dirs, mapping):
         if n.endswith(".safetensors"):
             got.update(tensors(mnt / "t" / step / n))
     assert not same_tensors(got, ref)
+    if not mapping:
+        assert_stored_once(src / "t" / step, mnt / "t" / step, plain / "t" / step, want)
     assert m.proc.poll() is None
 
 

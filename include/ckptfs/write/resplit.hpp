@@ -50,6 +50,7 @@ struct ResplitJob {
 // A split staged and not committed yet (aborted when dropped).
 struct StagedResplit {
   std::unique_ptr<flush::Transaction> tx;
+  uint32_t shards = 0;  // how many rank shards it stages
 };
 
 // Copies the one shard into the N staged shards of a new transaction of `flusher`.

@@ -1,0 +1,54 @@
+// write/dedup: one stored copy of a consolidator's output. A consolidated file closed beside
+// the rank shards it was made from is stored as hard links of those shards, once its bytes are
+// checked equal to their view.
+//
+// torch DCP's HuggingFaceStorageWriter(enable_consolidation=True) and torchtitan's
+// last_save_in_hf write rank shards into OUT/sharded/ (safetensors with DCP_SHARDING_INFO, which
+// ckptfs serves as the consolidated files), then read them back and write the same consolidated
+// files into OUT. Stored as they are written, the checkpoint would take its bytes twice. After
+// the close (on the split-after-close thread, write/resplit), stage_links() builds the view of
+// OUT/sharded/ as the mount shows it, reads the file's name there range by range (one byte
+// geometry: layout::map_range and io::gather) and compares it with the file as written, header
+// and data. Only if every byte is equal are the shards of that name (every rank's, those that hold
+// no tensor of it included) linked into a new staging (Transaction::adopt), which
+// commit_resplit then makes the file's stored form: OUT/shard-r-model-k-of-m.safetensors are
+// the same inodes as OUT/sharded/'s, and the file's own bytes go. The two names then share their
+// inodes: removing either directory leaves the other whole; a chmod, chown or utimens of one
+// shows in the other (the commit gives the shards the file's own); a new save through the mount
+// that truncates one of them gets a file of its own first (fs, WritePath::open).
+#pragma once
+
+#include <sys/stat.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "ckptfs/flush/flusher.hpp"
+#include "ckptfs/util/result.hpp"
+#include "ckptfs/write/resplit.hpp"
+
+namespace ckptfs::write {
+
+// Where a consolidator leaves the rank shards its output is made from, below the output's
+// directory.
+inline constexpr std::string_view kOriginDir = "sharded";
+
+// Whether directory `dirfd` has a kOriginDir directory (not a symlink): a file closed there may
+// be a consolidator's output (the split-after-close thread checks; this is the cheap test).
+bool may_have_origin(int dirfd);
+
+// The shards of kOriginDir staged as `job`'s file's rank shards (hard links), when that name's
+// view there reads exactly as the file; nullopt when not (no origin, another file, a byte that
+// differs, a shard that changed meanwhile: logged at debug or info). Errors are the staging's.
+Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::Flusher& flusher);
+
+// File `name` of kOriginDir (its fstat `st`), about to be written through the mount: where the
+// directory above (`parent`) stores a file as links of it, that stored shard gets a copy of
+// its own first (same bytes, owner, mode and times, renamed over it), so a new save into
+// kOriginDir never changes, or truncates, what the directory above stored. Nothing to do when
+// `parent`'s `name` is another file.
+Status unshare_stored(int parent, const std::string& name, const struct stat& st,
+                      const std::string& what);
+
+}  // namespace ckptfs::write

@@ -1,0 +1,205 @@
+// write/dedup: a consolidator's output stored as links of the rank shards it was made from
+// (see the header).
+#include "ckptfs/write/dedup.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "ckptfs/format/record.hpp"
+#include "ckptfs/io/gather.hpp"
+#include "ckptfs/layout/extent_map.hpp"
+#include "ckptfs/source/scanner.hpp"
+#include "ckptfs/source/shards.hpp"
+#include "ckptfs/util/fd.hpp"
+
+namespace ckptfs::write {
+
+namespace {
+
+// Bytes compared at a time: the view's and the file's, one buffer each.
+constexpr uint64_t kCompareBlock = 1 << 20;
+
+// Does output `file` of `ck` (its shards open as `fds`) read as the first `size` bytes of `fd`?
+Result<bool> reads_as(const layout::Checkpoint& ck, uint32_t file, std::span<const int> fds, int fd,
+                      uint64_t size, const std::string& what) {
+  const auto& o = ck.outputs[file];
+  io::GatherSource gs{&ck, fds, o.header, {}};
+  std::vector<layout::Segment> segs;
+  const uint64_t block = std::min(kCompareBlock, std::max<uint64_t>(size, 1));
+  std::unique_ptr<char[]> view(new char[block]), mine(new char[block]);
+  for (uint64_t off = 0; off < size; off += block) {
+    const uint64_t n = std::min(block, size - off);
+    layout::map_range(ck, file, off, n, segs);
+    CKPTFS_CHECK(io::gather(gs, segs, view.get()));
+    CKPTFS_CHECK(pread_exact(fd, mine.get(), n, off, what));
+    if (std::memcmp(view.get(), mine.get(), n) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool may_have_origin(int dirfd) {
+  struct stat st {};
+  return ::fstatat(dirfd, std::string(kOriginDir).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+         S_ISDIR(st.st_mode);
+}
+
+Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::Flusher& flusher) {
+  const std::string origin_display = fmt::format("{}/{}", job.dir_display, kOriginDir);
+  auto no = [&](std::string_view why) -> Result<std::optional<StagedResplit>> {
+    spdlog::debug("{}/{}: not stored as links of {}: {}", job.dir_display, job.name, origin_display,
+                  why);
+    return std::optional<StagedResplit>{};
+  };
+  if (!flusher.adopts_files() || !may_have_origin(job.dir.get())) return no("no origin");
+  auto origin =
+      open_at(job.dir.get(), std::string(kOriginDir), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  if (!origin) return no(origin.error().message);
+  auto entries = source::list_checkpoint_dir(origin->get());
+  if (!entries) return no(entries.error().message);
+  // The view the directory would show with the file stored as these shards: their tensors,
+  // under the file's own header (its commit record's, as for every file written through the
+  // mount: the consolidator's header bytes, which need not be the ones ckptfs would make).
+  source::HeaderCache headers;
+  auto in = source::read_input(origin->get(), *entries, origin_display, headers);
+  in.overrides.push_back(layout::OutputOverride{job.k, job.name, job.header, job.parsed,
+                                                format::record_file_name(job.name)});
+  const auto ck = layout::build_checkpoint(std::move(in));
+  if (!ck->problems.empty() || ck->outputs.empty()) return no("not a complete checkpoint");
+  uint32_t file = 0;
+  while (file < ck->outputs.size() &&
+         !(ck->outputs[file].name == job.name && ck->outputs[file].folder.empty())) {
+    ++file;
+  }
+  if (file == ck->outputs.size()) return no("no file of that name");
+  const auto& o = ck->outputs[file];
+  if (o.size != job.size || o.header != job.header) return no("another header or size");
+
+  // The shards of that name (k of m), every rank's; each the written file's owner's, with its
+  // mode and no other link (the commit gives them the file's owner, mode and times, and a
+  // file of someone else's, or linked elsewhere, is never taken over).
+  struct stat mine {};
+  if (::fstat(job.shard.get(), &mine) != 0) return errno_error(job.what + ": stat failed");
+  std::vector<uint32_t> ranks;
+  for (uint32_t s = 0; s < ck->shards.size(); ++s) {
+    const auto& sh = ck->shards[s];
+    if (sh.parsed.k != job.k || sh.parsed.m != job.m) continue;
+    if (sh.remote() || sh.access.uid != mine.st_uid || sh.access.gid != mine.st_gid ||
+        (sh.access.mode & 07777) != (mine.st_mode & 07777)) {
+      return no(fmt::format("{}: another owner or mode", sh.name));
+    }
+    ranks.push_back(s);
+  }
+  for (uint32_t s : o.shards) {
+    if (std::find(ranks.begin(), ranks.end(), s) == ranks.end()) {
+      return no(fmt::format("{} is read from {}, of another name", job.name, ck->shards[s].name));
+    }
+  }
+  std::sort(ranks.begin(), ranks.end(), [&](uint32_t a, uint32_t b) {
+    return ck->shards[a].parsed.shard < ck->shards[b].parsed.shard;
+  });
+  if (ranks.empty()) return no("no shard of that name");
+
+  auto fds = source::open_shards(*ck, origin->get(), origin_display, "store once");
+  if (!fds) return no(fds.error().message);
+  std::vector<int> raw;
+  for (const auto& f : *fds) raw.push_back(f.get());
+  for (uint32_t s : ranks) {
+    struct stat st {};
+    if (::fstat(raw[s], &st) != 0 || st.st_nlink != 1) {
+      return no(fmt::format("{}: linked elsewhere", ck->shards[s].name));
+    }
+  }
+  CKPTFS_TRY(const bool same, reads_as(*ck, file, raw, job.shard.get(), job.size, job.what));
+  if (!same) return no("its bytes differ");
+
+  layout::ShardSet set;  // each staged shard the size of the file it is replaced by
+  for (uint32_t r = 0; r < ranks.size(); ++r) {
+    set.shards.push_back(layout::ShardLayout{r, {}, nullptr, ck->shards[ranks[r]].stamp.size});
+  }
+  flush::Target t;
+  t.dirfd = job.dir.get();
+  t.display = job.dir_display;
+  t.uid = mine.st_uid;
+  t.gid = mine.st_gid;
+  t.mode = mine.st_mode & 07777;
+  CKPTFS_TRY(auto tx, flusher.begin(t, set, job.what));
+  for (uint32_t r = 0; r < ranks.size(); ++r) {
+    const auto& sh = ck->shards[ranks[r]];
+    CKPTFS_CHECK(tx->adopt(r, origin->get(), sh.name, static_cast<ino_t>(sh.stamp.ino)));
+    // Still the bytes compared: the same size and mtime (the link itself moved its ctime).
+    struct stat st {};
+    if (::fstat(raw[ranks[r]], &st) != 0 || static_cast<uint64_t>(st.st_size) != sh.stamp.size ||
+        st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec != sh.stamp.mtime_ns) {
+      return no(fmt::format("{}: changed while it was compared", sh.name));
+    }
+  }
+  spdlog::info("{}/{}: reads as {}'s view: stored as links of its {} rank shards", job.dir_display,
+               job.name, origin_display, ranks.size());
+  return std::optional<StagedResplit>{
+      StagedResplit{std::move(tx), static_cast<uint32_t>(ranks.size())}};
+}
+
+Status unshare_stored(int parent, const std::string& name, const struct stat& st,
+                      const std::string& what) {
+  struct stat at {};
+  if (::fstatat(parent, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_dev != st.st_dev ||
+      at.st_ino != st.st_ino) {
+    return {};
+  }
+  // Only a link this daemon made: the directory above keeps its state (.ckptfs) there.
+  auto state =
+      open_at(parent, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+  struct stat sst {};
+  if (!state || ::fstat(state->get(), &sst) != 0 || !source::trusted_state(sst)) return {};
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = fmt::format("unshare-{}-{}", ::getpid(), counter.fetch_add(1));
+  const std::string copy_what = fmt::format("{}: its copy for the directory above", what);
+  CKPTFS_TRY(UniqueFd in, open_at(parent, name, O_RDONLY | O_NOFOLLOW));
+  struct stat ist {};
+  if (::fstat(in.get(), &ist) != 0 || ist.st_ino != st.st_ino) return {};
+  CKPTFS_TRY(UniqueFd out,
+             open_at(state->get(), tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  auto made = [&]() -> Status {
+    const auto size = static_cast<uint64_t>(ist.st_size);
+    CKPTFS_TRY(const bool copied, copy_range(in.get(), 0, out.get(), 0, size, copy_what));
+    if (!copied) {
+      std::vector<char> buf(std::min<uint64_t>(size, 1 << 20));
+      for (uint64_t off = 0; off < size; off += buf.size()) {
+        const size_t n = std::min<uint64_t>(buf.size(), size - off);
+        CKPTFS_CHECK(pread_exact(in.get(), buf.data(), n, off, copy_what));
+        CKPTFS_CHECK(pwrite_all(out.get(), buf.data(), n, off, copy_what));
+      }
+    }
+    const struct timespec ts[2] = {ist.st_atim, ist.st_mtim};
+    if ((::geteuid() == 0 && ::fchown(out.get(), ist.st_uid, ist.st_gid) != 0) ||
+        ::fchmod(out.get(), ist.st_mode & 07777) != 0 || ::futimens(out.get(), ts) != 0 ||
+        ::fsync(out.get()) != 0) {
+      return errno_error(copy_what);
+    }
+    if (::renameat(state->get(), tmp.c_str(), parent, name.c_str()) != 0) {
+      return errno_error(copy_what + ": cannot rename it into place");
+    }
+    if (::fsync(parent) != 0) return errno_error(copy_what + ": fsync of its directory");
+    return {};
+  }();
+  if (!made)
+    ::unlinkat(state->get(), tmp.c_str(), 0);
+  else
+    spdlog::info("{}: the directory above stored a file as links of it: it has its copy now", what);
+  return made;
+}
+
+}  // namespace ckptfs::write
