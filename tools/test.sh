@@ -14,8 +14,8 @@
 #      picks that tier's files, filters and sanitizer options there)
 # The mount and mpi suites also run alone: `meson test -C build --suite mount -v` (root, /dev/fuse
 # and the venv, else they report SKIP).
-# Environment: CKPTFS_FUZZ_SECONDS (default 40 per target; 5 targets), CKPTFS_MOUNT_FUZZ_SECONDS (default
-# 45 here, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 45 here, the write-path fuzz
+# Environment: CKPTFS_FUZZ_SECONDS (default 30 per target; 6 targets), CKPTFS_MOUNT_FUZZ_SECONDS (default
+# 35 here, the randomized mount test), CKPTFS_WRITE_FUZZ_SECONDS (default 35 here, the write-path fuzz
 # through a mount), CKPTFS_ASAN_MOUNT_FUZZ_SECONDS and CKPTFS_ASAN_WRITE_FUZZ_SECONDS (default
 # 30, the same in step 7), CKPTFS_PYTEST_ARGS (more pytest arguments for step 6),
 # CKPTFS_TEST_WORKERS (pytest-xdist workers of the mount tiers in steps 6 and 7; default 2, 1 for
@@ -69,7 +69,7 @@ mapfile -t sources < <(git ls-files '*.cpp' '*.hpp')
 clang-format --dry-run -Werror "${sources[@]}"
 echo "clang-format: ${#sources[@]} files clean"
 
-step "fuzzing (${CKPTFS_FUZZ_SECONDS:-40}s per target)"
+step "fuzzing (${CKPTFS_FUZZ_SECONDS:-30}s per target)"
 [[ -f build-fuzz/build.ninja ]] ||
   CXX=clang++ meson setup build-fuzz -Dfuzz=enabled -Dtests=disabled -Db_sanitize=address,undefined \
     -Db_lundef=false >/dev/null
@@ -81,7 +81,7 @@ fuzz() {  # target, seed directories...
   local target=$1 work=build-fuzz/corpus-$1
   shift
   mkdir -p "$work"
-  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-40}" -max_len=65536 -timeout=10 \
+  build-fuzz/tests/$target -max_total_time="${CKPTFS_FUZZ_SECONDS:-30}" -max_len=65536 -timeout=10 \
     -print_final_stats=1 "$work" "$@" >"build-fuzz/$target.log" 2>&1
 }
 fuzz_pair() {  # "target seeds..." "target seeds..."
@@ -125,8 +125,8 @@ suite() {  # build dir, suite, meson test options...
 }
 
 step "real-mount, hostile-source, CLI and ecosystem tests; the parallel flush under mpirun"
-export CKPTFS_MOUNT_FUZZ_SECONDS=${CKPTFS_MOUNT_FUZZ_SECONDS:-45}
-export CKPTFS_WRITE_FUZZ_SECONDS=${CKPTFS_WRITE_FUZZ_SECONDS:-45}
+export CKPTFS_MOUNT_FUZZ_SECONDS=${CKPTFS_MOUNT_FUZZ_SECONDS:-35}
+export CKPTFS_WRITE_FUZZ_SECONDS=${CKPTFS_WRITE_FUZZ_SECONDS:-35}
 suite build mount --test-args "${CKPTFS_PYTEST_ARGS:-}"
 suite build mpi --test-args "${CKPTFS_PYTEST_ARGS:-}"
 
