@@ -20,9 +20,7 @@ std::array<int64_t, 5> shard_stamp(const struct stat& st) {
           st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
 }
 
-Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flusher) {
-  struct stat st {};
-  if (::fstat(job.shard.get(), &st) != 0) return errno_error(job.what + ": stat failed");
+flush::Target resplit_target(const ResplitJob& job, const struct stat& st) {
   flush::Target t;
   t.dirfd = job.dir.get();
   t.display = job.dir_display;
@@ -31,7 +29,13 @@ Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flush
   t.mode = st.st_mode & 07777;
   // No placeholder: the one shard is the stored form until the commit, and a crash before it
   // only drops this staging.
-  CKPTFS_TRY(auto tx, flusher.begin(t, job.set, job.what));
+  return t;
+}
+
+Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flusher) {
+  struct stat st {};
+  if (::fstat(job.shard.get(), &st) != 0) return errno_error(job.what + ": stat failed");
+  CKPTFS_TRY(auto tx, flusher.begin(resplit_target(job, st), job.set, job.what));
   CKPTFS_TRY(auto r,
              StreamRouter::create(job.header, job.parsed, job.plan, job.set, *tx, job.what));
   CKPTFS_CHECK(route_file(job.shard.get(), job.size, r, job.what));

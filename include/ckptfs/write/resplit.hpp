@@ -53,6 +53,10 @@ struct StagedResplit {
   uint32_t shards = 0;  // how many rank shards it stages
 };
 
+// Where a new stored form of `job`'s file is staged: its directory, with the owner and mode of
+// the one shard (`st`, its fstat).
+flush::Target resplit_target(const ResplitJob& job, const struct stat& st);
+
 // Copies the one shard into the N staged shards of a new transaction of `flusher`.
 Result<StagedResplit> stage_resplit(const ResplitJob& job, flush::Flusher& flusher);
 
