@@ -9,8 +9,8 @@
 //                                             notifier's own locks (leaves)
 //   StatusFile::mu_                       ->  the StatusExtra source's own lock (the prefetcher)
 //
-// Leaves (no other fs lock is taken while one is held): NodeTable::mu_, Handles::mu_,
-// View::fd_mu, WriterViews::mu_, ManualClock::mu_, SplitStamps::mu_. No two DirState::mu are held at once.
+// Leaves (no other fs lock is taken while one is held): NodeTable::mu_, Handles::mu_, View::fd_mu,
+// WriterViews::mu_, ManualClock::mu_, SplitStamps::mu_. No two DirState::mu are held at once.
 // A thread never waits on the kernel while it holds any of them (Notifier::sync is called with
 // none held).
 #pragma once

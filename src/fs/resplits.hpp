@@ -1,5 +1,5 @@
-// fs/resplits: the splits into rank shards that closes left to run after them
-// (write/resplit.hpp), run one at a time on a thread of their own; unmount waits for them.
+// fs/resplits: the splits into rank shards that closes left to run after them (write/resplit.hpp),
+// one at a time on their own thread, unmount waiting for them; and what each expects (SplitStamps).
 #pragma once
 
 #include <array>

@@ -14,8 +14,8 @@
 // commit_resplit then makes the file's stored form: OUT/shard-r-model-k-of-m.safetensors are
 // the same inodes as OUT/sharded/'s, and the file's own bytes go. The two names then share their
 // inodes: removing either directory leaves the other whole; a chmod, chown or utimens of one
-// shows in the other (the commit gives the shards the file's own); a new save through the mount
-// that truncates one of them gets a file of its own first (fs, WritePath::open).
+// shows in the other (the commit gives the shards the file's own); a shard of kOriginDir opened
+// for writing through the mount first gives the stored file its own copy (unshare_stored).
 #pragma once
 
 #include <sys/stat.h>
