@@ -26,6 +26,7 @@
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/shards.hpp"
+#include "ckptfs/util/copy.hpp"
 #include "ckptfs/util/fd.hpp"
 
 namespace ckptfs::engine {
@@ -39,39 +40,6 @@ constexpr uint64_t kGatherBlock = 512 << 10;   // bytes gathered and written at 
 using format::is_model_output_name;
 
 bool stopped(const std::atomic<bool>* stop) { return stop && stop->load(); }
-
-// Copies `len` bytes between fds at explicit offsets, preferring copy_file_range.
-Status copy_range(int in, uint64_t in_off, int out, uint64_t out_off, uint64_t len,
-                  std::string_view what, std::vector<char>& buf) {
-  bool use_cfr = true;
-  while (len > 0) {
-    if (use_cfr) {
-      auto io = static_cast<loff_t>(in_off);
-      auto oo = static_cast<loff_t>(out_off);
-      ssize_t n = ::copy_file_range(in, &io, out, &oo, len, 0);
-      if (n > 0) {
-        in_off += static_cast<uint64_t>(n);
-        out_off += static_cast<uint64_t>(n);
-        len -= static_cast<uint64_t>(n);
-        continue;
-      }
-      if (n == 0) return make_error(EIO, "{}: unexpected end of file at {}", what, in_off);
-      if (errno == EINTR) continue;
-      if (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) {
-        int e = errno;
-        return make_error(e, "{}: copy failed: {}", what, std::strerror(e));
-      }
-      use_cfr = false;
-    }
-    size_t n = static_cast<size_t>(std::min<uint64_t>(len, buf.size()));
-    CKPTFS_CHECK(pread_exact(in, buf.data(), n, in_off, what));
-    CKPTFS_CHECK(pwrite_all(out, buf.data(), n, out_off, "output"));
-    in_off += n;
-    out_off += n;
-    len -= n;
-  }
-  return {};
-}
 
 struct Job {
   uint32_t file;
@@ -186,7 +154,6 @@ class Copier {
     if (!cast && (shard_segs == 0 || job.len / shard_segs >= kCopyRangeMin)) {
       // Long runs: copy_file_range, in the kernel (and shared extents where the file
       // system can). Cast and strided segments are made by io::gather, below.
-      if (copybuf.empty()) copybuf.resize(1 << 20);
       // One kernel copy at a time: it needs no CPU from other threads, and several at once
       // interleave their reads and writebacks on the disk (row-sharded, 1 GiB: 0.74x cp cold
       // with 2 concurrent copies, 0.83x with one; docs/benchmarks.md). Gather jobs of other
@@ -197,8 +164,8 @@ class Copier {
         if (s.is_memory()) {
           CKPTFS_CHECK(pwrite_all(out, f.header.data() + s.src, s.len, pos, f.name));
         } else {
-          CKPTFS_CHECK(copy_range(raw_[s.shard], s.src, out, pos, s.len,
-                                  src_ + "/" + ck_.shards[s.shard].name, copybuf));
+          CKPTFS_CHECK(copy_all(raw_[s.shard], s.src, out, pos, s.len,
+                                src_ + "/" + ck_.shards[s.shard].name, copybuf));
         }
         pos += s.len;
       }
@@ -297,7 +264,7 @@ Status copy_file(const std::string& from, const std::string& to) {
   if (::fstat(in.get(), &st) != 0) return make_error(errno, "{}: stat failed", from);
   CKPTFS_TRY(UniqueFd out, open_file(to, O_WRONLY | O_CREAT | O_TRUNC, st.st_mode & 0777));
   std::vector<char> buf(1 << 20);
-  CKPTFS_CHECK(copy_range(in.get(), 0, out.get(), 0, static_cast<uint64_t>(st.st_size), from, buf));
+  CKPTFS_CHECK(copy_all(in.get(), 0, out.get(), 0, static_cast<uint64_t>(st.st_size), from, buf));
   if (::fsync(out.get()) != 0) return make_error(errno, "{}: fsync failed", to);
   return {};
 }

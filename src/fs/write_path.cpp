@@ -43,22 +43,24 @@ write::PlanOptions WritePath::plan_options(int dirfd, const std::string& display
   return p;
 }
 
+Status WritePath::before_change(const std::string& rel, const struct stat& st) {
+  const auto file = split_rel(rel);
+  if (st.st_nlink < 2 || !format::looks_like_shard_name(file.name)) return {};
+  // A consolidator's shards, which the directory above may store its output as (write/dedup):
+  // that stays as it is, whatever is written here now. Any directory's, not only kOriginDir's:
+  // `mv OUT/sharded OUT/old` keeps the links.
+  if (file.dir.empty()) return {};
+  CKPTFS_TRY(UniqueFd parent,
+             open_beneath(d_.root, std::string(split_rel(file.dir).dir), O_RDONLY | O_DIRECTORY));
+  return write::unshare_stored(parent.get(), std::string(file.name), st, source_path(rel));
+}
+
 Result<std::shared_ptr<write::WriteFile>> WritePath::start(UniqueFd fd, const WriteDir& d,
                                                            const std::string& name, bool fresh) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return make_error(errno, "stat failed");
   const DevIno key{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
-  if (st.st_nlink > 1 && format::looks_like_shard_name(name)) {
-    // A consolidator's shards, which the directory above may store its output as (write/dedup):
-    // that stays as it is, whatever is written here now.
-    const auto parts = split_rel(d.rel);
-    if (!d.rel.empty() && parts.name == write::kOriginDir) {
-      CKPTFS_TRY(UniqueFd parent,
-                 open_beneath(d_.root, std::string(parts.dir), O_RDONLY | O_DIRECTORY));
-      CKPTFS_CHECK(
-          write::unshare_stored(parent.get(), name, st, source_path(join_rel(d.rel, name))));
-    }
-  }
+  CKPTFS_CHECK(before_change(join_rel(d.rel, name), st));
   // The state registered under this number, unless it belongs to a file since unlinked
   // (committed, or removed while open) whose number this one reuses.
   if (auto wf = writes_.find(key.first, key.second); wf && wf->linked()) return wf;
@@ -206,24 +208,26 @@ void WritePath::run_resplit(write::ResplitJob& job) {
   if (d_.opts.split_gate) d_.opts.split_gate();
   // A consolidator's output is stored as links of the shards it was made from (write/dedup),
   // else split as the mount asks; with one rank there is nothing else to do.
+  // The stamp this split registered is forgotten however it ends (the commit takes it itself).
+  struct Forget {
+    SplitStamps& stamps;
+    const write::ResplitJob& job;
+    bool armed = true;
+    ~Forget() {
+      if (armed) stamps.take(job.dev, job.ino);
+    }
+  } forget{stamps_, job};
   auto linked = write::stage_links(job, d_.flusher);
   if (!linked) spdlog::warn("{}: not stored as links: {}", job.what, linked.error().message);
-  if ((!linked || !*linked) && job.set.shards.size() < 2) {
-    stamps_.take(job.dev, job.ino);
-    return;
-  }
+  if ((!linked || !*linked) && job.set.shards.size() < 2) return;
   auto staged = linked && *linked ? Result<write::StagedResplit>(std::move(**linked))
                                   : write::stage_resplit(job, d_.flusher);
   if (!staged) {
-    stamps_.take(job.dev, job.ino);
     spdlog::warn("{}: stays stored as one shard: {}", job.what, staged.error().message);
     return;
   }
   struct stat dst {};
-  if (::fstat(job.dir.get(), &dst) != 0) {
-    stamps_.take(job.dev, job.ino);
-    return;  // the staging goes with `staged`
-  }
+  if (::fstat(job.dir.get(), &dst) != 0) return;  // the staging goes with `staged`
   const auto dev = static_cast<uint64_t>(dst.st_dev), ino = static_cast<uint64_t>(dst.st_ino);
   auto st = d_.nodes.dir_state(dev, ino);
   {
@@ -232,6 +236,7 @@ void WritePath::run_resplit(write::ResplitJob& job) {
     struct stat before {};
     const bool dated = ::fstat(job.dir.get(), &before) == 0;
     // The one shard as this daemon last left it: its close, or a chmod, chown or utimens since.
+    forget.armed = false;
     job.stamp = stamps_.take(job.dev, job.ino).value_or(job.stamp);
     auto names = write::commit_resplit(job, std::move(staged).value());
     if (!names) {

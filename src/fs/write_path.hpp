@@ -72,6 +72,10 @@ class WritePath {
   // starts empty); shared by every handle on the file.
   Result<std::shared_ptr<write::WriteFile>> start(UniqueFd fd, const WriteDir& d,
                                                   const std::string& name, bool fresh);
+  // File `rel` of SRC (its fstat `st`) is about to change in place through the mount (opened
+  // for writing; a shard is hidden, so never truncated by path): where the directory above
+  // stores a file as links of it (write/dedup), that file gets its own copy first.
+  Status before_change(const std::string& rel, const struct stat& st);
   // Node `n` (a real file, or a consolidated file written anew with O_TRUNC) opened for writing.
   Result<std::shared_ptr<write::WriteFile>> open(const Node& n, int flags);
   // close() of a handle on `wf`, the file of inode `ino`: stored as rank shards, or whole.

@@ -21,6 +21,7 @@
 #include "ckptfs/layout/extent_map.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/source/shards.hpp"
+#include "ckptfs/util/copy.hpp"
 #include "ckptfs/util/fd.hpp"
 
 namespace ckptfs::write {
@@ -135,8 +136,8 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::F
     CKPTFS_CHECK(tx->adopt(r, origin->get(), sh.name, static_cast<ino_t>(sh.stamp.ino)));
     // Still the bytes compared: the same size and mtime (the link itself moved its ctime).
     struct stat st {};
-    if (::fstat(raw[ranks[r]], &st) != 0 || static_cast<uint64_t>(st.st_size) != sh.stamp.size ||
-        st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec != sh.stamp.mtime_ns) {
+    if (::fstat(raw[ranks[r]], &st) != 0 || source::stamp_of(st).size != sh.stamp.size ||
+        source::stamp_of(st).mtime_ns != sh.stamp.mtime_ns) {
       return no(fmt::format("{}: changed while it was compared", sh.name));
     }
   }
@@ -168,15 +169,8 @@ Status unshare_stored(int parent, const std::string& name, const struct stat& st
              open_at(state->get(), tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
   auto made = [&]() -> Status {
     const auto size = static_cast<uint64_t>(ist.st_size);
-    CKPTFS_TRY(const bool copied, copy_range(in.get(), 0, out.get(), 0, size, copy_what));
-    if (!copied) {
-      std::vector<char> buf(std::min<uint64_t>(size, 1 << 20));
-      for (uint64_t off = 0; off < size; off += buf.size()) {
-        const size_t n = std::min<uint64_t>(buf.size(), size - off);
-        CKPTFS_CHECK(pread_exact(in.get(), buf.data(), n, off, copy_what));
-        CKPTFS_CHECK(pwrite_all(out.get(), buf.data(), n, off, copy_what));
-      }
-    }
+    std::vector<char> buf;
+    CKPTFS_CHECK(copy_all(in.get(), 0, out.get(), 0, size, copy_what, buf));
     const struct timespec ts[2] = {ist.st_atim, ist.st_mtim};
     if ((::geteuid() == 0 && ::fchown(out.get(), ist.st_uid, ist.st_gid) != 0) ||
         ::fchmod(out.get(), ist.st_mode & 07777) != 0 || ::futimens(out.get(), ts) != 0 ||

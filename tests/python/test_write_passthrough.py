@@ -109,8 +109,17 @@ def test_a_consolidated_file_beside_its_shards_is_stored_once(tmp_path, mount_fa
         else:
             assert len(stored) == 1 and (d / stored[0]).stat().st_nlink == 1, (case, stored)
         assert (mnt / case / name).read_bytes() == written[case], case
-    # What `same` stored is the shards' inodes: removing sharded/ leaves it whole.
-    shutil.rmtree(src / "same" / "sharded")
+    # sharded/ renamed, then a new save there (an open with O_TRUNC of a rank shard) leaves what
+    # `same` stored as it was: it gets its own copy of that shard first.
+    os.rename(mnt / "same" / "sharded", mnt / "same" / "old")
+    victim = sorted(n for n in os.listdir(src / "same" / "old") if n.startswith("shard-"))[0]
+    with open(mnt / "same" / "old" / victim, "wb") as f:
+        f.write(b"not a shard")
+    assert (src / "same" / "old" / victim).read_bytes() == b"not a shard"
+    assert (src / "same" / victim).stat().st_nlink == 1
+    assert (mnt / "same" / name).read_bytes() == written["same"]
+    # What `same` stored is the shards' inodes: removing their first directory leaves it whole.
+    shutil.rmtree(src / "same" / "old")
     assert (mnt / "same" / name).read_bytes() == written["same"]
 
 

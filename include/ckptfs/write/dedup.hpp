@@ -43,11 +43,11 @@ bool may_have_origin(int dirfd);
 // differs, a shard that changed meanwhile: logged at debug or info). Errors are the staging's.
 Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::Flusher& flusher);
 
-// File `name` of kOriginDir (its fstat `st`), about to be written through the mount: where the
-// directory above (`parent`) stores a file as links of it, that stored shard gets a copy of
-// its own first (same bytes, owner, mode and times, renamed over it), so a new save into
-// kOriginDir never changes, or truncates, what the directory above stored. Nothing to do when
-// `parent`'s `name` is another file.
+// File `name` of kOriginDir, or of where it was renamed (its fstat `st`), about to be written
+// through the mount: where the directory above (`parent`) stores a file as links of it, that
+// stored shard gets a copy of its own first (same bytes, owner, mode and times, renamed over
+// it), so a new save there never changes, or truncates, what the directory above stored.
+// Nothing to do when `parent`'s `name` is another file.
 Status unshare_stored(int parent, const std::string& name, const struct stat& st,
                       const std::string& what);
 
