@@ -307,12 +307,13 @@ int mount_mpi(fuse::MountOptions& o, flush::mpi::MpiOptions mo) {
     spdlog::info("mpi: head of {} rank(s) on {} (thread level {}); {} MiB in flight at most",
                  (*rt)->size(), (*rt)->host(0), (*rt)->thread_level(), mo.inflight_bytes >> 20);
     o.foreground = true;
-    // The OpenMPI flusher streams each file to its owners as it is written; with write
-    // passthrough the head would ship whole files at close (issue 35 item 3, not built).
-    if (!o.write_passthrough) {
-      o.write_passthrough = false;
-      spdlog::info("mpi: write passthrough off: each file streams to its owners as it is written");
-    }
+    // With write passthrough (the default, as without mpirun) the kernel writes each file into
+    // the head's SRC, close() stores it as its own one shard there, and the split after close
+    // sends it to the ranks that own its shards; with write_passthrough=off each file streams
+    // to its owners as it is written (WRITE requests).
+    spdlog::info("mpi: {}", o.write_passthrough.value_or(true)
+                                ? "a file goes to its owners after its close, in the background"
+                                : "each file streams to its owners as it is written");
     o.fs.flusher = *fl;
     rc = check_and_mount(o);
     o.fs.flusher.reset();

@@ -69,7 +69,10 @@ class MpiFlusherImpl final : public MpiFlusher {
                         std::move(what), rate_, rel);
   }
 
-  // A file the kernel writes is in the head's SRC: its guard is local.
+  // A file the kernel writes is in the head's SRC: its guard is local, as its one shard at
+  // close is (a link of the file). The split after close sends it to the owners (begin()).
+  bool adopts_files() const override { return local_->adopts_files(); }
+  Flusher& in_place() override { return *local_; }
   Result<std::unique_ptr<Transaction>> begin_kernel_write(const Target& t,
                                                           std::string what) override {
     return local_->begin_kernel_write(t, std::move(what));

@@ -130,7 +130,7 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::F
   for (uint32_t r = 0; r < ranks.size(); ++r) {
     set.shards.push_back(layout::ShardLayout{r, {}, nullptr, ck->shards[ranks[r]].stamp.size});
   }
-  CKPTFS_TRY(auto tx, flusher.begin(resplit_target(job, mine), set, job.what));
+  CKPTFS_TRY(auto tx, flusher.in_place().begin(resplit_target(job, mine), set, job.what));
   for (uint32_t r = 0; r < ranks.size(); ++r) {
     const auto& sh = ck->shards[ranks[r]];
     CKPTFS_CHECK(tx->adopt(r, origin->get(), sh.name, static_cast<ino_t>(sh.stamp.ino)));

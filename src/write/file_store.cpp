@@ -191,7 +191,7 @@ bool WriteFile::adopt_locked(const Place& where, const std::string& prefix,
   // whole, which torch's HF reader and ckptfs take at offset 0) and its data.
   layout::ShardSet one;
   one.shards.push_back(layout::ShardLayout{0, prefix, parsed, size - prefix.size()});
-  auto tx = flusher_->begin(target(), one, what_);
+  auto tx = flusher_->in_place().begin(target(), one, what_);
   if (!tx) return false;
   if (auto st = (*tx)->adopt(0, where.dirfd, where.name, f.st_ino); !st) {
     spdlog::debug("{}: copied into its shard: {}", what_, st.error().message);

@@ -34,6 +34,7 @@ faked) without root, /dev/fuse, fusermount3, mpirun, or a ckptfs built with Open
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pathlib
 import re
@@ -52,7 +53,7 @@ transformers = pytest.importorskip("transformers")
 from test_write import (  # noqa: E402  (after the importorskips, as test_write needs them)
     MIB, MODEL_RE, SHARD_RE, Writer, blob, make_model, max_shard_size_for, mkdir, names, read,
     save_file_to)
-from mount_util import in_proc_mounts  # noqa: E402
+from mount_util import in_proc_mounts, splits_done  # noqa: E402
 
 
 def built_with_mpi() -> bool:
@@ -172,6 +173,10 @@ class MpiMount(Mount):
         if recovery:
             prefix.append("--enable-recovery")
         kw = {"start_timeout": 30.0, "stop_timeout": 60.0, **kw}
+        # The fault tests below drive the request path (each file streamed to its owners as it
+        # is written): it is what they name unless a test picks the write path itself.
+        if not any(str(o).startswith("write_passthrough=") for o in opts):
+            opts = (*opts, "write_passthrough=off")
         super().__init__(src, mnt, opts=opts, prefix=prefix, foreground=False, new_session=True,
                          ready=lambda m: len(m.rank_pids()) == np - 1, hang_fails=True,
                          what="mpirun", **kw)
@@ -199,6 +204,16 @@ def mpi_mounts(tmp_path):
     made.close()
 
 
+def assert_kernel_wrote(m) -> None:
+    """The kernel wrote the files into the head's SRC itself (write passthrough): no WRITE
+    request reached the head. Skipped (never faked) where the kernel refused passthrough."""
+    text = m.read_log()
+    if "FUSE passthrough is off" in text or "write path: passthrough" not in text:
+        pytest.skip("the kernel refused FUSE passthrough")
+    w = json.loads((pathlib.Path(m.mnt) / ".ckptfs" / "status.json").read_text())["writes"]
+    assert w["passthrough"] and w["backed_opens"] > 0 and w["requests"] == 0, w
+
+
 def shards_by_file(d) -> dict[tuple[int, int], list[int]]:
     out: dict[tuple[int, int], list[int]] = {}
     for n in os.listdir(d):
@@ -212,27 +227,41 @@ def staging_left(d) -> list[str]:
     return sorted(n for n in os.listdir(st) if n.startswith("tx-")) if st.is_dir() else []
 
 
-def test_save_pretrained_shared_target(mpi_mounts, tmp_path, fabric):
+WRITE_PATHS = pytest.mark.parametrize("write_path", ["write_passthrough=on", "write_passthrough=off"],
+                                      ids=["passthrough", "requests"])
+
+
+@WRITE_PATHS
+def test_save_pretrained_shared_target(mpi_mounts, tmp_path, fabric, write_path):
     """save_pretrained (2 files + index) into the head's mount reads back byte-exact; SRC holds
     the 3 shards of each file (ranks default to the world size) and nothing else by a model
     name; the ranks served the writes (their commands arrived: the files exist only through
-    them); a plain remount of SRC without MPI reads the same bytes."""
+    them); a plain remount of SRC without MPI reads the same bytes. Both write paths: with
+    passthrough (the default) the kernel writes each file into SRC, close() stores it as its
+    one shard, and the split after close sends it to the owners (issue 35 item 3)."""
     model = make_model(7, torch.float32)
     size = max_shard_size_for(model, 2)
     ref = tmp_path / "ref"
     model.save_pretrained(str(ref), max_shard_size=size)
     src = mkdir(tmp_path / "src")
-    m = mpi_mounts(src, tmp_path / "mnt", fabric=fabric)
+    m = mpi_mounts(src, tmp_path / "mnt", fabric=fabric, opts=(write_path,))
     view = pathlib.Path(m.mnt) / "ck"
     model.save_pretrained(str(view), max_shard_size=size)
     assert names(view) == names(ref)
     for n in names(ref):
         assert read(view / n) == read(ref / n), n
+    if write_path.endswith("on"):
+        assert_kernel_wrote(m)
+        splits_done(m.mnt)
+        m.wait_log(r"model-00002-of-00002.safetensors: split into 3 rank shards after its close")
     files = shards_by_file(src / "ck")
     assert files == {(1, 2): [1, 2, 3], (2, 2): [1, 2, 3]}, files
     assert not [n for n in os.listdir(src / "ck") if MODEL_RE.match(n)]
     assert not staging_left(src / "ck")
-    m.wait_log(r"stored as 3 rank shard\(s\)")
+    if write_path.endswith("off"):
+        m.wait_log(r"stored as 3 rank shard\(s\)")
+    for n in names(ref):
+        assert read(view / n) == read(ref / n), n
     m.stop()
     assert "mpi rank 1: done" in m.read_log() and "mpi rank 2: done" in m.read_log()
     with Mount(src, tmp_path / "plain") as p:
@@ -311,6 +340,34 @@ def test_rank_killed_mid_flush(mpi_mounts, tmp_path, recovery, fabric):
         assert names(got) == ["model.safetensors"], names(got)
         assert not staging_left(src / "D")
     assert shards_by_file(src / "D") == {(1, 1): [1, 2, 3]}
+
+
+@pytest.mark.parametrize("recovery", [False, True], ids=["abort", "enable-recovery"])
+def test_rank_killed_before_the_split_after_close_loses_nothing(mpi_mounts, tmp_path, recovery):
+    """With write passthrough close() returns once the file is stored in the head's SRC as its
+    own one shard; the split after close sends it to the owners later (held here by the hidden
+    -o split_delay_ms). kill -9 of rank 2 before that split loses nothing: under plain mpirun
+    the job ends (the head with it); with --enable-recovery the split gives up after
+    mpi_timeout, the file stays its one shard and reads back through the mount. Either way a
+    plain remount reads the closed bytes back exactly, with no staging left."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt", recovery=recovery,
+                   opts=("write_passthrough=on", "mpi_timeout=3", "split_delay_ms=1500"))
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "D")
+    want = save_file_to(mnt / "D" / "model.safetensors", 62, 512)  # close() returned 0
+    assert_kernel_wrote(m)
+    assert shards_by_file(src / "D") == {(1, 1): [1]}  # the file itself, not split yet
+    os.kill(m.rank_pids()[2], signal.SIGKILL)
+    if recovery:
+        m.wait_log(r"stays stored as one shard: .*rank 2 .*did not answer", timeout=30)
+        assert read(mnt / "D" / "model.safetensors") == want
+    m.stop(check=False)
+    assert not in_proc_mounts(m.mnt)
+    with Mount(src, tmp_path / "plain") as p:
+        assert read(pathlib.Path(p.mnt) / "D" / "model.safetensors") == want
+        assert not staging_left(src / "D")
+    assert shards_by_file(src / "D") == {(1, 1): [1]}
 
 
 def test_rank_without_src_stores_whole(mpi_mounts, tmp_path):
@@ -471,26 +528,33 @@ def owned_by(rank: int, shards: list[int]) -> bool:
     return all((s - 1) % NP == rank for s in shards)
 
 
-def test_save_pretrained_node_local_targets(mpi_mounts, tmp_path, fabric):
+@WRITE_PATHS
+def test_save_pretrained_node_local_targets(mpi_mounts, tmp_path, fabric, write_path):
     """-o target=T%r: save_pretrained (2 files + index) into the head's mount reads back
     byte-exact; each target T0..T2 holds only the shards its rank owns (shard i+1 on rank
     i % 3), under ck/.ckptfs/nl-*/; SRC holds no shard file, only the commit records (and the
     plain files); the bytes of ranks 1 and 2 are read back over MPI (ReadPath). After a remount
     under mpirun it reads back the same; a plain remount without MPI lists the files but a read
-    fails with EIO (never zeros), naming the rank that holds the shard."""
+    fails with EIO (never zeros), naming the rank that holds the shard. With passthrough the
+    file is first its own one shard in the head's SRC, which the split after close replaces."""
     model = make_model(17, torch.float32)
     size = max_shard_size_for(model, 2)
     ref = tmp_path / "ref"
     model.save_pretrained(str(ref), max_shard_size=size)
     src = mkdir(tmp_path / "src")
     targets = [tmp_path / f"T{r}" for r in range(NP)]  # made by the ranks (mkdir -p)
-    opts = (f"target={tmp_path}/T%r",)
+    opts = (f"target={tmp_path}/T%r", write_path)
     m = mpi_mounts(src, tmp_path / "mnt", opts=opts, fabric=fabric)
     view = pathlib.Path(m.mnt) / "ck"
     model.save_pretrained(str(view), max_shard_size=size)
     assert names(view) == names(ref)
     for n in names(ref):
         assert read(view / n) == read(ref / n), n
+    if write_path.endswith("on"):
+        assert_kernel_wrote(m)
+        splits_done(m.mnt)
+        for n in names(ref):
+            assert read(view / n) == read(ref / n), n
     assert not shards_by_file(src / "ck")
     assert not [n for n in os.listdir(src / "ck") if MODEL_RE.match(n)]
     records = sorted(os.listdir(src / "ck" / ".ckptfs"))

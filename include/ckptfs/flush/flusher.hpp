@@ -122,9 +122,12 @@ class Flusher {
   virtual ~Flusher() = default;
   // Shards per file when the mount does not say (-o ranks=N).
   [[nodiscard]] virtual uint32_t default_ranks() const = 0;
-  // Whether its transactions can adopt a file as a shard (Transaction::adopt): the shards live
-  // in the file's own directory.
+  // Whether a file can be stored by hard links (Transaction::adopt of in_place()'s
+  // transactions): its one shard is itself, or shards already in SRC.
   [[nodiscard]] virtual bool adopts_files() const { return false; }
+  // The flusher that stores into the file's own directory in SRC: this one, or the local one
+  // an OpenMPI flusher wraps (whose own transactions send the bytes to the ranks' owners).
+  virtual Flusher& in_place() { return *this; }
   // Stages a new shard set: one file per rank, sized and holding nothing yet.
   virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                                      std::string what) = 0;
