@@ -19,6 +19,15 @@ Bandwidth = file size / that time.
             its shards under its own target and SRC gets only the record.
   read-back every variant then reads the file back through the mount (8 MiB reads), timed:
             with node-local targets the head fetches ranks 1..N-1's bytes over MPI (ReadPath).
+  write path  every mount variant uses the mount's default, write passthrough where the kernel
+            offers it (issue 35): close() returns once the file is its own one shard in SRC,
+            and the split after close sends it to the owners. A `-req` suffix (mpi-req,
+            nl-req, local-req, mpi-capped-req, ...) adds -o write_passthrough=off: every byte
+            as WRITE requests, streamed to the owners, close() after their acknowledgements.
+            Both times are reported: "close" (the writer's wait) and "stored" (until
+            status.json's writes.splits_pending is 0: every rank's shard committed; polled
+            every 10 ms). `plain` writes the same file into a directory of --dir (no mount),
+            `plain-fsync` with an fsync before close: the page cache's and the disk's speed.
 
 Rounds interleave the variants (the machine is noisy); medians are reported. Round 1 checks
 the result once per variant: the file reads back through the mount byte-exact (hash) and SRC
@@ -27,7 +36,8 @@ caps; pass a disk path to include it).
 
 Usage (as root, with a build that has OpenMPI):
   bench_flush_mpi.py [--size-mb 512] [--ranks 1,2,4] [--rate-mb 40] [--rounds 3]
-                     [--variants mpi-capped,nl-capped,local,local-fsync,mpi,nl]
+                     [--variants mpi-capped,nl-capped,local,local-fsync,mpi,nl,mpi-req,nl-req,
+                                 plain,plain-fsync]
                      [--dir /dev/shm/ckptfs-bench-mpi] [--bin build/src/ckptfs] [--json OUT]
 """
 
@@ -83,14 +93,19 @@ def unmount(mnt: str, proc: subprocess.Popen):
     proc.wait(timeout=60)
 
 
-def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> float:
+def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> tuple[float, float, float]:
     base = os.path.join(args.dir, f"{variant}-{n}")
     shutil.rmtree(base, ignore_errors=True)
+    if variant.startswith("plain"):
+        return run_plain(base, variant, blob)
     src, mnt = os.path.join(base, "src"), os.path.join(base, "mnt")
     os.makedirs(src)
     os.makedirs(mnt)
     log = base + ".log"
     opts = ["settle=0"]
+    if variant.endswith("-req"):
+        opts.append("write_passthrough=off")
+        variant = variant[:-len("-req")]
     if variant.startswith("nl"):
         opts.append(f"target={base}/t%r")
     if variant.startswith("local"):
@@ -116,6 +131,12 @@ def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> float:
             os.fsync(fd)
         os.close(fd)
         took = time.monotonic() - t0
+        status = os.path.join(mnt, ".ckptfs", "status.json")
+        while json.load(open(status))["writes"]["splits_pending"] != 0:
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError(f"{variant} N={n}: the split after close never finished")
+            time.sleep(0.01)
+        stored = time.monotonic() - t0
         if variant.startswith("nl"):
             shards = [f for r in range(n) for _, _, fs in os.walk(f"{base}/t{r}") for f in fs
                       if f.startswith("shard-")]
@@ -137,9 +158,34 @@ def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> float:
         read_took = time.monotonic() - t1
         if h:
             assert h.digest() == hashlib.sha256(blob).digest(), f"{variant} N={n}: read-back differs"
-        return took, read_took
+        return took, stored, read_took
     finally:
         unmount(mnt, proc)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run_plain(base: str, variant: str, blob: bytes):
+    """The same file written into a plain directory (no mount): close, and read back."""
+    os.makedirs(base)
+    path = os.path.join(base, "model.safetensors")
+    view = memoryview(blob)
+    try:
+        t0 = time.monotonic()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for off in range(0, len(blob), CHUNK):
+            piece = view[off:off + CHUNK]
+            while piece:
+                piece = piece[os.write(fd, piece):]
+        if variant == "plain-fsync":
+            os.fsync(fd)
+        os.close(fd)
+        took = time.monotonic() - t0
+        t1 = time.monotonic()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+        return took, took, time.monotonic() - t1
+    finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -162,37 +208,47 @@ def main() -> int:
     print(f"file: {size / 1e6:.0f} MB; {os.cpu_count()} cores; rate cap {a.rate_mb} MB/s per rank "
           f"(mpi-capped); SRC under {a.dir}", flush=True)
     times: dict[tuple[str, int], list[float]] = {}
+    stored: dict[tuple[str, int], list[float]] = {}
     reads: dict[tuple[str, int], list[float]] = {}
     for r in range(a.rounds):
         order = [(v, n) for v in variants for n in ranks]
         order = order[r % len(order):] + order[:r % len(order)]
         for v, n in order:
-            t, rt = run_one(a, v, n, blob, check=(r == 0))
+            t, st, rt = run_one(a, v, n, blob, check=(r == 0))
             times.setdefault((v, n), []).append(t)
+            stored.setdefault((v, n), []).append(st)
             reads.setdefault((v, n), []).append(rt)
-            print(f"round {r + 1} {v:12s} N={n}: {t:6.2f} s  {size / t / 1e6:7.1f} MB/s  "
+            print(f"round {r + 1} {v:14s} N={n}: close {t:6.2f} s  {size / t / 1e6:7.1f} MB/s  "
+                  f"stored {st:6.2f} s  {size / st / 1e6:7.1f} MB/s  "
                   f"read-back {size / rt / 1e6:7.1f} MB/s", flush=True)
-    print("\nmedians (MB/s):")
-    print(f"{'variant':12s} " + " ".join(f"{'N=' + str(n):>9s}" for n in ranks))
+    print("\nstored medians (MB/s; until every shard is committed):")
+    print(f"{'variant':14s} " + " ".join(f"{'N=' + str(n):>9s}" for n in ranks))
+    for v in variants:
+        print(f"{v:14s} " + " ".join(
+            f"{size / statistics.median(stored[(v, n)]) / 1e6:9.1f}" for n in ranks))
+    print("\nclose medians (MB/s; the writer's wait):")
+    print(f"{'variant':14s} " + " ".join(f"{'N=' + str(n):>9s}" for n in ranks))
     out = {}
     for v in variants:
         row = []
         for n in ranks:
             bw = size / statistics.median(times[(v, n)]) / 1e6
             rb = size / statistics.median(reads[(v, n)]) / 1e6
-            out[f"{v}/{n}"] = {"mb_s": bw, "times": times[(v, n)], "read_mb_s": rb,
+            sb = size / statistics.median(stored[(v, n)]) / 1e6
+            out[f"{v}/{n}"] = {"mb_s": bw, "times": times[(v, n)], "stored_mb_s": sb,
+                               "stored_times": stored[(v, n)], "read_mb_s": rb,
                                "read_times": reads[(v, n)]}
             row.append(f"{bw:9.1f}")
-        print(f"{v:12s} " + " ".join(row))
+        print(f"{v:14s} " + " ".join(row))
     print("\nread-back medians (MB/s):")
     for v in variants:
-        print(f"{v:12s} " + " ".join(f"{out[f'{v}/{n}']['read_mb_s']:9.1f}" for n in ranks))
-    for capped in ("mpi-capped", "nl-capped"):
+        print(f"{v:14s} " + " ".join(f"{out[f'{v}/{n}']['read_mb_s']:9.1f}" for n in ranks))
+    for capped in ("mpi-capped", "nl-capped", "mpi-capped-req", "nl-capped-req"):
         if capped not in variants or 1 not in ranks:
             continue
-        one = out[f"{capped}/1"]["mb_s"]
+        one = out[f"{capped}/1"]["stored_mb_s"]
         for n in ranks:
-            x = out[f"{capped}/{n}"]["mb_s"]
+            x = out[f"{capped}/{n}"]["stored_mb_s"]
             print(f"{capped} scaling N={n}: {x / one:.2f}x the N=1 figure "
                   f"(target >= {0.7 * n:.1f}x)")
     if a.json:

@@ -73,6 +73,7 @@ class MpiFlusherImpl final : public MpiFlusher {
   // close is (a link of the file). The split after close sends it to the owners (begin()).
   bool adopts_files() const override { return local_->adopts_files(); }
   Flusher& in_place() override { return *local_; }
+  bool shards_in_place() const override { return !owners_; }
   Result<std::unique_ptr<Transaction>> begin_kernel_write(const Target& t,
                                                           std::string what) override {
     return local_->begin_kernel_write(t, std::move(what));

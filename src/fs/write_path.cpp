@@ -207,7 +207,8 @@ Status WritePath::close(Ino ino, write::WriteFile& wf) {
 void WritePath::run_resplit(write::ResplitJob& job) {
   if (d_.opts.split_gate) d_.opts.split_gate();
   // A consolidator's output is stored as links of the shards it was made from (write/dedup),
-  // else split as the mount asks; with one rank there is nothing else to do.
+  // else split as the mount asks; with one rank there is nothing else to do, unless the
+  // shards live on node-local targets.
   // The stamp this split registered is forgotten however it ends (the commit takes it itself).
   struct Forget {
     SplitStamps& stamps;
@@ -219,7 +220,7 @@ void WritePath::run_resplit(write::ResplitJob& job) {
   } forget{stamps_, job};
   auto linked = write::stage_links(job, d_.flusher);
   if (!linked) spdlog::warn("{}: not stored as links: {}", job.what, linked.error().message);
-  if ((!linked || !*linked) && job.set.shards.size() < 2) return;
+  if ((!linked || !*linked) && job.set.shards.size() < 2 && d_.flusher.shards_in_place()) return;
   auto staged = linked && *linked ? Result<write::StagedResplit>(std::move(**linked))
                                   : write::stage_resplit(job, d_.flusher);
   if (!staged) {

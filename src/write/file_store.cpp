@@ -139,7 +139,10 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
       return {};
     }
   }
-  if (set->shards.size() == 1 && adopt_locked(where, prefix, parsed, size)) {
+  // Split later also with one rank where the shards live on node-local targets: the one
+  // shard in SRC is then not their final place.
+  const bool later = set->shards.size() > 1 || !flusher_->shards_in_place();
+  if (!later && adopt_locked(where, prefix, parsed, size)) {
     CKPTFS_CHECK(commit_locked(where, durable));
     // Closed beside the rank shards a consolidator made it from (write/dedup): after the close,
     // it is stored as links of them if it reads as their view.
@@ -151,7 +154,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
   }
   // Written by the kernel, and split later: stored now as its own one shard (if that form
   // passes the same checks), so that close() returns without copying a byte.
-  if (set->shards.size() > 1 && kernel_writes_ && plan_opts_.split_after_close &&
+  if (later && kernel_writes_ && plan_opts_.split_after_close &&
       (!rules.validate || rules.validate(where.name, Prospect{prefix, parsed, {parsed}})) &&
       adopt_locked(where, prefix, parsed, size)) {
     CKPTFS_CHECK(commit_locked(where, durable));

@@ -581,6 +581,25 @@ def test_save_pretrained_node_local_targets(mpi_mounts, tmp_path, fabric, write_
     assert r.returncode != 0 and "node-local target of MPI rank" in r.stderr, r.stderr[-2000:]
 
 
+def test_node_local_one_shard_moves_to_its_target(mpi_mounts, tmp_path):
+    """-o target=T%r,ranks=1 with write passthrough: close() stores the file in SRC as its own
+    one shard, and the split after close moves it to rank 0's target even though it is one
+    shard: SRC keeps only the record, as with the request path."""
+    src = mkdir(tmp_path / "src")
+    m = mpi_mounts(src, tmp_path / "mnt",
+                   opts=(f"target={tmp_path}/T%r", "ranks=1", "write_passthrough=on"))
+    mnt = pathlib.Path(m.mnt)
+    mkdir(mnt / "d")
+    want = save_file_to(mnt / "d" / "model.safetensors", 31, 512)
+    assert_kernel_wrote(m)
+    splits_done(m.mnt)
+    assert read(mnt / "d" / "model.safetensors") == want
+    assert not shards_by_file(src / "d")
+    held = target_shards(tmp_path / "T0")
+    assert list(held.values()) == [[1]] and not target_shards(tmp_path / "T1"), held
+    m.stop()
+
+
 def test_node_local_replace_rename_remove(mpi_mounts, tmp_path):
     """Node-local targets through a file's life: a rewrite of model.safetensors commits a new
     nl- directory on every owner and drops the replaced one; the checkpoint directory renamed

@@ -128,6 +128,9 @@ class Flusher {
   // The flusher that stores into the file's own directory in SRC: this one, or the local one
   // an OpenMPI flusher wraps (whose own transactions send the bytes to the ranks' owners).
   virtual Flusher& in_place() { return *this; }
+  // Whether the shards begin() stages end in the file's own directory in SRC (false: on the
+  // ranks' node-local targets, so a file stored at close as its one shard moves there after).
+  [[nodiscard]] virtual bool shards_in_place() const { return true; }
   // Stages a new shard set: one file per rank, sized and holding nothing yet.
   virtual Result<std::unique_ptr<Transaction>> begin(const Target& t, const layout::ShardSet& set,
                                                      std::string what) = 0;
