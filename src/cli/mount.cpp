@@ -66,9 +66,11 @@ ckptfs -o options:
                          a write open of a file open for reading that way fails (ETXTBSY)
                          (default: on for a read-only mount, off otherwise)
   write_passthrough=on|off  files opened for writing are written by the kernel into SRC,
-                         at page-cache speed; a consolidated file is split into rank shards
-                         at close (FUSE passthrough, Linux 6.9+, root; default on, off in
-                         MPI mode)
+                         at page-cache speed; a consolidated file is stored at close as one
+                         shard and split into rank shards after it (FUSE passthrough, Linux
+                         6.9+, root; default on, under mpirun too)
+  split_threads=N        files split into rank shards at once after their close
+                         (default: one per 4 cores, 1 to 4)
   splice=on|off          zero-copy replies with spliced fd buffers (default off)
   read_ahead_kb=N        the mount's kernel read-ahead (default 8192; 0 keeps the kernel's)
   max_read=N             the largest read request in bytes (default and most: 1 MiB)
@@ -173,6 +175,10 @@ Status apply_option(fuse::MountOptions& o, MpiCli& m, MapCli& maps, const std::s
     CKPTFS_TRY(unsigned n, parse_unsigned(val, "split_delay_ms"));
     if (n > 60'000) return make_error(EINVAL, "split_delay_ms: must be 0..60000");
     o.fs.split_gate = [d = std::chrono::milliseconds(n)] { std::this_thread::sleep_for(d); };
+  } else if (key == "split_threads") {
+    CKPTFS_TRY(unsigned n, parse_unsigned(val, "split_threads"));
+    if (n < 1 || n > 64) return make_error(EINVAL, "split_threads: must be 1..64");
+    o.fs.split_threads = n;
   } else if (key == "show_shards") {
     o.fs.show_shards = true;
   } else if (key == "prefetch") {

@@ -1,7 +1,16 @@
-// fs/resplits: the queue and the thread of the splits after close (see the header).
+// fs/resplits: the queue and the threads of the splits after close (see the header).
 #include "resplits.hpp"
 
+#include <algorithm>
+
 namespace ckptfs::fs {
+
+Resplits::Resplits(std::function<void(write::ResplitJob&)> run, unsigned workers)
+    : run_(std::move(run)), workers_(workers ? workers : default_workers()) {}
+
+unsigned Resplits::default_workers() {
+  return std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u);
+}
 
 Resplits::~Resplits() {
   {
@@ -9,42 +18,57 @@ Resplits::~Resplits() {
     stop_ = true;
   }
   work_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  for (auto& t : threads_) t.join();
 }
 
 void Resplits::post(write::ResplitJob job) {
   std::unique_lock lock(mu_);
   room_.wait(lock, [&] { return queue_.size() < kMaxQueued; });
   queue_.push_back(std::move(job));
-  if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+  while (threads_.size() < workers_) threads_.emplace_back([this] { loop(); });
   lock.unlock();
   work_.notify_one();
 }
 
 size_t Resplits::pending() const {
   std::lock_guard lock(mu_);
-  return queue_.size() + (running_ ? 1 : 0);
+  return queue_.size() + busy_.size();
+}
+
+size_t Resplits::running() const {
+  std::lock_guard lock(mu_);
+  return busy_.size();
 }
 
 void Resplits::drain() {
   std::unique_lock lock(mu_);
-  room_.wait(lock, [&] { return queue_.empty() && !running_; });
+  room_.wait(lock, [&] { return queue_.empty() && busy_.empty(); });
+}
+
+std::deque<write::ResplitJob>::iterator Resplits::runnable() {
+  return std::find_if(queue_.begin(), queue_.end(), [&](const write::ResplitJob& j) {
+    return !busy_.count(Key{static_cast<uint64_t>(j.dev), static_cast<uint64_t>(j.ino)});
+  });
 }
 
 void Resplits::loop() {
   std::unique_lock lock(mu_);
   for (;;) {
-    work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopping, and nothing left: unmount waited for all of it
-    write::ResplitJob job = std::move(queue_.front());
-    queue_.pop_front();
-    running_ = true;
+    // Stopping ends a worker only once nothing is queued: unmount waits for all of it.
+    work_.wait(lock, [&] { return (stop_ && queue_.empty()) || runnable() != queue_.end(); });
+    const auto it = runnable();
+    if (it == queue_.end()) return;
+    write::ResplitJob job = std::move(*it);
+    queue_.erase(it);
+    const Key key{static_cast<uint64_t>(job.dev), static_cast<uint64_t>(job.ino)};
+    busy_.insert(key);
     lock.unlock();
     room_.notify_all();
     run_(job);
     lock.lock();
-    running_ = false;
+    busy_.erase(key);
     room_.notify_all();
+    work_.notify_all();  // a split of the same file may be runnable now, or the queue empty
   }
 }
 

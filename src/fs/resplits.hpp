@@ -1,5 +1,6 @@
 // fs/resplits: the splits into rank shards that closes left to run after them (write/resplit.hpp),
-// one at a time on their own thread, unmount waiting for them; and what each expects (SplitStamps).
+// on their own threads (one file at a time each), unmount waiting for them; and what each
+// expects (SplitStamps).
 #pragma once
 
 #include <array>
@@ -11,8 +12,10 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "ckptfs/write/resplit.hpp"
 
@@ -20,8 +23,10 @@ namespace ckptfs::fs {
 
 class Resplits {
  public:
-  // `run` does one split (WritePath::run_resplit); it must not throw.
-  explicit Resplits(std::function<void(write::ResplitJob&)> run) : run_(std::move(run)) {}
+  // `run` does one split (WritePath::run_resplit); it must not throw. `workers` threads run
+  // splits of different files at once (0: default_workers()); two splits of one file (its
+  // shard's device and inode) never run together, and run in the order queued.
+  explicit Resplits(std::function<void(write::ResplitJob&)> run, unsigned workers = 1);
   // Runs what is queued, then stops: the daemon's unmount waits here.
   ~Resplits();
   Resplits(const Resplits&) = delete;
@@ -30,24 +35,33 @@ class Resplits {
   // Queues a split. At most kMaxQueued wait at once (each holds its file's parsed header and
   // plan): a close that would queue more waits for room.
   void post(write::ResplitJob job);
-  // Splits queued or running.
+  // Splits queued or running; running alone.
   [[nodiscard]] size_t pending() const;
+  [[nodiscard]] size_t running() const;
   // Waits until none is queued or running.
   void drain();
+  [[nodiscard]] unsigned workers() const { return workers_; }
 
   static constexpr size_t kMaxQueued = 16;
+  // One thread per 4 cores, 1 to 4: a split is a copy inside the kernel (or sends to the
+  // ranks), and the writer's next file needs the cores too.
+  static unsigned default_workers();
 
  private:
+  using Key = std::pair<uint64_t, uint64_t>;
   void loop();
+  // The first queued job whose file no worker is splitting; queue_.end() if none. Under mu_.
+  std::deque<write::ResplitJob>::iterator runnable();
 
   std::function<void(write::ResplitJob&)> run_;
-  mutable std::mutex mu_;         // guards queue_, running_, stop_ and the start of worker_
-  std::condition_variable work_;  // a job was queued, or stop_
+  const unsigned workers_;
+  mutable std::mutex mu_;         // guards queue_, busy_, stop_ and the start of threads_
+  std::condition_variable work_;  // a job was queued or finished, or stop_
   std::condition_variable room_;  // a job was taken or finished
   std::deque<write::ResplitJob> queue_;
-  bool running_ = false;  // the worker is running a job it took from queue_
+  std::set<Key> busy_;  // the files being split now (one worker each)
   bool stop_ = false;
-  std::thread worker_;  // started by the first post()
+  std::vector<std::thread> threads_;  // started by the first post()
 };
 
 // The stamp (write::shard_stamp) each split after close, queued or running, expects of its one

@@ -132,11 +132,16 @@ std::string Filesystem::Impl::status_json() const {
   // "passthrough": files opened for writing are written by the kernel itself (the mount's
   // write path, docs/semantics.md); "backed_opens": how many such opens there were;
   // "requests" and "bytes": the WRITE requests that reached the daemon; "splits_pending": files
-  // closed and stored as one shard whose split into rank shards is queued or running.
-  out["writes"] = {
-      {"open_files", writing.open_files()}, {"splits_pending", writing.pending_splits()},
-      {"passthrough", backs_writes()},      {"backed_opens", io_modes.backed_writes()},
-      {"requests", status.writes.load()},   {"bytes", status.bytes_written.load()}};
+  // closed and stored as one shard whose split into rank shards is queued or running;
+  // "splits_running": those running; "split_threads": how many may (-o split_threads).
+  out["writes"] = {{"open_files", writing.open_files()},
+                   {"splits_pending", writing.pending_splits()},
+                   {"splits_running", writing.running_splits()},
+                   {"split_threads", writing.split_threads()},
+                   {"passthrough", backs_writes()},
+                   {"backed_opens", io_modes.backed_writes()},
+                   {"requests", status.writes.load()},
+                   {"bytes", status.bytes_written.load()}};
 
   json extra = json::object();
   json errs = json::object();

@@ -83,6 +83,8 @@ class WritePath {
   Status fsync(Ino ino, write::WriteFile& wf, bool datasync);
   // Splits into rank shards that closes left to run after them, queued or running.
   [[nodiscard]] size_t pending_splits() const { return resplits_.pending(); }
+  [[nodiscard]] size_t running_splits() const { return resplits_.running(); }
+  [[nodiscard]] unsigned split_threads() const { return resplits_.workers(); }
   // Waits until none is left.
   void drain_splits() { resplits_.drain(); }
   // This daemon changed the attributes of shard `before` (chmod, chown, utimens) to `after`:
@@ -127,7 +129,7 @@ class WritePath {
   write::StoreChecks checks_;
   SplitStamps stamps_;  // what each pending split expects of its one shard
   // Last: destroyed first, so that unmount waits for its splits while the rest still works.
-  Resplits resplits_{[this](write::ResplitJob& job) { run_resplit(job); }};
+  Resplits resplits_{[this](write::ResplitJob& job) { run_resplit(job); }, d_.opts.split_threads};
 };
 
 }  // namespace ckptfs::fs

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -121,6 +122,38 @@ def test_a_consolidated_file_beside_its_shards_is_stored_once(tmp_path, mount_fa
     # What `same` stored is the shards' inodes: removing their first directory leaves it whole.
     shutil.rmtree(src / "same" / "old")
     assert (mnt / "same" / name).read_bytes() == written["same"]
+
+
+@pytest.mark.parametrize("threads", [2, 1])
+def test_splits_of_different_files_run_at_once(tmp_path, mount_factory, threads):
+    """-o split_threads=2: two files closed one after the other are split into their rank
+    shards at the same time (status.json's writes.splits_running reaches 2 while the hidden
+    split_delay_ms holds each split); with one thread never more than one runs. Either way
+    every file ends as its rank shards and reads back as written."""
+    src = tmp_path / "src"
+    for d in ("a", "b"):
+        (src / d).mkdir(parents=True)
+    m = mount_factory(src, opts=["ranks=2", f"split_threads={threads}", "split_delay_ms=1500"])
+    kernel_backs_or_skip(m)
+    mnt = pathlib.Path(m.mnt)
+    want = {}
+    for i, d in enumerate(("a", "b")):
+        sd = model(2, first=2 * i)
+        st.save_file(sd, str(mnt / d / "model.safetensors"))
+        want[d] = sd
+    peak = 0
+    while True:
+        w = status(m.mnt)["writes"]
+        assert w["split_threads"] == threads, w
+        peak = max(peak, w["splits_running"])
+        if w["splits_pending"] == 0:
+            break
+        time.sleep(0.01)
+    assert peak == threads, peak
+    for d, sd in want.items():
+        assert len([n for n in os.listdir(src / d) if n.startswith("shard-")]) == 2, d
+        back = st.load_file(str(mnt / d / "model.safetensors"))
+        assert all(torch.equal(back[k], sd[k]) for k in sd), d
 
 
 def test_write_passthrough_off_keeps_the_request_path(tmp_path, mount_factory):

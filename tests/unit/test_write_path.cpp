@@ -1,7 +1,7 @@
 // test_write_path: fs::WritePath as a component, made from its Deps alone (no Filesystem): a
 // file opened, written and closed under a model name is stored as rank shards and the kernel
 // told; a rename onto a model name of a directory of other files' shards is refused for a file
-// the view would hide and stores one that fits.
+// the view would hide and stores one that fits; its splits after close (fs::Resplits).
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -10,8 +10,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <set>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -162,3 +166,93 @@ TEST(WritePath, AComponentMadeFromItsDepsAlone) {
 }
 
 }  // namespace
+
+// fs::Resplits, the splits after close: with two workers, the splits of two files run at
+// once; two splits of one file never do, and run in the order queued; unmount (the
+// destructor) runs what is queued. No sleeps: the jobs hold at a gate until released.
+namespace {
+
+struct Gate {
+  std::mutex mu;  // guards running, peak, order, open
+  std::condition_variable cv;
+  int running = 0, peak = 0;
+  std::vector<uint64_t> order;  // each job's inode, as it starts
+  bool open = false;
+  // Waits until `pred` holds (true), or fails after 10 s (false): a hang is a failure.
+  template <class P>
+  bool wait(P pred) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), pred);
+  }
+  void release() {
+    {
+      std::lock_guard lock(mu);
+      open = true;
+    }
+    cv.notify_all();
+  }
+  void run(write::ResplitJob& j) {
+    std::unique_lock lock(mu);
+    order.push_back(static_cast<uint64_t>(j.ino));
+    peak = std::max(peak, ++running);
+    cv.notify_all();
+    cv.wait(lock, [&] { return open; });
+    --running;
+    cv.notify_all();
+  }
+};
+
+// Opens the gate when it goes: a failed assertion never leaves a job waiting forever (the
+// Resplits declared before it would wait for that job).
+struct Releaser {
+  Gate& g;
+  ~Releaser() { g.release(); }
+};
+
+write::ResplitJob job_of(uint64_t ino) {
+  write::ResplitJob j;
+  j.dev = 1;
+  j.ino = static_cast<ino_t>(ino);
+  return j;
+}
+
+}  // namespace
+
+TEST(Resplits, TwoFilesAtOnceOneFileInTurn) {
+  Gate g;
+  {
+    fs::Resplits r([&](write::ResplitJob& j) { g.run(j); }, 2);
+    Releaser releaser{g};
+    EXPECT_EQ(r.workers(), 2u);
+    r.post(job_of(7));
+    r.post(job_of(7));  // the same file again: waits for the first
+    r.post(job_of(8));
+    // Both workers busy: file 7's first split and file 8's, not 7's second.
+    ASSERT_TRUE(g.wait([&] { return g.running == 2; })) << g.running;
+    EXPECT_EQ(r.pending(), 3u);
+    EXPECT_EQ(r.running(), 2u);
+    {
+      std::lock_guard lock(g.mu);
+      EXPECT_EQ(g.order, (std::vector<uint64_t>{7, 8}));
+    }
+    g.release();
+    r.drain();
+    EXPECT_EQ(r.pending(), 0u);
+  }
+  EXPECT_EQ(g.order, (std::vector<uint64_t>{7, 8, 7}));
+  EXPECT_EQ(g.peak, 2);
+}
+
+TEST(Resplits, OneWorkerRunsOneAtATimeAndUnmountRunsWhatIsQueued) {
+  Gate g;
+  {
+    fs::Resplits r([&](write::ResplitJob& j) { g.run(j); }, 1);
+    Releaser releaser{g};  // released, and at once destroyed: the destructor waits for all three
+    for (uint64_t i = 1; i <= 3; ++i) r.post(job_of(i));
+    ASSERT_TRUE(g.wait([&] { return g.running == 1; }));
+  }
+  EXPECT_EQ(g.order, (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(g.peak, 1);
+  EXPECT_GE(fs::Resplits::default_workers(), 1u);
+  EXPECT_LE(fs::Resplits::default_workers(), 4u);
+}

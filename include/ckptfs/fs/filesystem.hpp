@@ -89,6 +89,9 @@ struct Options {
   // Called on the thread of the splits after close (write/resplit.hpp) before each one; null:
   // none. Tests hold the splits there, to look at a file between its close and its split.
   std::function<void()> split_gate;
+  // Threads running splits after close of different files at once (fs/resplits); 0: one per
+  // 4 cores, 1 to 4.
+  unsigned split_threads = 0;
   // Threads that build checkpoint views for when_ready's callers (fs/builds.hpp), so that no
   // FUSE worker reads a header or waits for another's build. 0: when_ready always says ready,
   // and every build runs on the thread that needs it (tests drive that path directly).
