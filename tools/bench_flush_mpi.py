@@ -93,6 +93,22 @@ def unmount(mnt: str, proc: subprocess.Popen):
     proc.wait(timeout=60)
 
 
+def write_file(path: str, blob: bytes, fsync: bool) -> float:
+    """Writes `blob` to `path` in CHUNK write() calls (an fsync before close if asked); returns
+    the seconds from open() to the return of close()."""
+    view = memoryview(blob)
+    t0 = time.monotonic()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for off in range(0, len(blob), CHUNK):
+        piece = view[off:off + CHUNK]
+        while piece:
+            piece = piece[os.write(fd, piece):]
+    if fsync:
+        os.fsync(fd)
+    os.close(fd)
+    return time.monotonic() - t0
+
+
 def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> tuple[float, float, float]:
     base = os.path.join(args.dir, f"{variant}-{n}")
     shutil.rmtree(base, ignore_errors=True)
@@ -120,17 +136,8 @@ def run_one(args, variant: str, n: int, blob: bytes, check: bool) -> tuple[float
         wait_mount(mnt, proc, log)
         os.mkdir(os.path.join(mnt, "d"))
         path = os.path.join(mnt, "d", "model.safetensors")
-        view = memoryview(blob)
         t0 = time.monotonic()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for off in range(0, len(blob), CHUNK):
-            piece = view[off:off + CHUNK]
-            while piece:
-                piece = piece[os.write(fd, piece):]
-        if variant == "local-fsync":
-            os.fsync(fd)
-        os.close(fd)
-        took = time.monotonic() - t0
+        took = write_file(path, blob, fsync=variant == "local-fsync")
         status = os.path.join(mnt, ".ckptfs", "status.json")
         while json.load(open(status))["writes"]["splits_pending"] != 0:
             if time.monotonic() - t0 > 600:
@@ -168,18 +175,8 @@ def run_plain(base: str, variant: str, blob: bytes):
     """The same file written into a plain directory (no mount): close, and read back."""
     os.makedirs(base)
     path = os.path.join(base, "model.safetensors")
-    view = memoryview(blob)
     try:
-        t0 = time.monotonic()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for off in range(0, len(blob), CHUNK):
-            piece = view[off:off + CHUNK]
-            while piece:
-                piece = piece[os.write(fd, piece):]
-        if variant == "plain-fsync":
-            os.fsync(fd)
-        os.close(fd)
-        took = time.monotonic() - t0
+        took = write_file(path, blob, fsync=variant == "plain-fsync")
         t1 = time.monotonic()
         with open(path, "rb", buffering=0) as f:
             while f.read(8 << 20):
