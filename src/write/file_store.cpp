@@ -226,7 +226,9 @@ std::optional<ResplitJob> WriteFile::resplit_job_locked(
   job.dir.reset(dir);
   job.dir_display = where.dir_display;
   job.name = where.name;
-  job.what = what_;
+  // The split runs after close, under the file's model name: its messages name that, not the
+  // name it was opened by (a writer's temporary, renamed since).
+  job.what = where.dir_display + "/" + where.name;
   job.k = mn->k;
   job.m = mn->m;
   job.header = std::move(header);

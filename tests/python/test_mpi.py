@@ -360,7 +360,8 @@ def test_rank_killed_before_the_split_after_close_loses_nothing(mpi_mounts, tmp_
     assert shards_by_file(src / "D") == {(1, 1): [1]}  # the file itself, not split yet
     os.kill(m.rank_pids()[2], signal.SIGKILL)
     if recovery:
-        m.wait_log(r"stays stored as one shard: .*rank 2 .*did not answer", timeout=30)
+        m.wait_log(r"D/model.safetensors: stays stored as one shard: .*rank 2 .*did not answer",
+                   timeout=30)
         assert read(mnt / "D" / "model.safetensors") == want
     m.stop(check=False)
     assert not in_proc_mounts(m.mnt)
