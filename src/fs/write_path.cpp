@@ -206,9 +206,6 @@ Status WritePath::close(Ino ino, write::WriteFile& wf) {
 
 void WritePath::run_resplit(write::ResplitJob& job) {
   if (d_.opts.split_gate) d_.opts.split_gate();
-  // A consolidator's output is stored as links of the shards it was made from (write/dedup),
-  // else split as the mount asks; with one rank there is nothing else to do, unless the
-  // shards live on node-local targets.
   // The stamp this split registered is forgotten however it ends (the commit takes it itself).
   struct Forget {
     SplitStamps& stamps;
@@ -218,6 +215,9 @@ void WritePath::run_resplit(write::ResplitJob& job) {
       if (armed) stamps.take(job.dev, job.ino);
     }
   } forget{stamps_, job};
+  // A consolidator's output is stored as links of the shards it was made from (write/dedup),
+  // else split as the mount asks; with one rank there is nothing else to do, unless the
+  // shards live on node-local targets.
   auto linked = write::stage_links(job, d_.flusher);
   if (!linked) spdlog::warn("{}: not stored as links: {}", job.what, linked.error().message);
   if ((!linked || !*linked) && job.set.shards.size() < 2 && d_.flusher.shards_in_place()) return;

@@ -136,8 +136,9 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::F
     CKPTFS_CHECK(tx->adopt(r, origin->get(), sh.name, static_cast<ino_t>(sh.stamp.ino)));
     // Still the bytes compared: the same size and mtime (the link itself moved its ctime).
     struct stat st {};
-    if (::fstat(raw[ranks[r]], &st) != 0 || source::stamp_of(st).size != sh.stamp.size ||
-        source::stamp_of(st).mtime_ns != sh.stamp.mtime_ns) {
+    if (::fstat(raw[ranks[r]], &st) != 0) return no(fmt::format("{}: stat failed", sh.name));
+    if (const auto now = source::stamp_of(st);
+        now.size != sh.stamp.size || now.mtime_ns != sh.stamp.mtime_ns) {
       return no(fmt::format("{}: changed while it was compared", sh.name));
     }
   }
