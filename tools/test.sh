@@ -107,7 +107,7 @@ fuzz_pair() {  # "target seeds..." "target seeds..."
 fuzz_pair "fuzz_header tests/fuzz/seeds tests/data/bad/headers" \
   "fuzz_checkpoint tests/fuzz/seeds tests/data/bad/headers"
 fuzz_pair "fuzz_side_files tests/fuzz/seeds-json" "fuzz_torch tests/fuzz/seeds-torch"
-fuzz_pair "fuzz_model_map tests/fuzz/seeds-maps" "fuzz_megatron_args tests/fuzz/seeds-args"
+fuzz_pair "fuzz_model_map tests/fuzz/seeds-maps" "fuzz_megatron_args tests/fuzz/seeds-args tests/fuzz/seeds-yaml"
 
 # Steps 6 and 7: meson's mount and mpi suites (tests/meson.build), pytest over real mounts of
 # the ckptfs the build made; --verbose streams pytest's output (its progress, and on a failure

@@ -146,9 +146,10 @@ void print_text(const layout::Checkpoint& c) {
   fmt::print("checkpoint {}: {}\n", printable(c.dir), c.valid() ? "valid" : "INVALID");
   fmt::print("  format: {}\n", c.format);
   if (!c.map.empty()) {
-    fmt::print("  model map: {}: {} HF tensors made of {} stored tensors{}\n", c.map,
-               c.tensors.size(), c.stored.size(),
-               c.config_json.empty() ? "" : " (config.json from hf_config)");
+    fmt::print(
+        "  model map: {}: {} HF tensors made of {} stored tensors{}\n", c.map, c.tensors.size(),
+        c.stored.size(),
+        c.config_json.empty() ? "" : fmt::format(" (config.json: {})", printable(c.config_from)));
   }
   if (!c.map_note.empty()) fmt::print("  model map: {}\n", printable(c.map_note));
   if (c.unmapped_native()) {

@@ -76,7 +76,7 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
     }
     return false;
   }
-  std::string text, what;
+  std::string text, what, from;  // from: for inspect (Checkpoint::config_from)
   // Why the checkpoint's own config (common.pt's args) made none: said with the refusal.
   std::string native_why;
   if (!in.config.empty()) {
@@ -85,6 +85,7 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
   } else if (!opts.hf_config.empty()) {
     text = opts.hf_config;
     what = opts.hf_config_what.empty() ? std::string("hf_config") : opts.hf_config_what;
+    from = "-o hf_config=" + what;
   } else if (!in.native_problem.empty()) {
     native_why = in.native_problem;
   } else if (!in.native_config.empty() && !m->hf_config.is_object()) {
@@ -97,6 +98,7 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
     if (made) {
       text = made->dump(2) + "\n";
       what = fmt::format("config.json made by map '{}' from {}", m->name, in.native_what);
+      from = fmt::format("made by the map from {}", in.native_what);
     } else {
       native_why = made.error().message;
     }
@@ -126,7 +128,10 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
     for (auto& p : compiled.problems) ck.problems.push_back(std::move(p));
     return false;
   }
-  if (in.config.empty()) ck.config_json = text;
+  if (in.config.empty()) {
+    ck.config_json = text;
+    ck.config_from = from;
+  }
   ck.map = m->name;
   ck.stored = std::move(ck.tensors);
   ck.tensors.clear();

@@ -12,6 +12,7 @@
 
 #include "ckptfs/format/distcp.hpp"
 #include "ckptfs/format/megatron_args.hpp"
+#include "ckptfs/format/transformer_config.hpp"
 #include "ckptfs/format/zip.hpp"
 #include "ckptfs/util/checked.hpp"
 #include "ckptfs/util/fd.hpp"
@@ -97,30 +98,50 @@ Result<uint64_t> locate_chunk(int fd, const std::string& file, uint64_t file_siz
   return c.offset + at;  // in range of the chunk (zip::members checked the member)
 }
 
-// Megatron-LM's args in common.pt: the model config a map's hf_config template reads. A
-// common.pt without args (megatron-core's own saves) gives none; one that cannot be read is
-// said (naming it) where a map would have used it, never served from.
-void read_megatron_common(int dirfd, layout::BuildInput& in, const std::string& pre) {
-  const std::string name(format::kMegatronCommonName);
-  struct stat st {};
-  auto fd = open_regular_at(dirfd, name, name, &st);
-  if (!fd) {
-    if (fd.error().code != ENOENT) in.native_problem = fd.error().message;
-    in.native_what = pre + name;
-    return;
+// The model config a checkpoint carries, for a map's hf_config template, in the order read:
+// Megatron-LM's args in common.pt, else (a common.pt with none: megatron-core's own saves,
+// Megatron-Bridge's) Megatron-Bridge's run_config.yaml. The first found is read; one that
+// cannot be read is said (naming it) where a map would have used it, never served from.
+struct NativeConfigFile {
+  std::string_view name;
+  std::string_view about;
+  uint64_t cap;
+  Result<nlohmann::json> (*parse)(std::string_view bytes, std::string_view what);
+};
+constexpr NativeConfigFile kNativeConfigFiles[] = {
+    {format::kMegatronCommonName, "Megatron-LM's args", format::kMaxMegatronCommonBytes,
+     format::read_megatron_args},
+    {format::kBridgeRunConfigName, "Megatron-Bridge's model config", format::kMaxRunConfigBytes,
+     format::read_bridge_run_config},
+};
+
+void read_native_config(int dirfd, layout::BuildInput& in, const std::string& pre) {
+  in.native_what = pre + std::string(kNativeConfigFiles[0].name);
+  for (const auto& f : kNativeConfigFiles) {
+    const std::string name(f.name);
+    struct stat st {};
+    auto fd = open_regular_at(dirfd, name, name, &st);
+    if (!fd && fd.error().code == ENOENT) continue;
+    in.native_what = fmt::format("{}{} ({})", pre, name, f.about);
+    if (!fd) {
+      in.native_problem = fd.error().message;
+      return;
+    }
+    auto bytes = read_whole(*fd, st, pre + name, f.cap);
+    if (!bytes) {
+      in.native_problem = bytes.error().message;
+      return;
+    }
+    auto config = f.parse(*bytes, pre + name);
+    if (config) {
+      in.native_config = config->dump();
+      return;
+    }
+    if (config.error().code != ENOENT) {  // ENOENT: no config in it; the next file is read
+      in.native_problem = config.error().message;
+      return;
+    }
   }
-  in.native_what = pre + name + " (Megatron-LM's args)";
-  auto bytes = read_whole(*fd, st, pre + name, format::kMaxMegatronCommonBytes);
-  if (!bytes) {
-    in.native_problem = bytes.error().message;
-    return;
-  }
-  auto args = format::read_megatron_args(*bytes, pre + name);
-  if (!args) {
-    if (args.error().code != ENOENT) in.native_problem = args.error().message;
-    return;
-  }
-  in.native_config = args->dump();
 }
 
 }  // namespace
@@ -170,7 +191,7 @@ void read_distcp_input(int dirfd, layout::BuildInput& in, std::string_view prefi
   if (auto mj = read_small_file_beneath(dirfd, format::kMegatronMetadataName, 64 << 10);
       mj.ok() && format::is_megatron_torch_dist(*mj)) {
     in.declared->format = "Megatron-Core torch_dist (.metadata, *.distcp, metadata.json)";
-    read_megatron_common(dirfd, in, pre);
+    read_native_config(dirfd, in, pre);
   }
   struct stat mst {};
   std::string text;

@@ -17,6 +17,7 @@
 #include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/format/record.hpp"
+#include "ckptfs/format/transformer_config.hpp"
 #include "ckptfs/source/distcp.hpp"
 #include "ckptfs/source/maps.hpp"
 #include "ckptfs/source/verl.hpp"
@@ -168,10 +169,14 @@ Signature signature_of(int dirfd, const std::vector<DirEntry>& entries) {
   // A DCP checkpoint's config.json sizes its model map (read_dir_config): a change rebuilds.
   // (Not accelerate's CKPT/config.json: that layout's inputs all sit in its folder, and it has
   // no close evidence of its own; one file of CKPT would count as evidence for them all.)
-  // So does Megatron-LM's common.pt (its args make a map's config.json).
+  // So do Megatron-LM's common.pt and Megatron-Bridge's run_config.yaml (the model config a
+  // map's config.json is made of).
   if (is_distcp_dir(entries)) {
     for (const auto& e : entries) {
-      if (e.name != "config.json" && e.name != format::kMegatronCommonName) continue;
+      if (e.name != "config.json" && e.name != format::kMegatronCommonName &&
+          e.name != format::kBridgeRunConfigName) {
+        continue;
+      }
       sig.files.emplace_back(e.name, stamp_of(e.st));
     }
   }

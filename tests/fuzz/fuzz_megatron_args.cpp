@@ -1,17 +1,24 @@
-// libFuzzer target: Megatron-LM's common.pt (format/megatron_args), an untrusted input, and what
-// the built-in maps' hf_config templates make of whatever it yields.
+// libFuzzer target: the model configs checkpoints carry, untrusted inputs, and what the built-in
+// maps' hf_config templates make of whatever they yield: Megatron-LM's common.pt
+// (format/megatron_args) and Megatron-Bridge's run_config.yaml (format/yaml,
+// format/transformer_config).
 //
-// The input is read both as a whole common.pt (a torch.save zip archive) and as its data.pkl
-// alone. Whatever args come out are a JSON object of scalars; every built-in map's template is
-// rendered over them (layout::render_hf_config): it must either refuse or give a JSON object,
-// never crash, and a config it gives must be one build_checkpoint accepts as config.json text.
+// The input is read as a whole common.pt (a torch.save zip archive), as its data.pkl alone, and
+// as a run_config.yaml (seeds: tests/fuzz/seeds-args and tests/fuzz/seeds-yaml). Whatever native
+// config comes out is a JSON object of scalars; every built-in map's template is rendered over it
+// (layout::render_hf_config): it must either refuse or give a JSON object, never crash, and a
+// config it gives must be one build_checkpoint accepts as config.json text. The YAML reader's
+// document must also survive a dump (valid UTF-8, within the JSON depth cap).
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
+#include "ckptfs/format/json_depth.hpp"
 #include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/model_map.hpp"
+#include "ckptfs/format/transformer_config.hpp"
+#include "ckptfs/format/yaml.hpp"
 #include "ckptfs/layout/map_config.hpp"
 #include "ckptfs/layout/model_map.hpp"
 
@@ -38,5 +45,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto a = format::parse_megatron_args_pickle(std::string(text), "fuzz data.pkl")) {
     render_all(*a);
   }
+  if (auto doc = format::parse_yaml(text, "fuzz.yaml")) {
+    const std::string dumped = doc->dump();  // throws (a crash here) on a string not UTF-8
+    if (format::json_too_deep_at(dumped) != std::string::npos) __builtin_trap();
+  }
+  if (auto a = format::read_bridge_run_config(text, "fuzz run_config.yaml")) render_all(*a);
   return 0;
 }

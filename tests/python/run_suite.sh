@@ -6,7 +6,8 @@
 # -Db_sanitize=address,..., picks the tier against the ASan+UBSan daemon):
 #   mount          every test not marked `mpi`
 #   mount, ASan    the real-mount, hostile-source, trust, CLI and write-path files (the write
-#                  path's reference model through a mount too), but not the tests
+#                  path's reference model through a mount too; the YAML reader against
+#                  PyYAML), but not the tests
 #                  that load the Python binding's library into the venv's Python (written_through,
 #                  every_tool: its ASan build cannot load there); the randomized mount and write
 #                  tests get CKPTFS_ASAN_{MOUNT,WRITE}_FUZZ_SECONDS (default 30) each. The daemon
@@ -75,7 +76,7 @@ if [[ ${CKPTFS_ASAN:-0} == 1 ]]; then
     files=(test_mount.py test_hostile.py test_mount_fuzz.py test_cli.py test_write.py
            test_trust.py test_write_fuzz.py test_native.py test_maps_torchtitan.py
            test_passthrough.py test_trust_dcp.py test_trust_verl_maps.py test_trust_views.py
-           test_fs_model_mount.py test_write_passthrough.py)
+           test_fs_model_mount.py test_write_passthrough.py test_yaml_pyyaml.py)
     args+=("${files[@]/#/tests/python/}" -m "not mpi" -k "not written_through and not every_tool")
   else
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0

@@ -207,12 +207,12 @@ def test_hf_config_refusals_name_the_field():
 
 # --- through the mount, with no options -------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def mounted(gen, tmp_path_factory):
+def mount_for_module(src, tmp_path_factory, name):
+    """A mount of src with no options, for a module fixture (yields its path)."""
     if not (os.geteuid() == 0 and os.path.exists("/dev/fuse") and shutil.which("fusermount3")):
         pytest.skip("needs root, /dev/fuse and fusermount3")
-    t = tmp_path_factory.mktemp("megatron-families-mnt")
-    m = Mount(gen["src"], t / "mnt", log=str(t / "mnt.log"))
+    t = tmp_path_factory.mktemp(name)
+    m = Mount(src, t / "mnt", log=str(t / "mnt.log"))
     try:
         m.start()
         yield pathlib.Path(m.mnt)
@@ -222,6 +222,11 @@ def mounted(gen, tmp_path_factory):
         assert m.alive(), m.log_tail()
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def mounted(gen, tmp_path_factory):
+    yield from mount_for_module(gen["src"], tmp_path_factory, "megatron-families-mnt")
 
 
 def logits(model):
@@ -323,3 +328,103 @@ def test_refusals_name_the_file_the_map_and_the_rule(gen, tmp_path):
     text = inspect("--map", "megatron-qwen2", "--hf-config", gen["ref"] / "llama-pp2" / "config.json",
                    gen["src"] / "llama-pp2" / ITER)
     assert "megatron-qwen2" in text and "rule" in text and "linear_qkv.bias" in text, text
+
+
+# --- Megatron-Bridge: its run_config.yaml, no Megatron-LM args --------------------------------
+
+# The cases Megatron-Bridge 0.3.1 can make a provider for (its AutoBridge has no Mixtral bridge).
+BRIDGE_CASES = ["llama-pp2", "qwen2-tp2", "qwen3-pp2-tied", "qwen3moe-ep2-tied", "deepseekv3-yarn"]
+
+
+@pytest.fixture(scope="module")
+def bridge(gen, tmp_path_factory):
+    """gen's checkpoints as Megatron-Bridge lays them out (Megatron-LM's layout, which Bridge
+    keeps): common.pt with no `args` (Bridge keeps none) and iter_0000010/run_config.yaml, written
+    by Megatron-Bridge's own ConfigContainer.to_yaml around the provider its AutoBridge makes of
+    the original HF model, with the case's TP, PP and EP (tests/python/writers/bridge_run_config.py).
+    The weights are megatron-core's dist_checkpointing.save, which Bridge's save_checkpoint calls."""
+    if importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("megatron-bridge not installed (tools/requirements-frameworks.txt)")
+    src = tmp_path_factory.mktemp("megatron-bridge") / "src"
+    cases = []
+    for name in BRIDGE_CASES:
+        _, tp, pp, ep, *_ = CASES[name]
+        shutil.copytree(gen["src"] / name, src / name)
+        d = src / name / ITER
+        sd = torch.load(str(d / "common.pt"), weights_only=False)
+        del sd["args"]
+        torch.save(sd, str(d / "common.pt"))
+        cases.append(f"{gen['ref'] / name}:{d}:{tp}:{pp}:{ep}")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(WRITERS / "bridge_run_config.py"), *cases], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=str(src.parent))
+    assert r.returncode == 0, f"bridge_run_config: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    for name in BRIDGE_CASES:
+        assert (src / name / ITER / "run_config.yaml").exists(), name
+    return src
+
+
+@pytest.fixture(scope="module")
+def bridge_mounted(bridge, tmp_path_factory):
+    yield from mount_for_module(bridge, tmp_path_factory, "megatron-bridge-mnt")
+
+
+@requires_fuse
+@pytest.mark.parametrize("name", BRIDGE_CASES)
+def test_megatron_bridge_run_config_with_no_options(gen, bridge, bridge_mounted, name):
+    """MNT/<case>/iter_0000010 of a Megatron-Bridge checkpoint shows config.json made by the
+    detected map from run_config.yaml's model (no args anywhere), the original tensors (and so
+    mbridge's export), and from_pretrained of it as the mount's first access computes the
+    original model's logits."""
+    *_, tied, dtype, want_map = CASES[name]
+    d = bridge_mounted / name / ITER
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(gen["ref"] / name), dtype=torch.float32)
+    assert type(model) is type(ref)
+    assert torch.equal(logits(model), logits(ref)), f"{name}: another model's logits"
+    config = json.loads((d / "config.json").read_text())
+    ref_config = json.loads((gen["ref"] / name / "config.json").read_text())
+    for k in ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps"):
+        assert config.get(k) == ref_config.get(k), (k, config.get(k), ref_config.get(k))
+    got = served(d)
+    assert_equal(got, original(gen, name), f"{name}: the consolidated files")
+    assert_equal(got, load(gen["ref"] / name / "mbridge.safetensors"), f"{name}: vs mbridge's export")
+    del model, ref, got
+    text = inspect(bridge / name / ITER)
+    assert want_map in text and "run_config.yaml" in text, text
+
+
+@requires_fuse
+def test_megatron_bridge_refusals_name_the_file(gen, bridge, tmp_path):
+    """A run_config.yaml that is not what Bridge writes makes no config.json, and inspect says
+    why naming the file and the line: a tag that would construct an object (refused before
+    anything is read), a GeGLU model (not the SwiGLU the architecture computes: the map's
+    hf_config_requires), a file with no `model`; a Megatron-LM common.pt's args win over it."""
+    src = tmp_path / "src"
+    base = bridge / "qwen2-tp2" / ITER
+    text = (base / "run_config.yaml").read_text()
+    cases = {
+        "tag": (text.replace("model:\n", "model:\n  evil: !!python/object/apply:os.system ['true']\n", 1),
+                ["run_config.yaml: line", "a tag ('!!python/object/apply:os.system')"]),
+        "geglu": (text.replace("torch.nn.functional.silu", "torch.nn.functional.gelu"),
+                  ["megatron-qwen2", "hf_config_requires", "swiglu"]),
+        "no-model": ("train:\n  train_iters: 10\n", ["megatron-qwen2", "hf_config"]),
+    }
+    for case, (body, _) in cases.items():
+        shutil.copytree(base, src / case)
+        (src / case / "run_config.yaml").write_text(body)
+    # Megatron-LM's args and a run_config.yaml beside them: the args are read.
+    shutil.copytree(gen["src"] / "qwen2-tp2" / ITER, src / "args-win")
+    (src / "args-win" / "run_config.yaml").write_text(cases["geglu"][0])
+    with Mount(src, tmp_path / "mnt", log=str(tmp_path / "mnt.log")) as m:
+        for case, (_, says) in cases.items():
+            names = os.listdir(pathlib.Path(m.mnt) / case)
+            assert "config.json" not in names, (case, names)
+            out = inspect(src / case)
+            assert all(s in out for s in says), f"{case}: {says}\n{out}"
+        assert "config.json" in os.listdir(pathlib.Path(m.mnt) / "args-win")
+        assert_equal(served(pathlib.Path(m.mnt) / "args-win"), original(gen, "qwen2-tp2"), "args-win")
+        assert m.proc.poll() is None

@@ -216,8 +216,11 @@ struct Checkpoint {
   std::vector<std::string> map_trials;
   [[nodiscard]] bool unmapped_native() const { return map.empty() && !native_name.empty(); }
   // config.json as the view shows it when it came from BuildOptions::hf_config (the directory
-  // has none of its own); empty otherwise.
+  // has none of its own) or a map's hf_config template; empty otherwise. `config_from` says
+  // which ("-o hf_config=PATH", "map 'megatron-gpt' from iter_0000010/run_config.yaml
+  // (Megatron-Bridge's model config)"), for inspect.
   std::string config_json;
+  std::string config_from;
   // Some output was written through ckptfs (has a commit record): the directory's own index
   // file, if it has one, is the real one and none is synthesized.
   bool written = false;
