@@ -16,7 +16,10 @@
 #      -o lora=merged: the merged model, as PEFT's merge_and_unload() gives it
 #   10. torchtitan's own checkpointer (FSDP2, 2 ranks) saves a Llama into the mount, under its
 #      own names and RoPE row order; the built-in model map torchtitan-llama3 serves it under
-#      HF's (issue 22, docs/maps.md), and a Qwen3-MoE through torchtitan-qwen3-moe;
+#      HF's (issue 22, docs/maps.md), a Qwen3-MoE through torchtitan-qwen3-moe and a gpt-oss
+#      through torchtitan-gpt-oss (its experts transposed on read); megatron-core's
+#      dist_checkpointing saves a DeepSeek-V3-shaped model, served with config.json made from
+#      its own args, and the same checkpoint as Megatron-Bridge keeps it (its run_config.yaml);
 #   11. unmount (always, from a trap)
 # Exit status: non-zero if any step or check fails. Needs no network beyond apt and PyPI
 # (set-up only); nothing is fetched from the HuggingFace hub.
@@ -228,7 +231,7 @@ if ((status == 0)); then
   fi
 fi
 
-step "10/11 torchtitan's checkpointer and megatron-core save into the mount; served under HF names through the model maps torchtitan-llama3, torchtitan-qwen3-moe and megatron-deepseek-v3"
+step "10/11 torchtitan's checkpointer and megatron-core save into the mount; served under HF names through the model maps torchtitan-llama3, torchtitan-qwen3-moe, torchtitan-gpt-oss and megatron-deepseek-v3"
 if ((status == 0)); then
   # torchtitan 0.3.0 stores tok_embeddings, layers.N.attention.qkv_linear.wq (rows permuted for
   # RoPE), feed_forward.w1/w2/w3...: the writer converts an HF Llama with torchtitan's own
@@ -254,6 +257,45 @@ if ((status == 0)); then
 fi
 
 if ((status == 0)); then
+  # gpt-oss: torchtitan stores each layer's experts as [experts, out, in] (mlp1_weight_EGD...),
+  # HF's GptOssExperts holds [experts, in, out]: torchtitan-gpt-oss serves them transposed,
+  # computed on read (its to_hf, which drops the experts in 0.3.0, is the reference for the rest).
+  rm -rf "$SRC/run/titan-oss"
+  "$PY" tests/python/writers/titan_family_save.py "$MNT/run/titan-oss" --ranks 2 --models gpt-oss \
+    >"$WORK/titan_oss_save.log" 2>&1 || { tail -n 20 "$WORK/titan_oss_save.log"; status=1; }
+fi
+if ((status == 0)); then
+  OSS=$MNT/run/titan-oss/gpt-oss
+  "$BIN" inspect "$SRC/run/titan-oss/gpt-oss/checkpoint/step-1" | grep -E "format|model map|gate_up_proj " |
+    head -n 4 || true
+  "$PY" - "$OSS" <<'PYEOF' || status=$?
+import glob, sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+d = sys.argv[1]
+step = f"{d}/checkpoint/step-1"
+served = {}
+for f in sorted(glob.glob(f"{step}/model*.safetensors")):
+    served.update(load_file(f))
+want = load_file(f"{d}/to_hf.safetensors")  # to_hf: every tensor but the experts
+names = {"mlp1_weight_EGD": "gate_up_proj", "mlp1_bias_EG": "gate_up_proj_bias",
+         "mlp2_weight_EDF": "down_proj", "mlp2_bias_ED": "down_proj_bias"}
+for k, v in load_file(f"{d}/stored.safetensors").items():  # the experts, in HF's layout
+    p, _, leaf = k.rpartition(".")
+    if leaf in names:
+        want[f"model.layers.{p.split('.')[1]}.mlp.experts.{names[leaf]}"] = v.transpose(-2, -1) if "weight" in leaf else v
+bad = sorted(k for k in want if k not in served or not torch.equal(served[k], want[k]))
+model, info = AutoModelForCausalLM.from_pretrained(step, output_loading_info=True)
+print(f"from_pretrained({step}): {type(model).__name__}; {len(want)} tensors "
+      f"{'all equal to to_hf and the transposed experts' if not bad else 'DIFFER: ' + str(bad[:4])}; "
+      f"missing {info['missing_keys']}, unexpected {info['unexpected_keys']}")
+sys.exit(0 if not bad and not info["missing_keys"] and not info["unexpected_keys"] else 1)
+PYEOF
+fi
+
+if ((status == 0)); then
   # Megatron-Core: a DeepSeek-V3-shaped model (multi-latent attention with YaRN RoPE, MLA's
   # default, a dense first layer, then MoE with 4 routed experts, a router expert bias and a
   # shared expert), TP 2, saved by megatron-core's own dist_checkpointing into the mount in
@@ -264,12 +306,10 @@ if ((status == 0)); then
     dsv3:deepseek_v3:2:1:1:0:float32:yarn >"$WORK/megatron_save.log" 2>&1 ||
     { tail -n 20 "$WORK/megatron_save.log"; status=1; }
 fi
-if ((status == 0)); then
-  DSV3=$MNT/run/megatron/dsv3/iter_0000010
-  "$BIN" inspect "$SRC/run/megatron/dsv3/iter_0000010" | grep -E "format|model map" | head -n 3 || true
-  # transformers 5 holds these experts fused in memory: the files are compared name by name,
-  # then the model from_pretrained builds through the mount against the original's logits.
-  "$PY" - "$DSV3" "$WORK/megatron-ref/dsv3" <<'PYEOF' || status=$?
+# from_pretrained(DIR) of a Megatron-Core DeepSeek-V3 view: its files name by name against the
+# original (transformers 5 holds these experts fused in memory), then the model's logits.
+check_megatron() {
+  "$PY" - "$1" "$2" <<'PYEOF'
 import glob, json, sys
 import torch
 from safetensors.torch import load_file
@@ -292,6 +332,27 @@ print(f"from_pretrained({d}): config.json says {arch}, {rope} RoPE; {len(want)} 
       f"{'equal to the original model' if same else 'DIFFER'}")
 sys.exit(0 if not bad and same and not info["missing_keys"] and not info["unexpected_keys"] else 1)
 PYEOF
+}
+if ((status == 0)); then
+  DSV3=$MNT/run/megatron/dsv3/iter_0000010
+  "$BIN" inspect "$SRC/run/megatron/dsv3/iter_0000010" | grep -E "format|model map" | head -n 3 || true
+  check_megatron "$DSV3" "$WORK/megatron-ref/dsv3" || status=$?
+fi
+if ((status == 0)); then
+  # Megatron-Bridge saves the same layout with no args in common.pt and its run's config in
+  # iter_N/run_config.yaml (written here by Megatron-Bridge's own ConfigContainer.to_yaml for
+  # the provider its AutoBridge makes of the original): config.json is made from its `model`.
+  rm -rf "$SRC/run/bridge"
+  mkdir -p "$SRC/run/bridge"
+  cp -a "$SRC/run/megatron/dsv3" "$SRC/run/bridge/dsv3"  # -a: DCP writes .metadata last
+  B=$SRC/run/bridge/dsv3/iter_0000010
+  "$PY" -c 'import sys, torch; p = sys.argv[1]; sd = torch.load(p, weights_only=False); del sd["args"]; torch.save(sd, p)' \
+    "$B/common.pt" && "$PY" tests/python/writers/bridge_run_config.py "$WORK/megatron-ref/dsv3:$B:2:1:1" \
+    >"$WORK/bridge_save.log" 2>&1 || { tail -n 20 "$WORK/bridge_save.log"; status=1; }
+fi
+if ((status == 0)); then
+  "$BIN" inspect "$B" | grep -E "model map" | head -n 1 || true
+  check_megatron "$MNT/run/bridge/dsv3/iter_0000010" "$WORK/megatron-ref/dsv3" || status=$?
 fi
 
 step "11/11 unmount"
