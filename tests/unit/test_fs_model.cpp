@@ -147,6 +147,32 @@ TEST(FsModel, RandomSequencesMatchTheReferenceModel) {
   }
 }
 
+// The same model with write passthrough: the kernel writes each file into its backing file (a
+// pwrite on the descriptor the open handed out), close() stores it as its own one shard, and
+// with ranks > 1 its split into rank shards runs after the close, on the split threads, while
+// the sequence goes on: every check after every step (names, sizes, bytes by name and through
+// the writer's handle) holds whether or not the split has run. Other seeds than the request
+// path's (CKPTFS_MODEL_KW_SEQS, default 20).
+TEST(FsModel, KernelWritesMatchTheReferenceModel) {
+  const int seqs = std::max(1, env_int("CKPTFS_MODEL_KW_SEQS", 20));
+  const int ops = std::max(1, env_int("CKPTFS_MODEL_OPS", 150));
+  Counters cov;
+  uint64_t kernel_written = 0;
+  if (!run_sequences([&] { return std::make_unique<FsDriver>(true, &kernel_written); }, seqs, 1000,
+                     ops, cov)) {
+    return;
+  }
+  if (replay() || seqs * ops < 10 * 150) return;
+  EXPECT_GE(kernel_written, cov["write in order"] + cov["write out of order"])
+      << "writes that reached the Filesystem: every open for writing is handed to the kernel";
+  for (const char* k :
+       {"read of a stored file after commit", "read of a file being written (writer's handle)",
+        "read of a file being written (open by name)", "stored as shards (seen in SRC)",
+        "rename of a file being written onto a model name", "close stored whole"}) {
+    EXPECT_GE(cov[k], 1u) << "the kernel-writes variant never reached: " << k;
+  }
+}
+
 // The same sequences (the same seeds) replayed through a real mount by POSIX syscalls: run by
 // tests/python/test_fs_model_mount.py, which mounts ckptfs on an empty SRC with
 //   -o ranks=N,settle=S,revalidate=S,entry_timeout=0,attr_timeout=0,writer_view=0

@@ -19,6 +19,14 @@ namespace ckptfs::fsmodel {
 // and the read plan it returns.
 class FsDriver : public Driver {
  public:
+  // kernel_writes: write passthrough (Options::backing_writes), as the adapter runs on Linux
+  // 6.9 and later as root: a file open for writing is handed to the kernel, which writes it
+  // into its backing file itself, so a write here is a pwrite on the descriptor the open handed
+  // out and no write() reaches the Filesystem; close() stores the file as its own one shard and
+  // the split into rank shards runs after it, on the split threads, while the sequence goes on.
+  // `kernel_written` (if given) counts the writes made so.
+  explicit FsDriver(bool kernel_writes = false, uint64_t* kernel_written = nullptr)
+      : kernel_writes_(kernel_writes), kernel_written_(kernel_written) {}
   Result<uint32_t> start(uint32_t ranks) override;
   [[nodiscard]] const std::string& src() const override { return tmp_.path(); }
   [[nodiscard]] bool through_kernel() const override { return false; }
@@ -48,6 +56,9 @@ class FsDriver : public Driver {
   std::shared_ptr<fs::ManualClock> clock_;
   std::unique_ptr<fs::Filesystem> f_;
   std::map<int, uint64_t> fh_;  // the model's handle id -> the Filesystem's file handle
+  bool kernel_writes_ = false;
+  uint64_t* kernel_written_ = nullptr;
+  std::map<int, int> backing_;  // a handle the kernel writes -> its backing descriptor
 };
 
 // A real ckptfs mount at `mnt` serving `src`, driven with POSIX syscalls (open with

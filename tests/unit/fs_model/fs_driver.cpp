@@ -1,6 +1,7 @@
 // fs_model/fs_driver: the Driver that calls fs::Filesystem directly (no kernel), on a ManualClock.
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 
@@ -35,6 +36,10 @@ Result<uint32_t> FsDriver::start(uint32_t ranks) {
   // semantics.md: the writer's view shows a process that wrote in a checkpoint directory its
   // shard files; the model is what everyone else sees, so it is off here.
   o.writer_view = std::chrono::milliseconds(0);
+  if (kernel_writes_) {
+    o.backing_writes = true;
+    o.backing_grace = std::chrono::milliseconds(0);
+  }
   CKPTFS_TRY(f_, fs::Filesystem::create(tmp_.path(), o));
   return ranks;
 }
@@ -56,10 +61,18 @@ Answer FsDriver::create(const std::string& dir, const std::string& name, int fla
   auto c = f_->create(ino, name, 0644, flags);
   if (!c) return answer(c, "create " + name);
   fh_[handle] = c->open.fh;
+  if (kernel_writes_ && c->open.backing_fd >= 0) backing_[handle] = c->open.backing_fd;
   return {};
 }
 
 Answer FsDriver::write(int handle, uint64_t off, std::string_view bytes, size_t& wrote) {
+  if (auto b = backing_.find(handle); b != backing_.end()) {  // the kernel writes it
+    const ssize_t n = ::pwrite(b->second, bytes.data(), bytes.size(), static_cast<off_t>(off));
+    if (n < 0) return {errno, fmt::format("write #{} at {} (the kernel's)", handle, off)};
+    wrote = static_cast<size_t>(n);
+    if (kernel_written_) ++*kernel_written_;
+    return {};
+  }
   auto r = f_->write(fh_.at(handle), off, bytes);
   if (!r) return answer(r, fmt::format("write #{} at {}", handle, off));
   wrote = *r;
@@ -73,6 +86,7 @@ Answer FsDriver::flush(int handle) {
 Answer FsDriver::close(int handle) {
   const uint64_t fh = fh_.at(handle);
   fh_.erase(handle);
+  backing_.erase(handle);  // the Filesystem's descriptor: the release below lets it go
   auto st = f_->flush(fh);
   f_->release(fh);
   return answer(st, fmt::format("close #{}", handle));
@@ -157,6 +171,16 @@ Answer FsDriver::read_name(const std::string& dir, const std::string& name, cons
 }
 
 Answer FsDriver::read_handle(int handle, const ReadParts& parts, std::string& out) {
+  if (auto b = backing_.find(handle); b != backing_.end()) {  // the kernel reads it too
+    out.clear();
+    for (auto [off, len] : parts) {
+      std::string buf(len, '\0');
+      const ssize_t n = ::pread(b->second, buf.data(), len, static_cast<off_t>(off));
+      if (n < 0) return {errno, fmt::format("read #{} at {} (the kernel's)", handle, off)};
+      out.append(buf.data(), static_cast<size_t>(n));
+    }
+    return {};
+  }
   return read_fh(fh_.at(handle), parts, out);
 }
 
