@@ -9,7 +9,6 @@
 
 #include "ckptfs/format/megatron_args.hpp"
 #include "ckptfs/format/yaml.hpp"
-#include "ckptfs/util/text.hpp"
 
 namespace ckptfs::format {
 namespace {

@@ -136,7 +136,8 @@ std::optional<json> resolve_float(std::string_view s) {
     const size_t dot = clean.find('.');
     v = sexagesimal_value(std::string_view(clean).substr(0, dot));
     double frac = 0;
-    const std::string f = "0" + clean.substr(dot);
+    std::string f = "0";  // appended, not "0" + ...: g++ 12 -O3 warns (-Wrestrict) on that
+    f.append(clean, dot);
     std::from_chars(f.data(), f.data() + f.size(), frac);
     return number(neg ? -(v + frac) : v + frac, false);
   }
@@ -155,7 +156,8 @@ std::optional<json> resolve_float(std::string_view s) {
     while (k < body.size() && is_digit(body[k])) ++k;
     if (k == e || k != body.size()) return std::nullopt;
   }
-  const std::string clean = (neg ? "-" : "") + without_underscores(body);
+  std::string clean = neg ? "-" : "";
+  clean += without_underscores(body);
   double d = 0;
   const auto r = std::from_chars(clean.data(), clean.data() + clean.size(), d);
   if (r.ec == std::errc::result_out_of_range) return json(nullptr);
