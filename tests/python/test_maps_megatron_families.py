@@ -428,3 +428,28 @@ def test_megatron_bridge_refusals_name_the_file(gen, bridge, tmp_path):
         assert "config.json" in os.listdir(pathlib.Path(m.mnt) / "args-win")
         assert_equal(served(pathlib.Path(m.mnt) / "args-win"), original(gen, "qwen2-tp2"), "args-win")
         assert m.proc.poll() is None
+
+
+def test_megatron_bridge_verify_consolidate_and_load(gen, bridge, tmp_path):
+    """The CLI reads a Megatron-Bridge checkpoint as the mount does, with no options: verify
+    passes, consolidate writes the original's tensors and a config.json made from
+    run_config.yaml (from_pretrained of the copy computes the original's logits), and load reads
+    the bytes the view serves (its checksum against the consolidated copy's)."""
+    name = "qwen3-pp2-tied"
+    d = bridge / name / ITER
+    r = subprocess.run([BIN, "verify", str(d)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "out"
+    r = subprocess.run([BIN, "consolidate", str(d), str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert_equal(served(out), original(gen, name), "consolidate's copy")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(gen["ref"] / name), dtype=torch.float32)
+    assert torch.equal(logits(model), logits(ref))
+    sums = []
+    for p in (d, out):
+        r = subprocess.run([BIN, "load", str(p)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        sums.append([ln for ln in r.stdout.splitlines() if ln.startswith("checksum")])
+    assert sums[0] and sums[0] == sums[1], sums
