@@ -1424,6 +1424,7 @@ def test_concurrent_writers(mount_factory, tmp_path):
     for (d, n), data in want.items():
         assert read(mnt / d / n) == data, f"{d}/{n} differs"
     assert names(mnt / "Z") == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    splits_done(mnt)  # ranks=2: each file is split into its rank shards after its close
     for d in "VWXY":
         assert src_shards(tmp_path / "src" / d) == [f"shard-{r:05d}-model-00001-of-00001.safetensors" for r in (1, 2)]
     assert src_shards(tmp_path / "src" / "Z") == sorted(
@@ -1467,6 +1468,7 @@ def test_reader_while_writing(mount_factory, tmp_path):
     assert_alive(m)
     assert names(mnt / "R") == ["model.safetensors"]
     assert read(mnt / "R" / "model.safetensors") == data
+    splits_done(mnt)  # ranks=2: the file is split into its rank shards after its close
     assert len(src_shards(tmp_path / "src" / "R")) == 2
 
 
