@@ -266,7 +266,7 @@ Result<json> Parser::value_after_indicator(int indent, size_t depth, After after
   } else {
     return inline_value(indent, depth, std::move(props));
   }
-  CKPTFS_CHECK(remember(props.anchor, v, before));
+  remember(props.anchor, v, before);
   return v;
 }
 
@@ -278,8 +278,7 @@ Result<Parser::Props> Parser::properties() {
     const std::string_view r = rest();
     if (r.starts_with('!')) {
       if (p.tag) return fail("two tags on one node");
-      size_t n = 1;
-      while (n < r.size() && r[n] != ' ' && !is_flow_indicator(r[n])) ++n;
+      const size_t n = property_end(r);
       const std::string_view t = r.substr(0, n);
       static constexpr std::pair<std::string_view, char> kCore[] = {
           {"!!str", 's'}, {"!!int", 'i'}, {"!!float", 'f'}, {"!!bool", 'b'}, {"!!null", 'n'}};
@@ -293,8 +292,7 @@ Result<Parser::Props> Parser::properties() {
     }
     if (!r.starts_with('&')) return p;
     if (p.anchor) return fail("two anchors on one node");
-    size_t n = 1;
-    while (n < r.size() && r[n] != ' ' && !is_flow_indicator(r[n])) ++n;
+    const size_t n = property_end(r);
     if (n == 1) return fail("an anchor with no name");
     p.anchor = std::string(r.substr(1, n - 1));
     CKPTFS_CHECK(check_scalar(*p.anchor));
@@ -303,12 +301,9 @@ Result<Parser::Props> Parser::properties() {
   }
 }
 
-// A scalar's value: plain text resolved as SafeLoader resolves it, quoted and block text a
-// string, and a core tag's type as PyYAML constructs it.
 Result<json> Parser::alias() {
   const std::string_view r = rest();
-  size_t n = 1;
-  while (n < r.size() && r[n] != ' ' && !is_flow_indicator(r[n])) ++n;
+  const size_t n = property_end(r);
   auto it = anchors_.find(r.substr(1, n - 1));
   if (it == anchors_.end()) return fail("an alias of no anchor ('{}')", printable(r.substr(0, n)));
   nodes_ += it->second.nodes;
@@ -331,7 +326,7 @@ Result<json> Parser::inline_value(int parent, size_t depth, Props props) {
     CKPTFS_CHECK(count_node());
     CKPTFS_TRY(v, scalar("", true, props.tag, li_));
     CKPTFS_CHECK(end_of_value_line());
-    CKPTFS_CHECK(remember(props.anchor, v, before));
+    remember(props.anchor, v, before);
     return v;
   }
   const char c = r[0];
@@ -361,7 +356,7 @@ Result<json> Parser::inline_value(int parent, size_t depth, Props props) {
     CKPTFS_TRY(std::string s, plain_block(parent));
     CKPTFS_TRY(v, scalar(std::move(s), true, props.tag, at));
   }
-  CKPTFS_CHECK(remember(props.anchor, v, before));
+  remember(props.anchor, v, before);
   return v;
 }
 
@@ -501,7 +496,7 @@ Result<json> Parser::flow_node(size_t depth) {
     CKPTFS_TRY(std::string s, flow_plain());
     CKPTFS_TRY(v, scalar(std::move(s), true, props.tag, at));
   }
-  CKPTFS_CHECK(remember(props.anchor, v, before));
+  remember(props.anchor, v, before);
   return v;
 }
 

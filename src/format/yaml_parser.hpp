@@ -15,6 +15,7 @@
 
 #include "ckptfs/format/json_depth.hpp"
 #include "ckptfs/format/yaml.hpp"
+#include "ckptfs/util/text.hpp"
 
 namespace ckptfs::format::yaml_detail {
 
@@ -32,15 +33,6 @@ constexpr size_t kMaxIndent = 4096;  // columns; safe_dump indents 2 a level
 inline bool is_flow_indicator(char c) {
   return c == ',' || c == '[' || c == ']' || c == '{' || c == '}';
 }
-
-// A plain scalar's value, as PyYAML's SafeLoader (YAML 1.1) resolves it: null, a bool, an int
-// (decimal, 0x, 0b, 0-octal, sexagesimal, '_'), a float (a dot required; an exponent's sign
-// too), or the text; a non-finite float is null.
-json resolve_plain(std::string_view s);
-std::optional<json> resolve_int(std::string_view s);
-std::optional<json> resolve_float(std::string_view s);
-std::string without_underscores(std::string_view s);
-void append_utf8(std::string& out, uint32_t cp);
 
 class Parser {
  public:
@@ -132,9 +124,15 @@ class Parser {
     next_content_line();
     return {};
   }
-  Status remember(const std::optional<std::string>& anchor, const json& v, size_t nodes_before) {
+  void remember(const std::optional<std::string>& anchor, const json& v, size_t nodes_before) {
     if (anchor) anchors_[*anchor] = {v, nodes_ - nodes_before};
-    return {};
+  }
+  // Where the name of a tag (`!!int`), an anchor (`&a`) or an alias (`*a`) at the start of `r`
+  // ends: at a space or a flow indicator.
+  static size_t property_end(std::string_view r) {
+    size_t n = 1;
+    while (n < r.size() && r[n] != ' ' && !is_flow_indicator(r[n])) ++n;
+    return n;
   }
 
   std::string_view what_;

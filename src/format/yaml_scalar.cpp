@@ -8,11 +8,12 @@
 #include "yaml_parser.hpp"
 
 namespace ckptfs::format::yaml_detail {
+namespace {
 
-static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
 
 // Digits (and '_') of `base` from s[i]; at least one. Advances i.
-static bool digits(std::string_view s, size_t& i, int base) {
+bool digits(std::string_view s, size_t& i, int base) {
   const size_t b = i;
   for (; i < s.size(); ++i) {
     const char c = s[i];
@@ -35,7 +36,7 @@ std::string without_underscores(std::string_view s) {
 
 // ":[0-5]?[0-9]" groups from s[i] to the end (sexagesimal); at least one. `tail` allows a
 // fraction after the last group (`\.[0-9_]*`, the float form).
-static bool sexagesimal_groups(std::string_view s, size_t i, bool tail) {
+bool sexagesimal_groups(std::string_view s, size_t i, bool tail) {
   size_t groups = 0;
   while (i < s.size() && s[i] == ':') {
     ++i;
@@ -52,7 +53,7 @@ static bool sexagesimal_groups(std::string_view s, size_t i, bool tail) {
 }
 
 // "190:20:30" as 190 * 3600 + 20 * 60 + 30 (digits and ':' only, checked before).
-static long double sexagesimal_value(std::string_view s) {
+long double sexagesimal_value(std::string_view s) {
   long double v = 0, part = 0;
   for (char c : s) {
     if (c == ':') {
@@ -65,7 +66,7 @@ static long double sexagesimal_value(std::string_view s) {
   return v * 60 + part;
 }
 
-static json number(long double v, bool integral) {
+json number(long double v, bool integral) {
   if (integral && v >= static_cast<long double>(std::numeric_limits<int64_t>::min()) &&
       v <= static_cast<long double>(std::numeric_limits<int64_t>::max())) {
     return json(static_cast<int64_t>(v));
@@ -165,6 +166,9 @@ std::optional<json> resolve_float(std::string_view s) {
   return json(d);
 }
 
+// A plain scalar's value, as PyYAML's SafeLoader (YAML 1.1) resolves it: null, a bool, an int
+// (decimal, 0x, 0b, 0-octal, sexagesimal, '_'), a float (a dot required; an exponent's sign
+// too), or the text; a non-finite float is null.
 json resolve_plain(std::string_view s) {
   if (s.empty() || s == "~" || s == "null" || s == "Null" || s == "NULL") return json(nullptr);
   for (std::string_view t : {"yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON"}) {
@@ -196,6 +200,10 @@ void append_utf8(std::string& out, uint32_t cp) {
   }
 }
 
+}  // namespace
+
+// A scalar's value: plain text resolved as SafeLoader resolves it, quoted and block text a
+// string, and a core tag's type as PyYAML constructs it.
 Result<json> Parser::scalar(std::string raw, bool plain, char tag, size_t line) const {
   switch (tag) {
     case 0:

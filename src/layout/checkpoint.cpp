@@ -69,8 +69,7 @@ class Builder {
     if (ck_->config_json.empty() && in_.config.empty() && !opts_.hf_config.empty() &&
         ck_->map_note.empty() && ck_->native_name.empty()) {
       ck_->config_json = opts_.hf_config;
-      ck_->config_from = opts_.hf_config_what.empty() ? std::string("-o hf_config")
-                                                      : "-o hf_config=" + opts_.hf_config_what;
+      ck_->config_from = hf_config_origin(opts_);
     }
     if (ck_->problems.empty()) assign_outputs();
     if (ck_->problems.empty()) synthesize();

@@ -85,7 +85,7 @@ bool apply_model_map(const BuildInput& in, const BuildOptions& opts, Checkpoint&
   } else if (!opts.hf_config.empty()) {
     text = opts.hf_config;
     what = opts.hf_config_what.empty() ? std::string("hf_config") : opts.hf_config_what;
-    from = "-o hf_config=" + what;
+    from = hf_config_origin(opts);
   } else if (!in.native_problem.empty()) {
     native_why = in.native_problem;
   } else if (!in.native_config.empty() && !m->hf_config.is_object()) {

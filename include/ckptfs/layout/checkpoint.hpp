@@ -273,6 +273,16 @@ struct BuildOptions {
   bool lora_merged = false;
 };
 
+// How `-o hf_config` is named where it gave config.json (Checkpoint::config_from).
+inline std::string hf_config_origin(const BuildOptions& o) {
+  std::string s = "-o hf_config";
+  if (!o.hf_config_what.empty()) {
+    s += '=';
+    s += o.hf_config_what;
+  }
+  return s;
+}
+
 // Sets the dtype policy from an option value: "auto" (NeMo's mapping), "stored", or a cast
 // to "bf16", "fp16" or "fp32" (also "bfloat16", "float16"/"f16", "float32"/"f32").
 Status set_dtype_policy(BuildOptions& opts, std::string_view value);
