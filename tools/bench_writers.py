@@ -2,10 +2,13 @@
 """Consolidating writers into the mount against a plain directory (issue 19; figures in
 docs/benchmarks.md).
 
-torch DCP's HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True) saves a
-state dict of --size-mb MB (bf16, 64 tensors, row-sharded over --ranks processes on gloo):
-rank shards into OUT/sharded/, then rank 0 lists them, reads them back and writes
-OUT/model-*.safetensors and the index. Rounds alternate the plain directory and a fresh mount
+--writer torch (the default): torch DCP's HuggingFaceStorageWriter(save_distributed=True,
+enable_consolidation=True) saves a state dict of --size-mb MB (bf16, 64 tensors, row-sharded over
+--ranks processes on gloo): rank shards into OUT/sharded/, then rank 0 lists them, reads them
+back and writes OUT/model-*.safetensors and the index.
+--writer nemo: NeMo AutoModel 0.7.0's Checkpointer (save_consolidated=True) saves an FSDP2 bf16
+Llama of about --size-mb MB: rank shards into OUT/model/, then OUT/model/consolidated/ (the
+writer of tests/python/writers/nemo_consolidated_save.py, larger). Rounds alternate the plain directory and a fresh mount
 (-o ranks=R) of another directory on the same file system; the machine is noisy, so compare
 medians within one run. Reported: wall time of the whole save (spawn excluded); the time until
 it is stored (the save, then the unmount, which waits for what the daemon does after close:
@@ -15,7 +18,7 @@ the plain directory and of SRC, each inode once); and, once, that the consolidat
 back through the mount equal the plain save's. --bin2 adds a second binary, in the same rounds.
 
 Usage (as root, with the venv of tools/setup.sh):
-  bench_writers.py [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
+  bench_writers.py [--writer torch|nemo] [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
                    [--bin build/src/ckptfs] [--bin2 OTHER] [--dir /tmp/ckptfs-bench-writers]
 """
 
@@ -63,11 +66,59 @@ def worker(rank, world, init_file, out, mb, result):
         dist.destroy_process_group()
 
 
-def save(out: str, mb: int, ranks: int) -> float:
+def nemo_worker(rank, world, init_file, out, mb, result):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+        sys.path.insert(0, os.path.join(ROOT, "tests", "python", "writers"))
+        from nemo_consolidated_save import tiny_tokenizer
+
+        h, inter = 2048, 5632
+        layers = max(1, round((mb << 20) / (2 * (4 * h * h + 3 * h * inter))))
+        cfg = LlamaConfig(vocab_size=128, hidden_size=h, intermediate_size=inter,
+                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+                          max_position_embeddings=64, tie_word_embeddings=False, dtype="bfloat16",
+                          architectures=["LlamaForCausalLM"])
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)
+        model = LlamaForCausalLM(cfg)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ckpt = CheckpointingConfig(checkpoint_dir=out, model_save_format="safetensors",
+                                   save_consolidated=True, model_repo_id="ckptfs/bench-llama",
+                                   model_cache_dir=os.path.join(os.path.dirname(init_file), "hf"),
+                                   consolidation_timeout_minutes=10).build(dp_rank=rank, tp_rank=0,
+                                                                           pp_rank=0)
+        tok = tiny_tokenizer()
+        dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.save_model(model, out, tokenizer=tok)
+        dist.barrier()
+        if rank == 0:
+            with open(result, "w") as f:
+                f.write(str(time.perf_counter() - t0))
+    finally:
+        dist.destroy_process_group()
+
+
+def save(out: str, mb: int, ranks: int, writer: str = "torch") -> float:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "t")
-        mp.spawn(worker, args=(ranks, os.path.join(scratch, "init"), out, mb, result), nprocs=ranks)
+        fn = nemo_worker if writer == "nemo" else worker
+        os.makedirs(out, exist_ok=True)
+        mp.spawn(fn, args=(ranks, os.path.join(scratch, "init"), out, mb, result), nprocs=ranks)
         with open(result) as f:
             return float(f.read())
 
@@ -79,6 +130,7 @@ def du(path: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--writer", choices=["torch", "nemo"], default="torch")
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -102,7 +154,7 @@ def main() -> int:
         for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
             if kind == "plain":
                 out = os.path.join(plain, f"r{rnd}")
-                times["plain"].append(save(out, a.size_mb, a.ranks))
+                times["plain"].append(save(out, a.size_mb, a.ranks, a.writer))
                 stored["plain"].append(times["plain"][-1])
                 sizes["plain"] = du(out)
             else:
@@ -113,13 +165,15 @@ def main() -> int:
                 name = f"r{rnd}-{kind}"
                 try:
                     out = os.path.join(mnt, name)
-                    times[kind].append(save(out, a.size_mb, a.ranks))
+                    times[kind].append(save(out, a.size_mb, a.ranks, a.writer))
                     t0 = time.perf_counter()
                     if rnd == 0:
-                        ref = os.path.join(plain, "r0")
+                        # The consolidated output, read back through the mount.
+                        sub = os.path.join("model", "consolidated") if a.writer == "nemo" else ""
+                        ref = os.path.join(plain, "r0", sub)
                         for n in os.listdir(ref):
                             if n != "sharded":
-                                assert filecmp.cmp(os.path.join(out, n), os.path.join(ref, n),
+                                assert filecmp.cmp(os.path.join(out, sub, n), os.path.join(ref, n),
                                                    shallow=False), n
                         t0 = time.perf_counter()
                 finally:
@@ -129,7 +183,7 @@ def main() -> int:
                 stored[kind].append(times[kind][-1] + time.perf_counter() - t0)
                 sizes[kind] = du(os.path.join(src, name))
             print(f"[bench_writers] round {rnd + 1} {kind}: {times[kind][-1]:.2f} s", flush=True)
-    print(f"\n{a.size_mb} MB bf16 state dict, {a.ranks} ranks, consolidation on "
+    print(f"\n{a.writer}: {a.size_mb} MB bf16 state dict, {a.ranks} ranks, consolidation on "
           f"(mount -o ranks={a.mount_ranks}); median of {a.rounds}")
     print("| where | save (s) | until stored (s) | bytes on disk |")
     print("|---|---|---|---|")

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ckptfs/format/names.hpp"
+#include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/path.hpp"
 #include "ckptfs/write/dedup.hpp"
 #include "dir_views.hpp"
@@ -46,13 +47,64 @@ write::PlanOptions WritePath::plan_options(int dirfd, const std::string& display
 Status WritePath::before_change(const std::string& rel, const struct stat& st) {
   const auto file = split_rel(rel);
   if (st.st_nlink < 2 || !format::looks_like_shard_name(file.name)) return {};
-  // A consolidator's shards, which the directory above may store its output as (write/dedup):
-  // that stays as it is, whatever is written here now. Any directory's, not only kOriginDir's:
-  // `mv OUT/sharded OUT/old` keeps the links.
-  if (file.dir.empty()) return {};
-  CKPTFS_TRY(UniqueFd parent,
-             open_beneath(d_.root, std::string(split_rel(file.dir).dir), O_RDONLY | O_DIRECTORY));
-  return write::unshare_stored(parent.get(), std::string(file.name), st, source_path(rel));
+  // A consolidator's shards, which another directory may store its output as (write/dedup):
+  // that stays as it is, whatever is written here now. The directory above (torch's OUT/ of
+  // OUT/sharded/) and those below (NeMo's MODEL/consolidated/), under any name: `mv
+  // OUT/sharded OUT/old` and `mv MODEL/consolidated MODEL/hf` keep the links.
+  const std::string name(file.name), what = source_path(rel);
+  if (!file.dir.empty()) {
+    CKPTFS_TRY(UniqueFd parent,
+               open_beneath(d_.root, std::string(split_rel(file.dir).dir), O_RDONLY | O_DIRECTORY));
+    CKPTFS_CHECK(write::unshare_stored(parent.get(), name, st, what));
+  }
+  CKPTFS_TRY(UniqueFd dir, open_beneath(d_.root, std::string(file.dir), O_RDONLY | O_DIRECTORY));
+  CKPTFS_TRY(auto entries, source::list_dir(dir.get()));
+  size_t dirs = 0;
+  for (const auto& e : entries) {
+    if (!S_ISDIR(e.st.st_mode)) continue;
+    if (++dirs > kMaxStoringDirs) {
+      spdlog::warn(
+          "{}: more than {} directories beside it; those after are not checked for "
+          "links of it",
+          what, kMaxStoringDirs);
+      break;
+    }
+    auto below = open_at(dir.get(), e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (below) CKPTFS_CHECK(write::unshare_stored(below->get(), name, st, what));
+  }
+  return {};
+}
+
+std::optional<UniqueFd> WritePath::origin_of(const write::ResplitJob& job,
+                                             std::string& display) const {
+  switch (write::origin_of(job.dir.get(), job.dir_rel)) {
+    case write::Origin::None:
+      return std::nullopt;
+    case write::Origin::Below: {
+      auto fd = open_at(job.dir.get(), std::string(write::kOriginDir),
+                        O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+      if (!fd) return std::nullopt;
+      display = fmt::format("{}/{}", job.dir_display, write::kOriginDir);
+      return std::move(fd).value();
+    }
+    case write::Origin::Above: {
+      // The directory above, beneath the root (the one path checker), and still the one whose
+      // kConsolidatedDir the file's directory is (not moved since the close).
+      const std::string above(split_rel(job.dir_rel).dir);
+      auto fd = open_beneath(d_.root, above, O_RDONLY | O_DIRECTORY);
+      struct stat a {
+      }, b{};
+      if (!fd ||
+          ::fstatat(fd->get(), std::string(write::kConsolidatedDir).c_str(), &a,
+                    AT_SYMLINK_NOFOLLOW) != 0 ||
+          ::fstat(job.dir.get(), &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+        return std::nullopt;
+      }
+      display = source_path(above);
+      return std::move(fd).value();
+    }
+  }
+  return std::nullopt;
 }
 
 Result<std::shared_ptr<write::WriteFile>> WritePath::start(UniqueFd fd, const WriteDir& d,
@@ -149,13 +201,13 @@ Status WritePath::settle(Ino ino, write::WriteFile& wf, const SettleFn& fn) {
     // An orphan: its last name was unlinked or renamed over while it was open. As in a plain
     // directory, its close succeeds and its bytes go with it; what its old name holds now
     // (another file, another file's shards) is no business of it.
-    return fn(wf, write::Place{-1, "", source_path(dir_rel)});
+    return fn(wf, write::Place{-1, "", source_path(dir_rel), dir_rel});
   }
   auto dfd = open_beneath(d_.root, dir_rel, O_RDONLY | O_DIRECTORY);
   struct stat dst {};
   if (!dfd || ::fstat(dfd->get(), &dst) != 0) {
     // The directory is gone from where the file was: keep the bytes in the file itself.
-    return fn(wf, write::Place{-1, "", source_path(dir_rel)});
+    return fn(wf, write::Place{-1, "", source_path(dir_rel), dir_rel});
   }
   auto st =
       d_.nodes.dir_state(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
@@ -163,7 +215,7 @@ Status WritePath::settle(Ino ino, write::WriteFile& wf, const SettleFn& fn) {
   {
     std::unique_lock lock(st->mu);
     st->built.wait(lock, [&] { return !st->building; });
-    result = fn(wf, write::Place{dfd->get(), name, source_path(dir_rel)});
+    result = fn(wf, write::Place{dfd->get(), name, source_path(dir_rel), dir_rel});
     st->next_check = d_.clock->now();
     if (result.ok()) {
       auto names = wf.stored_names();
@@ -218,7 +270,11 @@ void WritePath::run_resplit(write::ResplitJob& job) {
   // A consolidator's output is stored as links of the shards it was made from (write/dedup),
   // else split as the mount asks; with one rank there is nothing else to do, unless the
   // shards live on node-local targets.
-  auto linked = write::stage_links(job, d_.flusher);
+  Result<std::optional<write::StagedResplit>> linked = std::optional<write::StagedResplit>{};
+  std::string origin_display;
+  if (auto origin = origin_of(job, origin_display)) {
+    linked = write::stage_links(job, origin->get(), origin_display, d_.flusher);
+  }
   if (!linked) spdlog::warn("{}: not stored as links: {}", job.what, linked.error().message);
   if ((!linked || !*linked) && job.set.shards.size() < 2 && d_.flusher.shards_in_place()) return;
   auto staged = linked && *linked ? Result<write::StagedResplit>(std::move(**linked))

@@ -73,9 +73,12 @@ class WritePath {
   Result<std::shared_ptr<write::WriteFile>> start(UniqueFd fd, const WriteDir& d,
                                                   const std::string& name, bool fresh);
   // File `rel` of SRC (its fstat `st`) is about to change in place through the mount (opened
-  // for writing; a shard is hidden, so never truncated by path): where the directory above
-  // stores a file as links of it (write/dedup), that file gets its own copy first.
+  // for writing; a shard is hidden, so never truncated by path): where the directory above,
+  // or one below, stores a file as links of it (write/dedup), that file gets its own copy
+  // first.
   Status before_change(const std::string& rel, const struct stat& st);
+  // Directories beside a linked shard that before_change checks, at most.
+  static constexpr size_t kMaxStoringDirs = 256;
   // Node `n` (a real file, or a consolidated file written anew with O_TRUNC) opened for writing.
   Result<std::shared_ptr<write::WriteFile>> open(const Node& n, int flags);
   // close() of a handle on `wf`, the file of inode `ino`: stored as rank shards, or whole.
@@ -117,6 +120,9 @@ class WritePath {
   // One split after close (on Resplits' thread): staged with no lock held, committed under
   // its directory's lock, and shown by the view at once.
   void run_resplit(write::ResplitJob& job);
+  // The directory `job`'s file may be stored as links of (write::origin_of), open, and its
+  // display name; nullopt when there is none.
+  std::optional<UniqueFd> origin_of(const write::ResplitJob& job, std::string& display) const;
   std::string source_path(const std::string& rel) const {
     return rel.empty() ? d_.source : d_.source + "/" + rel;
   }

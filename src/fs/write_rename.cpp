@@ -75,7 +75,7 @@ Status WritePath::store_renamed(const WriteDir& from, Ino from_parent, const std
   std::unique_lock lock(dst->mu);
   dst->built.wait(lock, [&] { return !dst->building; });
   const std::string to_display = source_path(to.rel);
-  CKPTFS_CHECK(wf->store(write::Place{to.fd, to_name, to_display},
+  CKPTFS_CHECK(wf->store(write::Place{to.fd, to_name, to_display, to.rel},
                          checks_.rules(to.fd, to_display, to_name)));
   if (wf->state() == write::WriteFile::State::Committed) {
     // Its backing file is gone (the shards are the file now): the kernel's entry for the name

@@ -51,30 +51,33 @@ Result<bool> reads_as(const layout::Checkpoint& ck, uint32_t file, std::span<con
 
 }  // namespace
 
-bool may_have_origin(int dirfd) {
+Origin origin_of(int dirfd, std::string_view rel) {
   struct stat st {};
-  return ::fstatat(dirfd, std::string(kOriginDir).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-         S_ISDIR(st.st_mode);
+  if (::fstatat(dirfd, std::string(kOriginDir).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      S_ISDIR(st.st_mode)) {
+    return Origin::Below;
+  }
+  const size_t slash = rel.rfind('/');
+  const std::string_view base = slash == std::string_view::npos ? rel : rel.substr(slash + 1);
+  return base == kConsolidatedDir ? Origin::Above : Origin::None;
 }
 
-Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::Flusher& flusher) {
-  const std::string origin_display = fmt::format("{}/{}", job.dir_display, kOriginDir);
+Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int origin,
+                                                 const std::string& origin_display,
+                                                 flush::Flusher& flusher) {
   auto no = [&](std::string_view why) -> Result<std::optional<StagedResplit>> {
     spdlog::debug("{}/{}: not stored as links of {}: {}", job.dir_display, job.name, origin_display,
                   why);
     return std::optional<StagedResplit>{};
   };
-  if (!flusher.adopts_files() || !may_have_origin(job.dir.get())) return no("no origin");
-  auto origin =
-      open_at(job.dir.get(), std::string(kOriginDir), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-  if (!origin) return no(origin.error().message);
-  auto entries = source::list_checkpoint_dir(origin->get());
+  if (!flusher.adopts_files()) return no("the flusher links no file");
+  auto entries = source::list_checkpoint_dir(origin);
   if (!entries) return no(entries.error().message);
   // The view the directory would show with the file stored as these shards: their tensors,
   // under the file's own header (its commit record's, as for every file written through the
   // mount: the consolidator's header bytes, which need not be the ones ckptfs would make).
   source::HeaderCache headers;
-  auto in = source::read_input(origin->get(), *entries, origin_display, headers);
+  auto in = source::read_input(origin, *entries, origin_display, headers);
   in.overrides.push_back(layout::OutputOverride{job.k, job.name, job.header, job.parsed,
                                                 format::record_file_name(job.name)});
   const auto ck = layout::build_checkpoint(std::move(in));
@@ -113,7 +116,7 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::F
   });
   if (ranks.empty()) return no("no shard of that name");
 
-  auto fds = source::open_shards(*ck, origin->get(), origin_display, "store once");
+  auto fds = source::open_shards(*ck, origin, origin_display, "store once");
   if (!fds) return no(fds.error().message);
   std::vector<int> raw;
   for (const auto& f : *fds) raw.push_back(f.get());
@@ -133,7 +136,7 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::F
   CKPTFS_TRY(auto tx, flusher.in_place().begin(resplit_target(job, mine), set, job.what));
   for (uint32_t r = 0; r < ranks.size(); ++r) {
     const auto& sh = ck->shards[ranks[r]];
-    CKPTFS_CHECK(tx->adopt(r, origin->get(), sh.name, static_cast<ino_t>(sh.stamp.ino)));
+    CKPTFS_CHECK(tx->adopt(r, origin, sh.name, static_cast<ino_t>(sh.stamp.ino)));
     // Still the bytes compared: the same size and mtime (the link itself moved its ctime).
     struct stat st {};
     if (::fstat(raw[ranks[r]], &st) != 0) return no(fmt::format("{}: stat failed", sh.name));
@@ -148,22 +151,22 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::F
       StagedResplit{std::move(tx), static_cast<uint32_t>(ranks.size())}};
 }
 
-Status unshare_stored(int parent, const std::string& name, const struct stat& st,
+Status unshare_stored(int stored, const std::string& name, const struct stat& st,
                       const std::string& what) {
   struct stat at {};
-  if (::fstatat(parent, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_dev != st.st_dev ||
+  if (::fstatat(stored, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_dev != st.st_dev ||
       at.st_ino != st.st_ino) {
     return {};
   }
-  // Only a link this daemon made: the directory above keeps its state (.ckptfs) there.
+  // Only a link this daemon made: the storing directory keeps its state (.ckptfs) there.
   auto state =
-      open_at(parent, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+      open_at(stored, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
   struct stat sst {};
   if (!state || ::fstat(state->get(), &sst) != 0 || !source::trusted_state(sst)) return {};
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = fmt::format("unshare-{}-{}", ::getpid(), counter.fetch_add(1));
-  const std::string copy_what = fmt::format("{}: its copy for the directory above", what);
-  CKPTFS_TRY(UniqueFd in, open_at(parent, name, O_RDONLY | O_NOFOLLOW));
+  const std::string copy_what = fmt::format("{}: its copy for the directory that stored it", what);
+  CKPTFS_TRY(UniqueFd in, open_at(stored, name, O_RDONLY | O_NOFOLLOW));
   struct stat ist {};
   if (::fstat(in.get(), &ist) != 0 || ist.st_ino != st.st_ino) return {};
   CKPTFS_TRY(UniqueFd out,
@@ -178,16 +181,16 @@ Status unshare_stored(int parent, const std::string& name, const struct stat& st
         ::fsync(out.get()) != 0) {
       return errno_error(copy_what);
     }
-    if (::renameat(state->get(), tmp.c_str(), parent, name.c_str()) != 0) {
+    if (::renameat(state->get(), tmp.c_str(), stored, name.c_str()) != 0) {
       return errno_error(copy_what + ": cannot rename it into place");
     }
-    if (::fsync(parent) != 0) return errno_error(copy_what + ": fsync of its directory");
+    if (::fsync(stored) != 0) return errno_error(copy_what + ": fsync of its directory");
     return {};
   }();
   if (!made)
     ::unlinkat(state->get(), tmp.c_str(), 0);
   else
-    spdlog::info("{}: the directory above stored a file as links of it: it has its copy now", what);
+    spdlog::info("{}: another directory stored a file as links of it: it has its copy now", what);
   return made;
 }
 

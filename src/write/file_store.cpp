@@ -147,7 +147,7 @@ Status WriteFile::split_plain_locked(const Place& where, bool durable, const Sto
     // Closed beside the rank shards a consolidator made it from (write/dedup): after the close,
     // it is stored as links of them if it reads as their view.
     if (state_ == State::Committed && adopted_ && kernel_writes_ && plan_opts_.split_after_close &&
-        may_have_origin(where.dirfd)) {
+        origin_of(where.dirfd, where.dir_rel) != Origin::None) {
       resplit_ = resplit_job_locked(where, prefix, parsed, std::move(*p), std::move(*set));
     }
     return {};
@@ -225,6 +225,7 @@ std::optional<ResplitJob> WriteFile::resplit_job_locked(
   job.shard.reset(shard);
   job.dir.reset(dir);
   job.dir_display = where.dir_display;
+  job.dir_rel = where.dir_rel;
   job.name = where.name;
   // The split runs after close, under the file's model name: its messages name that, not the
   // name it was opened by (a writer's temporary, renamed since).

@@ -136,16 +136,19 @@ def test_torch_hf_writer_with_consolidation(dirs, mapping):
     assert m.proc.poll() is None
 
 
-def assert_stored_once(src: pathlib.Path, mnt: pathlib.Path, plain: pathlib.Path, want: list[str]):
-    """The consolidated files are stored as links of the rank shards in sharded/ that they were
-    made from (one stored copy), and still read as the plain save's."""
+def assert_stored_once(src: pathlib.Path, mnt: pathlib.Path, plain: pathlib.Path, want: list[str],
+                       origin: pathlib.Path | None = None):
+    """The consolidated files are stored as links of the rank shards in `origin` (sharded/ by
+    default) that they were made from (one stored copy), and still read as the plain save's."""
     splits_done(next(p for p in mnt.parents if p.is_mount()))
+    origin = origin or src / "sharded"
     stored = sorted(n for n in os.listdir(src) if n.startswith("shard-"))
     assert stored, sorted(os.listdir(src))
     for n in stored:
-        a, b = (src / n).stat(), (src / "sharded" / n).stat()
-        assert (a.st_ino, a.st_nlink) == (b.st_ino, 2), f"{n}: not stored as a link of sharded/{n}"
-    inodes = {p.stat().st_ino: p.stat().st_size for p in src.rglob("*") if p.is_file()}
+        a, b = (src / n).stat(), (origin / n).stat()
+        assert (a.st_ino, a.st_nlink) == (b.st_ino, 2), f"{n}: not stored as a link of {origin / n}"
+    top = src if origin.is_relative_to(src) else origin
+    inodes = {p.stat().st_ino: p.stat().st_size for p in top.rglob("*") if p.is_file()}
     consolidated = sum((plain / n).stat().st_size for n in want if n.endswith(".safetensors"))
     assert sum(inodes.values()) < consolidated * 1.1 + 65536, "the bytes are stored twice"
     assert_same_files(mnt, plain, want)
@@ -201,4 +204,22 @@ def test_nemo_save_consolidated(dirs):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
         sd = {k: v for k, v in model.state_dict().items() if k in ref}
         assert not same_tensors(sd, ref), f"from_pretrained({d})"
+    # One stored copy: model/consolidated/'s files are links of model/'s rank shards (the
+    # origin is the directory above, NeMo's layout), and still read as the plain save's.
+    assert_stored_once(src / "n" / cons, mnt / "n" / cons, plain / "n" / cons, want,
+                       origin=src / "n" / "model")
+    # A new save of a rank shard in model/ leaves what consolidated/ stored as it was, also
+    # after consolidated/ was renamed: it gets its own copy of that shard first.
+    os.rename(mnt / "n" / cons, mnt / "n" / "model" / "hf")
+    hf = pathlib.Path("model") / "hf"
+    victim = sorted(n for n in os.listdir(src / "n" / "model") if n.startswith("shard-"))[0]
+    with open(mnt / "n" / "model" / victim, "wb") as f:
+        f.write(b"not a shard")
+    assert (src / "n" / hf / victim).stat().st_nlink == 1
+    assert_same_files(mnt / "n" / hf, plain / "n" / cons, want)
+    # Removing model/'s shards leaves consolidated/'s files whole.
+    for n in os.listdir(src / "n" / "model"):
+        if n.startswith("shard-"):
+            os.unlink(mnt / "n" / "model" / n)
+    assert_same_files(mnt / "n" / hf, plain / "n" / cons, want)
     assert m.proc.poll() is None

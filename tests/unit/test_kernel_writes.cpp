@@ -19,6 +19,7 @@
 #include "ckptfs/fs/filesystem.hpp"
 #include "ckptfs/source/scanner.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "ckptfs/write/dedup.hpp"
 #include "ckptfs/write/file.hpp"
 #include "ckptfs/write/resplit.hpp"
 #include "fixture.hpp"
@@ -328,7 +329,9 @@ struct AfterClose {
     EXPECT_TRUE(wf->kernel_writes());
     kernel_write(fd, bytes);
   }
-  write::Place place() const { return {d.get(), "model.safetensors", dir.path() + "/ckpt"}; }
+  write::Place place() const {
+    return {d.get(), "model.safetensors", dir.path() + "/ckpt", "ckpt"};
+  }
   // Closes the file (stored as its one shard) and stages its split, not committed yet.
   void close_and_stage(std::optional<write::ResplitJob>& job,
                        std::optional<write::StagedResplit>& staged) {
@@ -507,4 +510,30 @@ TEST(SplitAfterClose, TheMountRunsTheSplitAndUnmountWaitsForIt) {
     EXPECT_EQ(m.read(m.lookup(m.ckpt(), fmt::format("model-{:05d}-of-00003.safetensors", i + 1))),
               bytes[i]);
   }
+}
+
+// Which directory a closed file may be stored as links of (write/dedup): torch's sharded/
+// below it (a directory, never a symlink), else, for a directory named consolidated, the one
+// above (NeMo's); nothing for any other name, or for SRC's root.
+TEST(StoreOnce, TheOriginIsShardedBelowOrTheDirectoryAboveConsolidated) {
+  test::TempDir t;
+  namespace fsys = std::filesystem;
+  fsys::create_directories(t.path() + "/out/sharded");
+  fsys::create_directories(t.path() + "/model/consolidated");
+  fsys::create_directories(t.path() + "/link");
+  fsys::create_directory_symlink(t.path() + "/out/sharded", t.path() + "/link/sharded");
+  auto at = [&](const std::string& rel) {
+    auto fd = open_at(AT_FDCWD, t.path() + "/" + rel, O_RDONLY | O_DIRECTORY);
+    EXPECT_TRUE(fd) << rel;
+    return write::origin_of(fd->get(), rel);
+  };
+  EXPECT_EQ(at("out"), write::Origin::Below);
+  EXPECT_EQ(at("model/consolidated"), write::Origin::Above);
+  EXPECT_EQ(at("link"), write::Origin::None);   // a symlink named sharded is not followed
+  EXPECT_EQ(at("model"), write::Origin::None);  // neither layout
+  auto root = open_at(AT_FDCWD, t.path() + "/model", O_RDONLY | O_DIRECTORY);
+  ASSERT_TRUE(root);
+  EXPECT_EQ(write::origin_of(root->get(), ""), write::Origin::None);  // SRC's root: no parent
+  EXPECT_EQ(write::origin_of(root->get(), "a/notconsolidated"), write::Origin::None);
+  EXPECT_EQ(write::origin_of(root->get(), "consolidated"), write::Origin::Above);
 }

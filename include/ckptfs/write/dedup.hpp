@@ -2,6 +2,12 @@
 // the rank shards it was made from is stored as hard links of those shards, once its bytes are
 // checked equal to their view.
 //
+// Two layouts, each a writer's own (origin_of says which applies to a directory):
+//   OUT/model-*.safetensors beside OUT/sharded/ (kOriginDir): torch DCP's enable_consolidation
+//     and torchtitan's last_save_in_hf;
+//   MODEL/consolidated/ (kConsolidatedDir) below MODEL/'s rank shards: NeMo AutoModel's
+//     save_consolidated. The origin is the directory above the output.
+//
 // torch DCP's HuggingFaceStorageWriter(enable_consolidation=True) and torchtitan's
 // last_save_in_hf write rank shards into OUT/sharded/ (safetensors with DCP_SHARDING_INFO, which
 // ckptfs serves as the consolidated files), then read them back and write the same consolidated
@@ -14,7 +20,7 @@
 // commit_resplit then makes the file's stored form: OUT/shard-r-model-k-of-m.safetensors are
 // the same inodes as OUT/sharded/'s, and the file's own bytes go. The two names then share their
 // inodes: removing either directory leaves the other whole; a chmod, chown or utimens of one
-// shows in the other (the commit gives the shards the file's own); a shard of kOriginDir opened
+// shows in the other (the commit gives the shards the file's own); a shard of the origin opened
 // for writing through the mount first gives the stored file its own copy (unshare_stored).
 #pragma once
 
@@ -30,25 +36,32 @@
 
 namespace ckptfs::write {
 
-// Where a consolidator leaves the rank shards its output is made from, below the output's
-// directory.
+// Where torch leaves the rank shards its output is made from, below the output's directory.
 inline constexpr std::string_view kOriginDir = "sharded";
+// Where NeMo writes its output, below the directory of the rank shards it is made from.
+inline constexpr std::string_view kConsolidatedDir = "consolidated";
 
-// Whether directory `dirfd` has a kOriginDir directory (not a symlink): a file closed there may
-// be a consolidator's output (the split-after-close thread checks; this is the cheap test).
-bool may_have_origin(int dirfd);
+// Which directory a file closed in the directory `rel` (beneath SRC, "" for its root) may have
+// been made from: its kOriginDir (torch) if `dirfd` has one (not a symlink), else, where `rel`
+// ends in kConsolidatedDir, the directory above (NeMo). The cheap test: a stat at most.
+enum class Origin { None, Below, Above };
+Origin origin_of(int dirfd, std::string_view rel);
 
-// The shards of kOriginDir staged as `job`'s file's rank shards (hard links), when that name's
-// view there reads exactly as the file; nullopt when not (no origin, another file, a byte that
-// differs, a shard that changed meanwhile: logged at debug or info). Errors are the staging's.
-Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, flush::Flusher& flusher);
+// The shards of `origin` (the directory origin_of named, open; `origin_display` names it)
+// staged as `job`'s file's rank shards (hard links), when that name's view there reads exactly
+// as the file; nullopt when not (another file, a byte that differs, a shard that changed
+// meanwhile: logged at debug or info). Errors are the staging's.
+Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int origin,
+                                                 const std::string& origin_display,
+                                                 flush::Flusher& flusher);
 
-// File `name` of kOriginDir, or of where it was renamed (its fstat `st`), about to be written
-// through the mount: where the directory above (`parent`) stores a file as links of it, that
-// stored shard gets a copy of its own first (same bytes, owner, mode and times, renamed over
-// it), so a new save there never changes, or truncates, what the directory above stored.
-// Nothing to do when `parent`'s `name` is another file.
-Status unshare_stored(int parent, const std::string& name, const struct stat& st,
+// File `name` of an origin, or of where it was renamed (its fstat `st`), about to be written
+// through the mount: where directory `stored` (the one above for torch's layout, one below for
+// NeMo's) stores a file as links of it, that stored shard gets a copy of its own first (same
+// bytes, owner, mode and times, renamed over it), so a new save of the origin never changes, or
+// truncates, what the other directory stored. Nothing to do when `stored`'s `name` is another
+// file, or `stored` holds no state of this daemon's.
+Status unshare_stored(int stored, const std::string& name, const struct stat& st,
                       const std::string& what);
 
 }  // namespace ckptfs::write

@@ -63,6 +63,7 @@ struct Place {
   int dirfd = -1;
   std::string name;
   std::string dir_display;
+  std::string dir_rel;  // the directory beneath SRC ("" for its root)
 };
 
 class WriteFile {

@@ -34,6 +34,7 @@ struct ResplitJob {
   UniqueFd shard;                       // the one shard (the file as written), open
   UniqueFd dir;                         // its directory
   std::string dir_display, name, what;  // name: the model name it is stored under
+  std::string dir_rel;                  // the directory beneath SRC, as at the close
   uint32_t k = 1, m = 1;                // the name's k of m
   std::string header;                   // the file's 8 + N header bytes
   std::shared_ptr<const format::Header> parsed;
