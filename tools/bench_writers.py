@@ -38,35 +38,57 @@ from datetime import timedelta
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def worker(rank, world, init_file, out, mb, result):
+def torch_save(rank, world, out, mb, init_file):
+    """The save to time: prepares, then returns it (run between two barriers)."""
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
-    try:
-        mesh = DeviceMesh("cpu", list(range(world)))
-        rows = max(world, (mb << 20) // 64 // (4096 * 2))
-        g = torch.Generator().manual_seed(0)
-        full = {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
-                for i in range(64)}
-        sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(
-            out, save_distributed=True, enable_consolidation=True))
-        dist.barrier()
-        if rank == 0:
-            with open(result, "w") as f:
-                f.write(str(time.perf_counter() - t0))
-    finally:
-        dist.destroy_process_group()
+    mesh = DeviceMesh("cpu", list(range(world)))
+    rows = max(world, (mb << 20) // 64 // (4096 * 2))
+    g = torch.Generator().manual_seed(0)
+    full = {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
+            for i in range(64)}
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    return lambda: dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(
+        out, save_distributed=True, enable_consolidation=True))
 
 
-def nemo_worker(rank, world, init_file, out, mb, result):
+def nemo_save(rank, world, out, mb, init_file):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    sys.path.insert(0, os.path.join(ROOT, "tests", "python", "writers"))
+    from nemo_consolidated_save import tiny_tokenizer
+
+    h, inter = 2048, 5632
+    layers = max(1, round((mb << 20) / (2 * (4 * h * h + 3 * h * inter))))
+    cfg = LlamaConfig(vocab_size=128, hidden_size=h, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+                      max_position_embeddings=64, tie_word_embeddings=False, dtype="bfloat16",
+                      architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    model = LlamaForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for block in [*model.model.layers, model]:  # FSDP2 as NeMo's recipes apply it
+        fully_shard(block, mesh=mesh)
+    ckpt = CheckpointingConfig(checkpoint_dir=out, model_save_format="safetensors",
+                               save_consolidated=True, model_repo_id="ckptfs/bench-llama",
+                               model_cache_dir=os.path.join(os.path.dirname(init_file), "hf"),
+                               consolidation_timeout_minutes=10).build(dp_rank=rank, tp_rank=0,
+                                                                       pp_rank=0)
+    tok = tiny_tokenizer()
+    return lambda: ckpt.save_model(model, out, tokenizer=tok)
+
+
+WRITERS = {"torch": torch_save, "nemo": nemo_save}
+
+
+def worker(rank, world, init_file, out, mb, result, writer):
     import torch
     import torch.distributed as dist
 
@@ -74,36 +96,10 @@ def nemo_worker(rank, world, init_file, out, mb, result):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from nemo_automodel.components.checkpoint.config import CheckpointingConfig
-        sys.path.insert(0, os.path.join(ROOT, "tests", "python", "writers"))
-        from nemo_consolidated_save import tiny_tokenizer
-
-        h, inter = 2048, 5632
-        layers = max(1, round((mb << 20) / (2 * (4 * h * h + 3 * h * inter))))
-        cfg = LlamaConfig(vocab_size=128, hidden_size=h, intermediate_size=inter,
-                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
-                          max_position_embeddings=64, tie_word_embeddings=False, dtype="bfloat16",
-                          architectures=["LlamaForCausalLM"])
-        torch.manual_seed(0)
-        torch.set_default_dtype(torch.bfloat16)
-        model = LlamaForCausalLM(cfg)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        ckpt = CheckpointingConfig(checkpoint_dir=out, model_save_format="safetensors",
-                                   save_consolidated=True, model_repo_id="ckptfs/bench-llama",
-                                   model_cache_dir=os.path.join(os.path.dirname(init_file), "hf"),
-                                   consolidation_timeout_minutes=10).build(dp_rank=rank, tp_rank=0,
-                                                                           pp_rank=0)
-        tok = tiny_tokenizer()
+        run = WRITERS[writer](rank, world, out, mb, init_file)
         dist.barrier()
         t0 = time.perf_counter()
-        ckpt.save_model(model, out, tokenizer=tok)
+        run()
         dist.barrier()
         if rank == 0:
             with open(result, "w") as f:
@@ -116,9 +112,9 @@ def save(out: str, mb: int, ranks: int, writer: str = "torch") -> float:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "t")
-        fn = nemo_worker if writer == "nemo" else worker
         os.makedirs(out, exist_ok=True)
-        mp.spawn(fn, args=(ranks, os.path.join(scratch, "init"), out, mb, result), nprocs=ranks)
+        mp.spawn(worker, args=(ranks, os.path.join(scratch, "init"), out, mb, result, writer),
+                 nprocs=ranks)
         with open(result) as f:
             return float(f.read())
 
@@ -130,7 +126,7 @@ def du(path: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--writer", choices=["torch", "nemo"], default="torch")
+    ap.add_argument("--writer", choices=sorted(WRITERS), default="torch")
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
