@@ -56,6 +56,9 @@ Status WritePath::before_change(const std::string& rel, const struct stat& st) {
     CKPTFS_TRY(UniqueFd parent,
                open_beneath(d_.root, std::string(split_rel(file.dir).dir), O_RDONLY | O_DIRECTORY));
     CKPTFS_CHECK(write::unshare_stored(parent.get(), name, st, what));
+    // Its other link was the directory above's (torch's layout): none left to look for below.
+    CKPTFS_TRY(const struct stat now, stat_beneath(d_.root, rel));
+    if (now.st_nlink < 2) return {};
   }
   CKPTFS_TRY(UniqueFd dir, open_beneath(d_.root, std::string(file.dir), O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, source::list_dir(dir.get()));

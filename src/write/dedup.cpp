@@ -23,6 +23,7 @@
 #include "ckptfs/source/shards.hpp"
 #include "ckptfs/util/copy.hpp"
 #include "ckptfs/util/fd.hpp"
+#include "ckptfs/util/path.hpp"
 
 namespace ckptfs::write {
 
@@ -57,9 +58,7 @@ Origin origin_of(int dirfd, std::string_view rel) {
       S_ISDIR(st.st_mode)) {
     return Origin::Below;
   }
-  const size_t slash = rel.rfind('/');
-  const std::string_view base = slash == std::string_view::npos ? rel : rel.substr(slash + 1);
-  return base == kConsolidatedDir ? Origin::Above : Origin::None;
+  return !rel.empty() && split_rel(rel).name == kConsolidatedDir ? Origin::Above : Origin::None;
 }
 
 Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int origin,
