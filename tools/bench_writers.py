@@ -6,6 +6,8 @@ docs/benchmarks.md).
 enable_consolidation=True) saves a state dict of --size-mb MB (bf16, 64 tensors, row-sharded over
 --ranks processes on gloo): rank shards into OUT/sharded/, then rank 0 lists them, reads them
 back and writes OUT/model-*.safetensors and the index.
+--writer torch-mapping: the same with an fqn_to_index_mapping of 4 files (torch writes every
+file's header first, then reopens each to append its data).
 --writer nemo: NeMo AutoModel 0.7.0's Checkpointer (save_consolidated=True) saves an FSDP2 bf16
 Llama of about --size-mb MB: rank shards into OUT/model/, then OUT/model/consolidated/ (the
 writer of tests/python/writers/nemo_consolidated_save.py, larger). Rounds alternate the plain directory and a fresh mount
@@ -18,7 +20,7 @@ the plain directory and of SRC, each inode once); and, once, that the consolidat
 back through the mount equal the plain save's. --bin2 adds a second binary, in the same rounds.
 
 Usage (as root, with the venv of tools/setup.sh):
-  bench_writers.py [--writer torch|nemo] [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
+  bench_writers.py [--writer torch|torch-mapping|nemo] [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
                    [--bin build/src/ckptfs] [--bin2 OTHER] [--dir /tmp/ckptfs-bench-writers]
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import functools
 import os
 import shutil
 import statistics
@@ -38,8 +41,9 @@ from datetime import timedelta
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torch_save(rank, world, out, mb, init_file):
-    """The save to time: prepares, then returns it (run between two barriers)."""
+def torch_save(rank, world, out, mb, init_file, files=1):
+    """The save to time: prepares, then returns it (run between two barriers). `files` above 1
+    gives the writer an fqn_to_index_mapping of that many files (tensors in order, evenly)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
@@ -50,8 +54,9 @@ def torch_save(rank, world, out, mb, init_file):
     full = {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
             for i in range(64)}
     sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    mapping = ({k: 1 + i * files // len(full) for i, k in enumerate(full)} if files > 1 else None)
     return lambda: dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(
-        out, save_distributed=True, enable_consolidation=True))
+        out, fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=True))
 
 
 def nemo_save(rank, world, out, mb, init_file):
@@ -85,7 +90,8 @@ def nemo_save(rank, world, out, mb, init_file):
     return lambda: ckpt.save_model(model, out, tokenizer=tok)
 
 
-WRITERS = {"torch": torch_save, "nemo": nemo_save}
+WRITERS = {"torch": torch_save, "torch-mapping": functools.partial(torch_save, files=4),
+           "nemo": nemo_save}
 
 
 def worker(rank, world, init_file, out, mb, result, writer):

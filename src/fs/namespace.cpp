@@ -182,6 +182,15 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
       return lookup_virtual(v, dir.rel, dir.ino, Kind::Index, kIndexFile, name);
     }
   }
+  if (is_model_output_name(name) && sees_written(dir, who)) {
+    // The writer's view, for a model name the view does not show (its checkpoint is not
+    // complete yet): torch's consolidation into several files writes every header first and
+    // reopens each to append, so a file stored on its close leaves the others' headers to their
+    // writer (write/store_checks: header_alone).
+    auto real = lookup_real(rel, dir.ino, name);
+    if (real.ok()) real->uncached = true;
+    if (real.ok() || real.error().code != ENOENT) return real;
+  }
   if (name == kShardsDirName && opts.show_shards) {
     Node proto;
     proto.kind = Kind::ShardsDir;

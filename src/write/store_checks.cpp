@@ -13,6 +13,8 @@
 #include "ckptfs/format/record.hpp"
 #include "ckptfs/source/distcp.hpp"
 #include "ckptfs/source/verl.hpp"
+#include "ckptfs/util/fd.hpp"
+#include "ckptfs/write/dedup.hpp"
 
 namespace ckptfs::write {
 
@@ -100,16 +102,34 @@ Status StoreChecks::place_whole(int dirfd, const std::string& display, const std
 // Whether storing file `name` of directory `dirfd` as rank shards would hide plain files: the
 // directory is no checkpoint yet, and regular files under other model names (not being
 // written through the mount) are shown there now. Such a file is stored whole instead.
+//
+// One kind of plain file does not count: beside a consolidator's rank shards (`sharded/`), a
+// file holding a safetensors header and nothing after it. torch's consolidation into several
+// files writes every file's header first, closes it, and then reopens each to append its
+// data; each is stored when it closes complete (its writer keeps the directory's view as
+// written meanwhile, so it reopens the others), and the file stays whole until then.
 bool StoreChecks::split_hides_plain(int dirfd, std::string_view name) const {
   auto entries = source::list_dir(dirfd);
   if (!entries || source::is_checkpoint_dir(dirfd, *entries)) return false;
+  const bool consolidating = origin_of(dirfd, "") == Origin::Below;
   for (const auto& e : *entries) {
     if (!S_ISREG(e.st.st_mode) || e.name == name || !format::parse_model_name(e.name)) continue;
-    if (!being_written_(static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino))) {
-      return true;
+    if (being_written_(static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino))) {
+      continue;
     }
+    if (!consolidating || !header_alone(dirfd, e)) return true;
   }
   return false;
+}
+
+// Whether entry `e` of `dirfd` is a safetensors header and nothing more (its data to come).
+bool StoreChecks::header_alone(int dirfd, const source::DirEntry& e) {
+  struct stat st {};
+  auto fd = open_regular_at(dirfd, e.name, e.name, &st);
+  if (!fd || st.st_ino != e.st.st_ino) return false;
+  const auto size = static_cast<uint64_t>(st.st_size);
+  auto n = format::read_header_length(fd->get(), size, e.name);
+  return n && size == format::kHeaderLenBytes + *n && *n > 2;
 }
 
 // Whether the directory's checkpoint stays valid with file `name` stored as the rank shards of

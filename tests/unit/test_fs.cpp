@@ -1146,6 +1146,62 @@ TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
   EXPECT_TRUE(f->lookup(d->ino, "model-00001-of-00001.safetensors", writer).ok());
 }
 
+// torch's consolidation into several files beside sharded/: every header first (each closed on
+// its own, nothing after it), then each reopened to append its data. The first file closed
+// complete is stored although another's header alone is a plain file there (it would keep it
+// whole elsewhere), and that header then resolves for its writer only, which reopens it.
+TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
+  fs::Options o;
+  o.settle = std::chrono::milliseconds(0);
+  o.revalidate = std::chrono::milliseconds(0);
+  test::TempDir dir;
+  auto f = std::move(fs::Filesystem::create(dir.path(), o)).value();
+  const fs::Caller writer{0, 0, {}, ::getpid()}, reader{0, 0, {}, 1};
+  auto d = f->mkdir(fs::kRootIno, "out", 0755, writer);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(f->mkdir(d->ino, "sharded", 0755, writer).ok());
+  auto file = [](std::string_view tensor) {  // a consolidated file of one 4-byte F32 tensor
+    std::vector<format::TensorEntry> entries(1);
+    entries[0].name = std::string(tensor);
+    entries[0].dtype = DType::F32;
+    entries[0].shape = {1};
+    entries[0].end = 4;
+    return format::serialize_header(entries, {{"format", "pt"}});
+  };
+  const std::string k1 = format::model_file_name(1, 2), k2 = format::model_file_name(2, 2);
+  const std::string h1 = file("a"), h2 = file("b");
+  auto save = [&](fs::Ino ino, uint64_t off, const std::string& bytes) {
+    auto op = f->open(ino, O_WRONLY, writer);
+    ASSERT_TRUE(op.ok()) << op.error().message;
+    ASSERT_TRUE(f->write(op->fh, off, bytes).ok());
+    EXPECT_TRUE(f->flush(op->fh, writer).ok());
+    f->release(op->fh);
+  };
+  std::map<std::string, fs::Ino> ino;
+  for (const auto& [name, h] : {std::pair{k1, h1}, std::pair{k2, h2}}) {  // the headers
+    auto cr = f->create(d->ino, name, 0644, O_CREAT | O_WRONLY | O_EXCL, writer);
+    ASSERT_TRUE(cr.ok()) << cr.error().message;
+    ASSERT_TRUE(f->write(cr->open.fh, 0, h).ok());
+    EXPECT_TRUE(f->flush(cr->open.fh, writer).ok());
+    f->release(cr->open.fh);
+    ino[name] = cr->entry.ino;
+  }
+  save(ino[k1], h1.size(), "1111");  // complete: stored, beside k2's header alone
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/out/" + format::shard_file_name(1, 1, 2)));
+  EXPECT_EQ(f->lookup(d->ino, k2, reader).error().code, ENOENT);  // hidden meanwhile
+  auto mine = f->lookup(d->ino, k2, writer);
+  ASSERT_TRUE(mine.ok()) << mine.error().message;
+  EXPECT_TRUE(mine->uncached);
+  EXPECT_EQ(mine->attr.st_size, static_cast<off_t>(h2.size()));
+  save(mine->ino, h2.size(), "2222");
+  for (const auto& [name, want] : {std::pair{k1, h1 + "1111"}, std::pair{k2, h2 + "2222"}}) {
+    auto e = f->lookup(d->ino, name, reader);
+    ASSERT_TRUE(e.ok()) << name << ": " << e.error().message;
+    EXPECT_EQ(read_all(*f, e->ino), want) << name;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/out/" + format::shard_file_name(1, 2, 2)));
+}
+
 // --- issue 32: builds, lifted folders and rewrites under open files -------------------------
 
 TEST(Fs, ABuildThatThrowsLeavesNothingPinned) {

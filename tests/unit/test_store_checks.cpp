@@ -2,6 +2,7 @@
 // its directory, decided on the parsed headers the writer holds (no mount, no Filesystem).
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <memory>
 #include <string>
@@ -193,6 +194,25 @@ TEST(StoreChecks, SplitWouldHideAPlainModelFile) {
   c.written = true;
   EXPECT_FALSE(c.checks.split_hides_plain(fd.get(), k2));
   EXPECT_FALSE(c.checks.rules(fd.get(), d.path(), k2).whole);
+}
+
+// Beside a consolidator's rank shards (sharded/), a model file holding a header and nothing
+// after it (torch writes every file's header first, then reopens each to append its data) does
+// not keep the others whole; the same file anywhere else, or with a byte after its header, does.
+TEST(StoreChecks, AConsolidatorsHeaderAloneHidesNothing) {
+  test::TempDir d;
+  const Split s = split({{"a", {4}}}, 1);
+  test::write_file(d.path() + "/" + k1, s.header);
+  auto fd = open_dir(d.path());
+  Checks c;
+  EXPECT_TRUE(c.checks.split_hides_plain(fd.get(), k2));  // no sharded/: a plain file shown
+  ASSERT_EQ(::mkdir((d.path() + "/sharded").c_str(), 0755), 0);
+  EXPECT_FALSE(c.checks.split_hides_plain(fd.get(), k2));
+  EXPECT_FALSE(c.checks.rules(fd.get(), d.path(), k2).whole);
+  test::write_file(d.path() + "/" + k1, s.header + "x");  // data begun: a file shown as written
+  EXPECT_TRUE(c.checks.split_hides_plain(fd.get(), k2));
+  test::write_file(d.path() + "/" + k1, s.header.substr(0, s.header.size() - 1));
+  EXPECT_TRUE(c.checks.split_hides_plain(fd.get(), k2));  // not even a whole header
 }
 
 }  // namespace
