@@ -1103,13 +1103,20 @@ TEST(WriterViews, WhoWroteWhereAndForHowLong) {
   EXPECT_FALSE(off.sees_written(sharded, step, 100));
 }
 
-TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
+// A filesystem over `dir` that shows what it stores at once (no settle, no revalidation
+// pause), and two callers: this process, which writes, and another one.
+std::unique_ptr<fs::Filesystem> settled_fs(const test::TempDir& dir) {
   fs::Options o;
   o.settle = std::chrono::milliseconds(0);
   o.revalidate = std::chrono::milliseconds(0);
+  return std::move(fs::Filesystem::create(dir.path(), o)).value();
+}
+const fs::Caller kWriter{0, 0, {}, ::getpid()}, kReader{0, 0, {}, 1};
+
+TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
   test::TempDir dir;
-  auto f = std::move(fs::Filesystem::create(dir.path(), o)).value();
-  const fs::Caller writer{0, 0, {}, ::getpid()}, reader{0, 0, {}, 1};
+  auto f = settled_fs(dir);
+  const fs::Caller &writer = kWriter, &reader = kReader;
   auto d = f->mkdir(fs::kRootIno, "out", 0755, writer);
   ASSERT_TRUE(d.ok());
   ChunkSpec c0{"w", DType::F32, {0, 0}, {2, 2}, std::nullopt, std::string(16, 'a')};
@@ -1151,12 +1158,9 @@ TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
 // complete is stored although another's header alone is a plain file there (it would keep it
 // whole elsewhere), and that header then resolves for its writer only, which reopens it.
 TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
-  fs::Options o;
-  o.settle = std::chrono::milliseconds(0);
-  o.revalidate = std::chrono::milliseconds(0);
   test::TempDir dir;
-  auto f = std::move(fs::Filesystem::create(dir.path(), o)).value();
-  const fs::Caller writer{0, 0, {}, ::getpid()}, reader{0, 0, {}, 1};
+  auto f = settled_fs(dir);
+  const fs::Caller &writer = kWriter, &reader = kReader;
   auto d = f->mkdir(fs::kRootIno, "out", 0755, writer);
   ASSERT_TRUE(d.ok());
   ASSERT_TRUE(f->mkdir(d->ino, "sharded", 0755, writer).ok());
