@@ -1103,27 +1103,35 @@ TEST(WriterViews, WhoWroteWhereAndForHowLong) {
   EXPECT_FALSE(off.sees_written(sharded, step, 100));
 }
 
+// Two callers: this process, which writes, and another one.
+const fs::Caller kWriter{0, 0, {}, ::getpid()}, kReader{0, 0, {}, 1};
+
 // A filesystem over `dir` that shows what it stores at once (no settle, no revalidation
-// pause), and two callers: this process, which writes, and another one.
-std::unique_ptr<fs::Filesystem> settled_fs(const test::TempDir& dir) {
+// pause), with a directory `out` that kWriter made.
+struct OutFs {
+  std::unique_ptr<fs::Filesystem> f;
+  fs::Ino out = 0;
+};
+OutFs out_fs(const test::TempDir& dir) {
   fs::Options o;
   o.settle = std::chrono::milliseconds(0);
   o.revalidate = std::chrono::milliseconds(0);
-  return std::move(fs::Filesystem::create(dir.path(), o)).value();
+  OutFs t{std::move(fs::Filesystem::create(dir.path(), o)).value(), 0};
+  auto d = t.f->mkdir(fs::kRootIno, "out", 0755, kWriter);
+  EXPECT_TRUE(d.ok());
+  if (d) t.out = d->ino;
+  return t;
 }
-const fs::Caller kWriter{0, 0, {}, ::getpid()}, kReader{0, 0, {}, 1};
 
 TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
   test::TempDir dir;
-  auto f = settled_fs(dir);
+  auto [f, out] = out_fs(dir);
   const fs::Caller &writer = kWriter, &reader = kReader;
-  auto d = f->mkdir(fs::kRootIno, "out", 0755, writer);
-  ASSERT_TRUE(d.ok());
   ChunkSpec c0{"w", DType::F32, {0, 0}, {2, 2}, std::nullopt, std::string(16, 'a')};
   ChunkSpec c1{"w", DType::F32, {2, 0}, {2, 2}, std::nullopt, std::string(16, 'b')};
   for (int r = 0; r < 2; ++r) {
     const auto name = format::shard_file_name(r + 1, 1, 1);
-    auto cr = f->create(d->ino, name, 0644, O_CREAT | O_WRONLY | O_EXCL, writer);
+    auto cr = f->create(out, name, 0644, O_CREAT | O_WRONLY | O_EXCL, writer);
     ASSERT_TRUE(cr.ok()) << cr.error().message;
     auto bytes = test::make_shard_bytes(ShardSpec{name, {r ? c1 : c0}});
     ASSERT_TRUE(f->write(cr->open.fh, 0, bytes).ok());
@@ -1131,7 +1139,7 @@ TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
     f->release(cr->open.fh);
   }
   auto list = [&](const fs::Caller& who) {
-    auto dh = f->opendir(d->ino, who);
+    auto dh = f->opendir(out, who);
     EXPECT_TRUE(dh.ok());
     std::vector<std::string> out;
     EXPECT_TRUE(f->readdir(*dh, 0, [&](const fs::DirEntryOut& e, uint64_t) {
@@ -1145,12 +1153,12 @@ TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
                                                     format::shard_file_name(2, 1, 1)}));
   EXPECT_EQ(list(reader), (std::vector<std::string>{"model-00001-of-00001.safetensors",
                                                     "model.safetensors.index.json"}));
-  auto shard = f->lookup(d->ino, format::shard_file_name(1, 1, 1), writer);
+  auto shard = f->lookup(out, format::shard_file_name(1, 1, 1), writer);
   ASSERT_TRUE(shard.ok());
   EXPECT_TRUE(shard->uncached);  // the kernel keeps it for nobody else
-  EXPECT_EQ(f->lookup(d->ino, format::shard_file_name(1, 1, 1), reader).error().code, ENOENT);
+  EXPECT_EQ(f->lookup(out, format::shard_file_name(1, 1, 1), reader).error().code, ENOENT);
   // By name, the writer finds the consolidated file too (from_pretrained in the same process).
-  EXPECT_TRUE(f->lookup(d->ino, "model-00001-of-00001.safetensors", writer).ok());
+  EXPECT_TRUE(f->lookup(out, "model-00001-of-00001.safetensors", writer).ok());
 }
 
 // torch's consolidation into several files beside sharded/: every header first (each closed on
@@ -1159,11 +1167,9 @@ TEST(Fs, AWriterListsTheShardsItWroteOthersSeeTheConsolidatedFiles) {
 // whole elsewhere), and that header then resolves for its writer only, which reopens it.
 TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
   test::TempDir dir;
-  auto f = settled_fs(dir);
+  auto [f, out] = out_fs(dir);
   const fs::Caller &writer = kWriter, &reader = kReader;
-  auto d = f->mkdir(fs::kRootIno, "out", 0755, writer);
-  ASSERT_TRUE(d.ok());
-  ASSERT_TRUE(f->mkdir(d->ino, "sharded", 0755, writer).ok());
+  ASSERT_TRUE(f->mkdir(out, "sharded", 0755, writer).ok());
   auto file = [](std::string_view tensor) {  // a consolidated file of one 4-byte F32 tensor
     std::vector<format::TensorEntry> entries(1);
     entries[0].name = std::string(tensor);
@@ -1183,7 +1189,7 @@ TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
   };
   std::map<std::string, fs::Ino> ino;
   for (const auto& [name, h] : {std::pair{k1, h1}, std::pair{k2, h2}}) {  // the headers
-    auto cr = f->create(d->ino, name, 0644, O_CREAT | O_WRONLY | O_EXCL, writer);
+    auto cr = f->create(out, name, 0644, O_CREAT | O_WRONLY | O_EXCL, writer);
     ASSERT_TRUE(cr.ok()) << cr.error().message;
     ASSERT_TRUE(f->write(cr->open.fh, 0, h).ok());
     EXPECT_TRUE(f->flush(cr->open.fh, writer).ok());
@@ -1192,14 +1198,14 @@ TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
   }
   save(ino[k1], h1.size(), "1111");  // complete: stored, beside k2's header alone
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/out/" + format::shard_file_name(1, 1, 2)));
-  EXPECT_EQ(f->lookup(d->ino, k2, reader).error().code, ENOENT);  // hidden meanwhile
-  auto mine = f->lookup(d->ino, k2, writer);
+  EXPECT_EQ(f->lookup(out, k2, reader).error().code, ENOENT);  // hidden meanwhile
+  auto mine = f->lookup(out, k2, writer);
   ASSERT_TRUE(mine.ok()) << mine.error().message;
   EXPECT_TRUE(mine->uncached);
   EXPECT_EQ(mine->attr.st_size, static_cast<off_t>(h2.size()));
   save(mine->ino, h2.size(), "2222");
   for (const auto& [name, want] : {std::pair{k1, h1 + "1111"}, std::pair{k2, h2 + "2222"}}) {
-    auto e = f->lookup(d->ino, name, reader);
+    auto e = f->lookup(out, name, reader);
     ASSERT_TRUE(e.ok()) << name << ": " << e.error().message;
     EXPECT_EQ(read_all(*f, e->ino), want) << name;
   }
