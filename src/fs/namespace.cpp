@@ -147,13 +147,18 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
   if (names::is_state(name)) return make_error(ENOENT, "{}: the write path's own state", name);
   CKPTFS_TRY(struct stat dst, stat_beneath(root.get(), dir.rel));
   const std::string rel = join_rel(dir.rel, name);
-  if (auto w =
-          is_model_output_name(name) ? nullptr : views.view_of(dir.rel, dst, dir.ino, Need::Any);
-      w && !w->records && sees_written(dir, who)) {
-    // The writer's view: the names it wrote resolve to what it wrote, for it alone.
+  // The writer's view: what the caller's process wrote resolves for it alone (uncached); a
+  // name it did not write falls through (ENOENT).
+  auto as_written = [&]() -> std::optional<Result<EntryOut>> {
     auto real = lookup_real(rel, dir.ino, name);
     if (real.ok()) real->uncached = true;
     if (real.ok() || real.error().code != ENOENT) return real;
+    return std::nullopt;
+  };
+  if (auto w =
+          is_model_output_name(name) ? nullptr : views.view_of(dir.rel, dst, dir.ino, Need::Any);
+      w && !w->records && sees_written(dir, who)) {
+    if (auto real = as_written()) return std::move(*real);
   }
   // config.json too may be the view's (-o hf_config, a map's), and it is hidden beside a
   // trainer's own names that no map serves: it needs the current view (names::needs_view).
@@ -187,9 +192,7 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     // complete yet): torch's consolidation into several files writes every header first and
     // reopens each to append, so a file stored on its close leaves the others' headers to their
     // writer (write/store_checks: header_alone).
-    auto real = lookup_real(rel, dir.ino, name);
-    if (real.ok()) real->uncached = true;
-    if (real.ok() || real.error().code != ENOENT) return real;
+    if (auto real = as_written()) return std::move(*real);
   }
   if (name == kShardsDirName && opts.show_shards) {
     Node proto;

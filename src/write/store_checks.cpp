@@ -18,6 +18,21 @@
 
 namespace ckptfs::write {
 
+namespace {
+
+// Whether entry `e` of `dirfd` holds a safetensors header and nothing after it (a
+// consolidator's file, its data to come).
+bool header_alone(int dirfd, const source::DirEntry& e) {
+  struct stat st {};
+  auto fd = open_regular_at(dirfd, e.name, e.name, &st);
+  if (!fd || st.st_ino != e.st.st_ino) return false;
+  const auto size = static_cast<uint64_t>(st.st_size);
+  auto n = format::read_header_length(fd->get(), size, e.name);
+  return n && size == format::kHeaderLenBytes + *n && *n > 2;
+}
+
+}  // namespace
+
 StoreChecks::StoreChecks(source::HeaderCache& headers, layout::BuildOptions build,
                          BeingWritten being_written)
     : headers_(headers), build_(std::move(build)), being_written_(std::move(being_written)) {}
@@ -120,16 +135,6 @@ bool StoreChecks::split_hides_plain(int dirfd, std::string_view name) const {
     if (!consolidating || !header_alone(dirfd, e)) return true;
   }
   return false;
-}
-
-// Whether entry `e` of `dirfd` is a safetensors header and nothing more (its data to come).
-bool StoreChecks::header_alone(int dirfd, const source::DirEntry& e) {
-  struct stat st {};
-  auto fd = open_regular_at(dirfd, e.name, e.name, &st);
-  if (!fd || st.st_ino != e.st.st_ino) return false;
-  const auto size = static_cast<uint64_t>(st.st_size);
-  auto n = format::read_header_length(fd->get(), size, e.name);
-  return n && size == format::kHeaderLenBytes + *n && *n > 2;
 }
 
 // Whether the directory's checkpoint stays valid with file `name` stored as the rank shards of

@@ -50,9 +50,6 @@ class StoreChecks {
                                    const Error& why) const;
   // Whether storing `name` as rank shards would hide plain files (see the .cpp).
   [[nodiscard]] bool split_hides_plain(int dirfd, std::string_view name) const;
-  // Whether entry `e` of `dirfd` holds a safetensors header and nothing after it (a
-  // consolidator's file, its data to come).
-  [[nodiscard]] static bool header_alone(int dirfd, const source::DirEntry& e);
   // Whether the directory's checkpoint stays valid with `name` stored as `p`: the builder the
   // view uses, on the directory's other shards and records plus `p`'s parsed headers. EINVAL
   // names the first problem.
