@@ -11,6 +11,7 @@
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/util/path.hpp"
+#include "ckptfs/write/store_checks.hpp"
 #include "impl.hpp"
 #include "names.hpp"
 #include "readers.hpp"
@@ -136,6 +137,27 @@ Result<EntryOut> Filesystem::Impl::lookup_virtual(const std::shared_ptr<const Vi
   return EntryOut{n.ino, virtual_attr(n)};
 }
 
+// Whether SRC's file `rel` (`name` of directory `dir_rel`) is a consolidator's header, its data
+// to come (write::StoreChecks::consolidators_header): one stat where SRC has no such file.
+bool Filesystem::Impl::consolidators_header(const std::string& dir_rel, const std::string& rel,
+                                            const std::string& name) {
+  auto st = stat_beneath(root.get(), rel);
+  if (!st || !S_ISREG(st->st_mode)) return false;
+  auto dfd = open_beneath(root.get(), dir_rel, O_RDONLY | O_DIRECTORY);
+  return dfd && write::StoreChecks::consolidators_header(dfd->get(), name);
+}
+namespace {
+// The same, for `name` of directory `dirfd` listed as `entries` (sorted by name).
+bool consolidators_header_in(int dirfd, const std::vector<source::DirEntry>& entries,
+                             const std::string& name) {
+  auto e =
+      std::lower_bound(entries.begin(), entries.end(), name,
+                       [](const source::DirEntry& a, const std::string& b) { return a.name < b; });
+  return e != entries.end() && e->name == name && S_ISREG(e->st.st_mode) &&
+         write::StoreChecks::consolidators_header(dirfd, name);
+}
+}  // namespace
+
 // The name in directory `rel` that must never be stat'ed (see Options::hide_rel).
 Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_view name_sv,
                                                  const Caller& who) {
@@ -178,9 +200,21 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
   if (v->complete) {
     const auto& ck = *v->ckpt;
     for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
-      if (ck.outputs[i].folder.empty() && ck.outputs[i].name == name) {
+      if (!ck.outputs[i].folder.empty() || ck.outputs[i].name != name) continue;
+      if (!consolidators_header(dir.rel, rel, name)) {
         return lookup_virtual(v, dir.rel, dir.ino, Kind::Output, i, name);
       }
+      // A consolidator saving again: the header it closed is its writer's, which reopens it
+      // to append. Nobody else sees the name until it is stored complete, as in a plain
+      // directory, where it holds a header alone: never the file it replaces beside the
+      // save's new ones (a model of two saves).
+      if (sees_written(dir, who)) {
+        if (auto real = as_written()) return std::move(*real);
+      }
+      return make_error(ENOENT,
+                        "{}: hidden while its writer saves it again (its header is "
+                        "written, its data to come)",
+                        rel);
     }
     if (name == format::kIndexFileName) {
       if (ck.written || ck.index_json.empty()) return lookup_real(rel, dir.ino, name);
@@ -353,7 +387,8 @@ Result<std::vector<DirEntryOut>> Filesystem::Impl::list(const Node& dir, const C
   if (v->complete) {
     const auto& ck = *v->ckpt;
     for (const auto& o : ck.outputs) {
-      if (!o.folder.empty()) continue;  // listed in its folder
+      if (!o.folder.empty()) continue;                                   // listed in its folder
+      if (consolidators_header_in(fd.get(), entries, o.name)) continue;  // as lookup_in_dir
       out.push_back(
           DirEntryOut{o.name, virtual_ino(v->dir_dev, v->dir_ino, v->generation, o.name), S_IFREG});
     }

@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -20,18 +21,23 @@ namespace ckptfs::write {
 
 namespace {
 
-// Whether entry `e` of `dirfd` holds a safetensors header and nothing after it (a
-// consolidator's file, its data to come).
-bool header_alone(int dirfd, const source::DirEntry& e) {
+// Whether file `name` of `dirfd` (inode `ino`, where given) holds a safetensors header and
+// nothing after it.
+bool header_alone(int dirfd, const std::string& name, std::optional<uint64_t> ino = {}) {
   struct stat st {};
-  auto fd = open_regular_at(dirfd, e.name, e.name, &st);
-  if (!fd || st.st_ino != e.st.st_ino) return false;
+  auto fd = open_regular_at(dirfd, name, name, &st);
+  if (!fd || (ino && st.st_ino != *ino)) return false;
   const auto size = static_cast<uint64_t>(st.st_size);
-  auto n = format::read_header_length(fd->get(), size, e.name);
+  auto n = format::read_header_length(fd->get(), size, name);
   return n && size == format::kHeaderLenBytes + *n && *n > 2;
 }
 
 }  // namespace
+
+bool StoreChecks::consolidators_header(int dirfd, const std::string& name) {
+  return format::parse_model_name(name) && origin_of(dirfd, "") == Origin::Below &&
+         header_alone(dirfd, name);
+}
 
 StoreChecks::StoreChecks(source::HeaderCache& headers, layout::BuildOptions build,
                          BeingWritten being_written)
@@ -99,6 +105,16 @@ Status StoreChecks::place_whole(int dirfd, const std::string& display, const std
   if (!entries) return std::move(entries).error().context(display);
   const NameState ns = name_state(dirfd, *entries, name);
   if (!ns.stored && !ns.others) return {};
+  if (ns.native.empty() && why.code == EINVAL && consolidators_header(dirfd, name)) {
+    // A consolidator saving again: its header first, its data to come after a reopen (its
+    // writer's view resolves the name to this file). Until it closes complete, the name shows
+    // nothing to anyone else (fs/namespace), never the file it replaces beside the new ones.
+    spdlog::info(
+        "{}; kept for its writer to append to: the name shows nothing to anyone else "
+        "until it is stored",
+        why.message);
+    return {};
+  }
   const std::string msg = fmt::format(
       "{}; not stored: {}", why.message,
       !ns.native.empty()
@@ -132,7 +148,7 @@ bool StoreChecks::split_hides_plain(int dirfd, std::string_view name) const {
     if (being_written_(static_cast<uint64_t>(e.st.st_dev), static_cast<uint64_t>(e.st.st_ino))) {
       continue;
     }
-    if (!consolidating || !header_alone(dirfd, e)) return true;
+    if (!consolidating || !header_alone(dirfd, e.name, e.st.st_ino)) return true;
   }
   return false;
 }

@@ -24,13 +24,14 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, Mount, have, requires_fuse
-from mount_util import splits_done
+from conftest import ROOT, Mount, have, requires_fuse, unmount
+from mount_util import splits_done, wait_killed_mount_gone
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -134,6 +135,117 @@ def test_torch_hf_writer_with_consolidation(dirs, mapping):
     shutil.rmtree(mnt / "out" / "sharded")
     assert_same_files(mnt / "out", plain / "out", want)
     assert m.proc.poll() is None
+
+
+def consolidated(d: pathlib.Path) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith("model") and n.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("mapping", [False, True], ids=["one-file", "mapping"])
+def test_torch_hf_writer_saves_again(dirs, mapping):
+    """A second consolidating save into the same out/, of other weights: torch writes each
+    output file's header over a name that stores the first save's file, closes it, and reopens
+    it to append. That close failed (EINVAL: 'the name keeps the consolidated file stored under
+    it') and the save raised. Now the second save is the plain directory's, byte for byte, and
+    stored once."""
+    src, mnt, plain, m = dirs
+    args = ["--mapping"] if mapping else []
+    for seed in ("0", "1"):
+        run_writer("torch_hf_save.py", plain / "out", "--seed", seed, *args)
+        run_writer("torch_hf_save.py", mnt / "out", "--seed", seed, *args)
+    want = sorted(n for n in os.listdir(plain / "out") if n != "sharded")
+    assert sorted(n for n in os.listdir(mnt / "out") if n != "sharded") == want
+    assert_stored_once(src / "out", mnt / "out", plain / "out", want)
+    got = {}
+    for n in consolidated(mnt / "out"):
+        got.update(tensors(mnt / "out" / n))
+    assert not same_tensors(got, tensors(plain / "reference-out.safetensors")), "the second save"
+    assert m.proc.poll() is None
+
+
+# torch's HF save (torch/distributed/checkpoint/_consolidate_hf_safetensors.py), replayed from a
+# plain save's files by one process (the test's own must not become a writer there): the rank
+# shards into sharded/, then every header ("wb"), then each file reopened ("r+b") and its data
+# appended; killed (SIGKILL) once `argv[3]` files are complete.
+_CONSOLIDATOR = """
+import os, shutil, signal, struct, sys
+plain, out, complete = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.makedirs(os.path.join(out, "sharded"), exist_ok=True)
+for n in os.listdir(os.path.join(plain, "sharded")):
+    shutil.copyfile(os.path.join(plain, "sharded", n), os.path.join(out, "sharded", n))
+names = sorted(n for n in os.listdir(plain) if n.startswith("model") and n.endswith(".safetensors"))
+blobs = {n: open(os.path.join(plain, n), "rb").read() for n in names}
+head = {n: 8 + struct.unpack("<Q", b[:8])[0] for n, b in blobs.items()}
+for n in names:
+    with open(os.path.join(out, n), "wb") as f:
+        f.write(blobs[n][:head[n]])
+for i, n in enumerate(names):
+    if i == complete:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(os.path.join(out, n), "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.write(blobs[n][head[n]:])
+"""
+
+
+@pytest.mark.parametrize("case", ["again-one-file", "again-mapping", "first-mapping"])
+def test_torch_hf_consolidator_killed(tmp_path, case):
+    """torch's consolidator killed (SIGKILL) while it saves into out/: saving again, after the
+    headers (one file) or between its two files (mapping); or in the first save, between its two
+    files. The files it stored complete show; a name whose header waits for its data shows
+    nothing (as the plain directory's header alone loads nothing), never the first save's file
+    beside the second save's. So it stays after the daemon is killed (kill -9) and the mount made
+    again. Then the save run again is the plain directory's, stored once."""
+    mapping, again = "mapping" in case, case.startswith("again")
+    src, plain0, plain = tmp_path / "src", tmp_path / "plain0", tmp_path / "plain"
+    for d in (src, plain0, plain):
+        d.mkdir()
+    args = ["--mapping"] if mapping else []
+    run_writer("torch_hf_save.py", plain0 / "out", "--seed", "0", *args)
+    run_writer("torch_hf_save.py", plain / "out", "--seed", "1", *args)
+    files = consolidated(plain / "out")
+    assert len(files) == (2 if mapping else 1), files
+    complete = 1 if mapping else 0
+    # What readers see with the consolidator killed: the files it stored complete, and none
+    # whose header waits for its data.
+    shown = files[:complete]
+    first = tmp_path / "mnt"
+    m = Mount(src, first, log=str(tmp_path / "mnt.1.log")).start()
+    try:
+        mnt = pathlib.Path(m.mnt)
+        if again:
+            run_writer("torch_hf_save.py", mnt / "out", "--seed", "0", *args)
+            assert_same_files(mnt / "out", plain0 / "out", files)
+        r = subprocess.run([sys.executable, "-c", _CONSOLIDATOR, str(plain / "out"), str(mnt / "out"),
+                            str(complete)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+
+        def check(mnt: pathlib.Path):
+            got = consolidated(mnt / "out")
+            assert got == shown, f"shown: {got} (a model of two saves?), want {shown}"
+            assert_same_files(mnt / "out", plain / "out", got)
+            for n in sorted(set(files) - set(shown)):
+                assert not (mnt / "out" / n).exists(), f"{n} is shown"
+            # No index names a part of the set as the whole (the first save's lists them all, and
+            # a loader fails on the missing file): none is made up for it.
+            index = mnt / "out" / "model.safetensors.index.json"
+            assert index.exists() == again, sorted(os.listdir(mnt / "out"))
+        check(mnt)
+        m.proc.send_signal(signal.SIGKILL)
+        m.proc.wait(timeout=30)
+    finally:
+        rc = m.stop(check=False)
+        unmount(m.mnt)
+    assert rc == -signal.SIGKILL
+    wait_killed_mount_gone(m.mnt)
+    with Mount(src, first, log=str(tmp_path / "mnt.2.log")) as m2:
+        mnt = pathlib.Path(m2.mnt)
+        check(mnt)
+        run_writer("torch_hf_save.py", mnt / "out", "--seed", "1", *args)
+        want = sorted(n for n in os.listdir(plain / "out") if n != "sharded")
+        assert sorted(n for n in os.listdir(mnt / "out") if n != "sharded") == want
+        assert_stored_once(src / "out", mnt / "out", plain / "out", want)
+        assert m2.proc.poll() is None
 
 
 def assert_stored_once(src: pathlib.Path, mnt: pathlib.Path, plain: pathlib.Path, want: list[str],

@@ -1210,6 +1210,42 @@ TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
     EXPECT_EQ(read_all(*f, e->ino), want) << name;
   }
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/out/" + format::shard_file_name(1, 2, 2)));
+
+  // Saving again: each header over a name that stores a file (its close returned EINVAL
+  // before). Until a file is stored complete, its name shows nothing to anyone else, never the
+  // first save's file beside the second's.
+  auto names_of = [&](const fs::Caller& who) {
+    auto dh = f->opendir(out, who);
+    EXPECT_TRUE(dh.ok());
+    std::set<std::string> got;
+    EXPECT_TRUE(f->readdir(*dh, 0, [&](const fs::DirEntryOut& e, uint64_t) {
+                   got.insert(e.name);
+                   return true;
+                 }).ok());
+    f->releasedir(*dh);
+    return got;
+  };
+  for (const auto& [name, h] : {std::pair{k1, h1}, std::pair{k2, h2}}) {
+    auto e = f->lookup(out, name, writer);
+    ASSERT_TRUE(e.ok()) << e.error().message;
+    auto op = f->open(e->ino, O_WRONLY | O_TRUNC, writer);
+    ASSERT_TRUE(op.ok()) << op.error().message;
+    ASSERT_TRUE(f->write(op->fh, 0, h).ok());
+    auto closed = f->flush(op->fh, writer);
+    EXPECT_TRUE(closed.ok()) << closed.error().message;
+    f->release(op->fh);
+    EXPECT_EQ(f->lookup(out, name, reader).error().code, ENOENT) << name;
+    EXPECT_FALSE(names_of(reader).count(name)) << name;
+  }
+  auto again = f->lookup(out, k1, writer);
+  ASSERT_TRUE(again.ok()) << again.error().message;
+  EXPECT_TRUE(again->uncached);
+  EXPECT_EQ(again->attr.st_size, static_cast<off_t>(h1.size()));
+  save(again->ino, h1.size(), "3333");
+  auto e1 = f->lookup(out, k1, reader);
+  ASSERT_TRUE(e1.ok()) << e1.error().message;
+  EXPECT_EQ(read_all(*f, e1->ino), h1 + "3333");
+  EXPECT_EQ(f->lookup(out, k2, reader).error().code, ENOENT);  // the first save's is not shown
 }
 
 // --- issue 32: builds, lifted folders and rewrites under open files -------------------------

@@ -215,4 +215,27 @@ TEST(StoreChecks, AConsolidatorsHeaderAloneHidesNothing) {
   EXPECT_TRUE(c.checks.split_hides_plain(fd.get(), k2));  // not even a whole header
 }
 
+TEST(StoreChecks, AConsolidatorSavingAgainKeepsItsHeaderForItsWriter) {
+  test::TempDir d;
+  const Split s = split({{"a", {8, 4}}}, 2);
+  store(d.path(), s, 1, 2);
+  test::write_file(d.path() + "/" + k1, s.header);  // the second save's header, over k1
+  auto fd = open_dir(d.path());
+  Checks c;
+  const Error why{EINVAL, "x: closed after its header"};
+  // No sharded/: a name that stores a file keeps it, and the close fails.
+  EXPECT_FALSE(StoreChecks::consolidators_header(fd.get(), k1));
+  EXPECT_FALSE(c.checks.place_whole(fd.get(), d.path(), k1, why).ok());
+  ASSERT_EQ(::mkdir((d.path() + "/sharded").c_str(), 0755), 0);
+  EXPECT_TRUE(StoreChecks::consolidators_header(fd.get(), k1));
+  EXPECT_TRUE(c.checks.place_whole(fd.get(), d.path(), k1, why).ok());
+  // Cut short (EIO) is never kept quietly; nor is a file with data begun, or no model name.
+  EXPECT_FALSE(c.checks.place_whole(fd.get(), d.path(), k1, Error{EIO, "x: cut short"}).ok());
+  test::write_file(d.path() + "/" + k1, s.header + "x");
+  EXPECT_FALSE(StoreChecks::consolidators_header(fd.get(), k1));
+  EXPECT_FALSE(c.checks.place_whole(fd.get(), d.path(), k1, why).ok());
+  test::write_file(d.path() + "/notes.safetensors", s.header);
+  EXPECT_FALSE(StoreChecks::consolidators_header(fd.get(), "notes.safetensors"));
+}
+
 }  // namespace

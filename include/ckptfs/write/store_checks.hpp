@@ -42,9 +42,16 @@ class StoreChecks {
   static NameState name_state(int dirfd, const std::vector<source::DirEntry>& entries,
                               std::string_view name);
 
+  // Whether file `name` of `dirfd` is a consolidator's header, its data to come: a regular
+  // file under a model name beside `sharded/` (write/dedup: Origin::Below) that holds a
+  // safetensors header and nothing after it. torch's consolidation writes every output file's
+  // header first, closes it, and reopens it to append.
+  static bool consolidators_header(int dirfd, const std::string& name);
+
   // After a close left file `name` of directory `dirfd` whole for reason `why`: the name keeps
   // its stored consolidated file if it has one, and a directory of rank shards would hide it;
-  // either way an error (close() fails with it). Otherwise it is a plain file of a plain
+  // either way an error (close() fails with it), unless it is a consolidator's header (saved
+  // again over a stored name, for its writer to reopen). Otherwise it is a plain file of a plain
   // directory, shown as written: no error. `display` names the directory in messages.
   [[nodiscard]] Status place_whole(int dirfd, const std::string& display, const std::string& name,
                                    const Error& why) const;

@@ -4,9 +4,9 @@ from 2 ranks (CPU, gloo): rank shards in OUT/sharded/, then rank 0's consolidati
 writer's finish()) lists OUT/sharded/*.safetensors, reads them back and writes
 OUT/model-0000k-of-0000m.safetensors (header first, then reopened and appended) and the index.
 
-    python torch_hf_save.py OUT [--mapping] [--ranks 2]
+    python torch_hf_save.py OUT [--mapping] [--ranks 2] [--seed 0]
 
---mapping gives the writer a 2-file fqn_to_index_mapping. Rank 0 also writes
+--mapping gives the writer a 2-file fqn_to_index_mapping; --seed draws other weights. Rank 0 also writes
 OUT/../reference-<name>.safetensors (the full tensors). The last stdout line is a JSON list of
 the files under OUT (relative paths).
 """
@@ -17,7 +17,7 @@ import os
 from ranks import TIMEOUT, files_under, spawn
 
 
-def worker(rank, world, init_file, out, mapping):
+def worker(rank, world, init_file, out, mapping, seed):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -28,7 +28,7 @@ def worker(rank, world, init_file, out, mapping):
                             timeout=TIMEOUT)
     try:
         mesh = DeviceMesh("cpu", list(range(world)))
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(seed)
         full = {"model.embed_tokens.weight": torch.randn(64, 16, generator=g),
                 "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g),
                 "model.layers.0.input_layernorm.weight": torch.randn(16, generator=g),
@@ -54,8 +54,9 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--mapping", action="store_true")
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    spawn(worker, a.ranks, "torch-hf-save-", lambda scratch: (a.ranks, os.path.join(scratch, "init"), a.out, a.mapping))
+    spawn(worker, a.ranks, "torch-hf-save-", lambda scratch: (a.ranks, os.path.join(scratch, "init"), a.out, a.mapping, a.seed))
     print(json.dumps(files_under(a.out)))
 
 
