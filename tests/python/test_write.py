@@ -463,6 +463,7 @@ def test_save_pretrained_src_holds_rank_shards(saved, name):
     file K hold exactly the tensors of model-K and tile each one; big tensors are split the way
     -o split promises (even: dim 0 in `ranks` pieces; tp: colwise dim 0, rowwise dim 1)."""
     c = saved(name)
+    splits_done(c.mount.mnt)  # with ranks above 1, each file's split into them runs after close
     src = names(c.srcdir)
     assert not [n for n in src if MODEL_RE.match(n)], f"real model files in SRC: {src}"
     m = c.files
