@@ -331,6 +331,10 @@ Result<EntryOut> Filesystem::Impl::mkdir(Ino parent, std::string_view name, mode
   CKPTFS_TRY(auto d, dir_for_change(parent, name));
   const std::string n(name);
   if (::mkdirat(d.fd.get(), n.c_str(), mode & 07777) != 0) {
+    // A directory the view hides (.hf_metadata/ beside rank shards): the caller is saving
+    // there again (NeMo's os.makedirs(exist_ok=True) then stats it), so it sees the directory
+    // as written from now on, where that name resolves.
+    if (errno == EEXIST) note_writer(d.node, who);
     return errno_error(source_path(join_rel(d.node.rel, name)));
   }
   give_to(-1, d, n, who, true);

@@ -292,6 +292,26 @@ def test_torchtitan_last_save_in_hf(dirs, mapping):
 
 @pytest.mark.skipif(not have("nemo_automodel.components.checkpoint.checkpointing"),
                     reason="nemo_automodel 0.7.0 not installed")
+def test_nemo_save_consolidated_again(dirs):
+    """A second NeMo save into the same checkpoint directory, of other weights: NeMo's
+    os.makedirs(model/.hf_metadata, exist_ok=True) met EEXIST from the mkdir and then no
+    directory (the view hides it), and raised FileExistsError. Its mkdir makes it a writer
+    there now, which sees the directory as written; every consolidated file is the plain
+    directory's second save, byte for byte."""
+    src, mnt, plain, m = dirs
+    for seed in ("0", "1"):
+        run_writer("nemo_consolidated_save.py", plain / "n", "--seed", seed)
+        run_writer("nemo_consolidated_save.py", mnt / "n", "--seed", seed)
+    cons = pathlib.Path("model") / "consolidated"
+    want = sorted(os.listdir(plain / "n" / cons))
+    assert sorted(os.listdir(mnt / "n" / cons)) == want
+    assert_same_files(mnt / "n" / cons, plain / "n" / cons, want)
+    assert_same_shards(src / "n" / "model", plain / "n" / "model")
+    assert m.proc.poll() is None
+
+
+@pytest.mark.skipif(not have("nemo_automodel.components.checkpoint.checkpointing"),
+                    reason="nemo_automodel 0.7.0 not installed")
 def test_nemo_save_consolidated(dirs):
     """NeMo AutoModel's Checkpointer with save_consolidated=True, 2 ranks: it lists the
     .hf_metadata/ it made (FileNotFoundError before) and consolidates its shards into
