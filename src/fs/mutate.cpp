@@ -300,6 +300,15 @@ Result<CreateOut> Filesystem::Impl::create(Ino parent, std::string_view name, mo
     CKPTFS_TRY(file, require_regular(UniqueFd(raw), where, &st));
     CKPTFS_CHECK(
         may_open_existing(Perm::of(d.st), Perm::of(st), flags, who, protected_regular, where));
+    if (flags & O_TRUNC) {
+      CKPTFS_TRY(const bool detached, writing.detach_stored(join_rel(d.node.rel, name), st));
+      if (detached) {  // a new empty file under the name: this open truncates that one
+        const int again = ::openat(d.fd.get(), n.c_str(),
+                                   O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (again < 0) return errno_error(where);
+        CKPTFS_TRY(file, require_regular(UniqueFd(again), where, &st));
+      }
+    }
   }
   writing.touched(d.dev, d.ino);
   note_writer(d.node, who);

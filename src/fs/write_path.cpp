@@ -44,23 +44,19 @@ write::PlanOptions WritePath::plan_options(int dirfd, const std::string& display
   return p;
 }
 
-Status WritePath::before_change(const std::string& rel, const struct stat& st) {
+Result<bool> WritePath::each_storing(const std::string& rel, const StoringFn& fn) const {
   const auto file = split_rel(rel);
-  if (st.st_nlink < 2 || !format::looks_like_shard_name(file.name)) return {};
-  // A consolidator's shards, which another directory may store its output as (write/dedup):
-  // that stays as it is, whatever is written here now. The directory above (torch's OUT/ of
-  // OUT/sharded/) and those below (NeMo's MODEL/consolidated/), under any name: `mv
-  // OUT/sharded OUT/old` and `mv MODEL/consolidated MODEL/hf` keep the links.
-  const std::string name(file.name), what = source_path(rel);
+  // The directory above (torch's OUT/ of OUT/sharded/) and those below (NeMo's
+  // MODEL/consolidated/), under any name: `mv OUT/sharded OUT/old` and `mv MODEL/consolidated
+  // MODEL/hf` keep the links.
+  const std::string what = source_path(rel);
+  CKPTFS_TRY(UniqueFd dir, open_beneath(d_.root, std::string(file.dir), O_RDONLY | O_DIRECTORY));
   if (!file.dir.empty()) {
     CKPTFS_TRY(UniqueFd parent,
                open_beneath(d_.root, std::string(split_rel(file.dir).dir), O_RDONLY | O_DIRECTORY));
-    CKPTFS_CHECK(write::unshare_stored(parent.get(), name, st, what));
-    // Its other link was the directory above's (torch's layout): none left to look for below.
-    CKPTFS_TRY(const struct stat now, stat_beneath(d_.root, rel));
-    if (now.st_nlink < 2) return {};
+    CKPTFS_TRY(const bool done, fn(parent.get(), dir.get()));
+    if (done) return true;
   }
-  CKPTFS_TRY(UniqueFd dir, open_beneath(d_.root, std::string(file.dir), O_RDONLY | O_DIRECTORY));
   CKPTFS_TRY(auto entries, source::list_dir(dir.get()));
   size_t dirs = 0;
   for (const auto& e : entries) {
@@ -73,9 +69,45 @@ Status WritePath::before_change(const std::string& rel, const struct stat& st) {
       break;
     }
     auto below = open_at(dir.get(), e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-    if (below) CKPTFS_CHECK(write::unshare_stored(below->get(), name, st, what));
+    if (!below) continue;
+    CKPTFS_TRY(const bool done, fn(below->get(), dir.get()));
+    if (done) return true;
   }
+  return false;
+}
+
+Status WritePath::before_change(const std::string& rel, const struct stat& st) {
+  const auto file = split_rel(rel);
+  if (st.st_nlink < 2 || !format::looks_like_shard_name(file.name)) return {};
+  // A consolidator's shards, which another directory may store its output as (write/dedup):
+  // that stays as it is, whatever is written here now.
+  const std::string name(file.name), what = source_path(rel);
+  auto done = each_storing(rel, [&](int stored, int) -> Result<bool> {
+    CKPTFS_CHECK(write::unshare_stored(stored, name, st, what));
+    // Its other link was the one just copied: none left to look for.
+    CKPTFS_TRY(const struct stat now, stat_beneath(d_.root, rel));
+    return now.st_nlink < 2;
+  });
+  if (!done) return std::move(done).error();
   return {};
+}
+
+Result<bool> WritePath::detach_stored(const std::string& rel, const struct stat& st) {
+  const auto file = split_rel(rel);
+  if (st.st_nlink < 2 || !format::looks_like_shard_name(file.name)) return false;
+  const std::string name(file.name), what = source_path(rel);
+  return each_storing(rel, [&](int stored, int dir) {
+    return write::detach_truncated(stored, dir, name, st, what);
+  });
+}
+
+Status WritePath::before_truncate(const std::string& rel, const Key& key) {
+  auto st = stat_beneath(d_.root, rel);
+  if (!st || st->st_nlink < 2 || !(real_key(*st) == key)) return {};
+  CKPTFS_TRY(const bool detached, detach_stored(rel, *st));
+  if (!detached) return {};
+  // The kernel opens the name again on ESTALE (with a fresh lookup): the new file.
+  return make_error(ESTALE, "{}: a new file under its name now", source_path(rel));
 }
 
 std::optional<UniqueFd> WritePath::origin_of(const write::ResplitJob& job,
@@ -165,6 +197,7 @@ Result<std::shared_ptr<write::WriteFile>> WritePath::open(const Node& n, int fla
                    dst.st_gid};
   const int oflags = O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
   if (n.kind == Kind::File) {
+    if (flags & O_TRUNC) CKPTFS_CHECK(before_truncate(n.rel, n.key));
     int raw = ::openat(d.fd, name.c_str(), oflags);
     if (raw < 0) return make_error(errno, "{}: {}", source_path(n.rel), std::strerror(errno));
     struct stat st {};

@@ -77,6 +77,18 @@ class WritePath {
   // or one below, stores a file as links of it (write/dedup), that file gets its own copy
   // first.
   Status before_change(const std::string& rel, const struct stat& st);
+  // The same file `rel` (node key `key`) opened with O_TRUNC: where another directory stores it
+  // as links, its name gets a new empty file instead of that directory a copy (a save again of
+  // torch's sharded/ rewrites every shard; each copy cost its size again, and an fsync), and
+  // ESTALE asks the kernel to open the name again.
+  Status before_truncate(const std::string& rel, const Key& key);
+  // The same for file `rel` (its fstat `st`), which the caller opened itself and checked it may
+  // truncate: true when the name is a new empty file now (open it again).
+  Result<bool> detach_stored(const std::string& rel, const struct stat& st);
+  // Calls fn(stored, dir) for each directory that may store file `rel` (in `dir`) as links:
+  // the one above, then those below; true once fn says it is done.
+  using StoringFn = std::function<Result<bool>(int stored, int dir)>;
+  Result<bool> each_storing(const std::string& rel, const StoringFn& fn) const;
   // Directories beside a linked shard that before_change checks, at most.
   static constexpr size_t kMaxStoringDirs = 256;
   // Node `n` (a real file, or a consolidated file written anew with O_TRUNC) opened for writing.

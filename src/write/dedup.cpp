@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
@@ -150,20 +151,37 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int orig
       StagedResplit{std::move(tx), static_cast<uint32_t>(ranks.size())}};
 }
 
-Status unshare_stored(int stored, const std::string& name, const struct stat& st,
-                      const std::string& what) {
+namespace {
+
+// The state directory of `stored`, where `stored`'s `name` is the file `st` and `stored` holds
+// this daemon's state (only a link this daemon made is another directory's stored form).
+std::optional<UniqueFd> storing_state(int stored, const std::string& name, const struct stat& st) {
   struct stat at {};
   if (::fstatat(stored, name.c_str(), &at, AT_SYMLINK_NOFOLLOW) != 0 || at.st_dev != st.st_dev ||
       at.st_ino != st.st_ino) {
-    return {};
+    return std::nullopt;
   }
-  // Only a link this daemon made: the storing directory keeps its state (.ckptfs) there.
   auto state =
       open_at(stored, std::string(format::kStateDirName), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
   struct stat sst {};
-  if (!state || ::fstat(state->get(), &sst) != 0 || !source::trusted_state(sst)) return {};
+  if (!state || ::fstat(state->get(), &sst) != 0 || !source::trusted_state(sst)) {
+    return std::nullopt;
+  }
+  return std::move(state).value();
+}
+
+std::string unshare_name() {
   static std::atomic<uint64_t> counter{0};
-  const std::string tmp = fmt::format("unshare-{}-{}", ::getpid(), counter.fetch_add(1));
+  return fmt::format("unshare-{}-{}", ::getpid(), counter.fetch_add(1));
+}
+
+}  // namespace
+
+Status unshare_stored(int stored, const std::string& name, const struct stat& st,
+                      const std::string& what) {
+  auto state = storing_state(stored, name, st);
+  if (!state) return {};
+  const std::string tmp = unshare_name();
   const std::string copy_what = fmt::format("{}: its copy for the directory that stored it", what);
   CKPTFS_TRY(UniqueFd in, open_at(stored, name, O_RDONLY | O_NOFOLLOW));
   struct stat ist {};
@@ -191,6 +209,29 @@ Status unshare_stored(int stored, const std::string& name, const struct stat& st
   else
     spdlog::info("{}: another directory stored a file as links of it: it has its copy now", what);
   return made;
+}
+
+Result<bool> detach_truncated(int stored, int dir, const std::string& name, const struct stat& st,
+                              const std::string& what) {
+  auto state = storing_state(stored, name, st);
+  if (!state) return false;
+  const std::string tmp = unshare_name();
+  const std::string new_what = fmt::format("{}: a new file under its name", what);
+  CKPTFS_TRY(UniqueFd out,
+             open_at(state->get(), tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  // The new file takes the old one's owner and mode, as the truncate would have left them.
+  if ((::geteuid() == 0 && ::fchown(out.get(), st.st_uid, st.st_gid) != 0) ||
+      ::fchmod(out.get(), st.st_mode & 07777) != 0 ||
+      ::renameat(state->get(), tmp.c_str(), dir, name.c_str()) != 0) {
+    const int err = errno;
+    ::unlinkat(state->get(), tmp.c_str(), 0);
+    return make_error(err, "{}: {}", new_what, std::strerror(err));
+  }
+  spdlog::info(
+      "{}: truncated while another directory stores a file as links of it: a new file "
+      "under its name, the stored one untouched",
+      what);
+  return true;
 }
 
 }  // namespace ckptfs::write

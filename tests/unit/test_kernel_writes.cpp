@@ -14,6 +14,8 @@
 #include <mutex>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "ckptfs/format/names.hpp"
 #include "ckptfs/fs/filesystem.hpp"
@@ -536,4 +538,52 @@ TEST(StoreOnce, TheOriginIsShardedBelowOrTheDirectoryAboveConsolidated) {
   EXPECT_EQ(write::origin_of(root->get(), ""), write::Origin::None);  // SRC's root: no parent
   EXPECT_EQ(write::origin_of(root->get(), "a/notconsolidated"), write::Origin::None);
   EXPECT_EQ(write::origin_of(root->get(), "consolidated"), write::Origin::Above);
+}
+
+// A shard that another directory stores a file as links of (torch's OUT/ of OUT/sharded/),
+// about to be written again: opened in place it gives the stored file a copy first
+// (unshare_stored); truncated, its own name gets a new empty file instead and nothing is copied
+// (detach_truncated). Either way the stored file keeps its bytes. Nothing is done where the
+// other name is another file, or the other directory holds no state of this daemon's.
+TEST(StoreOnce, ATruncatedShardGetsANewFileTheStoredOneKeepsItsBytes) {
+  test::TempDir t;
+  namespace fsys = std::filesystem;
+  const std::string shard = format::shard_file_name(1, 1, 1);
+  fsys::create_directories(t.path() + "/out/sharded");
+  const std::string below = t.path() + "/out/sharded/" + shard, above = t.path() + "/out/" + shard;
+  test::write_file(below, "stored bytes");
+  ASSERT_EQ(::chmod(below.c_str(), 0640), 0);
+  ASSERT_EQ(::link(below.c_str(), above.c_str()), 0);
+  auto out = open_at(AT_FDCWD, t.path() + "/out", O_RDONLY | O_DIRECTORY);
+  auto sharded = open_at(AT_FDCWD, t.path() + "/out/sharded", O_RDONLY | O_DIRECTORY);
+  ASSERT_TRUE(out && sharded);
+  struct stat st {};
+  ASSERT_EQ(::stat(below.c_str(), &st), 0);
+  // No state of this daemon's above: not its link.
+  auto none = write::detach_truncated(out->get(), sharded->get(), shard, st, below);
+  ASSERT_TRUE(none.ok()) << none.error().message;
+  EXPECT_FALSE(*none);
+  ASSERT_EQ(::mkdir((t.path() + "/out/" + std::string(format::kStateDirName)).c_str(), 0700), 0);
+  // Another file under the name above: nothing to do either.
+  struct stat other = st;
+  other.st_ino += 1;
+  auto not_it = write::detach_truncated(out->get(), sharded->get(), shard, other, below);
+  ASSERT_TRUE(not_it.ok());
+  EXPECT_FALSE(*not_it);
+  auto done = write::detach_truncated(out->get(), sharded->get(), shard, st, below);
+  ASSERT_TRUE(done.ok()) << done.error().message;
+  EXPECT_TRUE(*done);
+  struct stat a {
+  }, b{};
+  ASSERT_EQ(::stat(above.c_str(), &a), 0);
+  ASSERT_EQ(::stat(below.c_str(), &b), 0);
+  EXPECT_EQ(a.st_ino, st.st_ino);  // the stored file is the same inode, with its bytes
+  EXPECT_EQ(a.st_nlink, 1U);
+  std::ifstream in(above, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "stored bytes");
+  EXPECT_NE(b.st_ino, st.st_ino);  // the truncated name: a new empty file, its mode kept
+  EXPECT_EQ(b.st_size, 0);
+  EXPECT_EQ(b.st_mode & 07777, 0640U);
+  EXPECT_EQ(fsys::directory_iterator(t.path() + "/out/" + std::string(format::kStateDirName)),
+            fsys::directory_iterator());  // no temporary left
 }

@@ -64,4 +64,11 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int orig
 Status unshare_stored(int stored, const std::string& name, const struct stat& st,
                       const std::string& what);
 
+// The same file about to be truncated (an open with O_TRUNC) in directory `dir`: where `stored`
+// stores it as links, `dir`'s `name` becomes a new empty file instead (st's owner and mode,
+// renamed over it), and no byte is copied: the truncate would have discarded them. True when
+// it did; the opener must then open the name again (it is another file now).
+Result<bool> detach_truncated(int stored, int dir, const std::string& name, const struct stat& st,
+                              const std::string& what);
+
 }  // namespace ckptfs::write
