@@ -21,6 +21,7 @@ mounts, test_mpi's mpi_mounts): each mount made is stopped at teardown.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -101,6 +102,22 @@ def wait_killed_mount_gone(mnt, timeout: float = 10.0) -> None:
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
             raise AssertionError(f"{mnt}: the killed daemon's mount still there after {timeout:.0f} s")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def killed(m):
+    """Runs the body on started mount `m` (it gets the mount point), then kills the daemon
+    (kill -9) and waits until auto_unmount took its mount away; whatever the body raised, the
+    mount is taken down."""
+    try:
+        yield pathlib.Path(m.mnt)
+        m.proc.send_signal(signal.SIGKILL)
+        m.proc.wait(timeout=30)
+    finally:
+        rc = m.stop(check=False)
+        unmount(m.mnt)
+    assert rc == -signal.SIGKILL, f"the daemon exited {rc}, not killed"
+    wait_killed_mount_gone(m.mnt)
 
 
 def unmount(mnt, mounted=os.path.ismount) -> None:

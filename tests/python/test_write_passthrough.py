@@ -17,7 +17,6 @@ import mmap
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 import pytest
 
 from conftest import fuse_available
-from mount_util import Mount, splits_done, unmount, wait_killed_mount_gone  # noqa: E402
+from mount_util import Mount, killed, splits_done  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not fuse_available(), reason="needs root and /dev/fuse")]
 
@@ -347,18 +346,11 @@ def test_a_daemon_killed_while_splits_after_close_run_loses_nothing_closed(tmp_p
     m = Mount(src, tmp_path / "mnt", opts=["ranks=4"], log=str(tmp_path / "mnt.1.log")).start()
     sds = [model(8, 16384, first=8 * k) for k in range(3)]  # 128 MiB each
     pending = None
-    try:
+    with killed(m) as mnt:
         for k, sd in enumerate(sds, 1):
-            st.save_file(sd, str(pathlib.Path(m.mnt) / "ck" / f"model-{k:05d}-of-00003.safetensors"))
+            st.save_file(sd, str(mnt / "ck" / f"model-{k:05d}-of-00003.safetensors"))
         kernel_backs_or_skip(m)
         pending = status(m.mnt)["writes"]["splits_pending"]
-        m.proc.send_signal(signal.SIGKILL)
-        m.proc.wait(timeout=30)
-    finally:
-        rc = m.stop(check=False)
-        unmount(m.mnt)
-    assert rc == -signal.SIGKILL
-    wait_killed_mount_gone(m.mnt)
     print(f"splits pending at the kill: {pending}")
     with Mount(src, tmp_path / "mnt", opts=["ranks=4"], log=str(tmp_path / "mnt.2.log")) as m2:
         for k, sd in enumerate(sds, 1):

@@ -30,8 +30,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, Mount, have, requires_fuse, unmount
-from mount_util import splits_done, wait_killed_mount_gone
+from conftest import ROOT, Mount, have, requires_fuse
+from mount_util import killed, splits_done
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -210,34 +210,26 @@ def test_torch_hf_consolidator_killed(tmp_path, case):
     # whose header waits for its data.
     shown = files[:complete]
     first = tmp_path / "mnt"
-    m = Mount(src, first, log=str(tmp_path / "mnt.1.log")).start()
-    try:
-        mnt = pathlib.Path(m.mnt)
+
+    def check(mnt: pathlib.Path):
+        got = consolidated(mnt / "out")
+        assert got == shown, f"shown: {got} (a model of two saves?), want {shown}"
+        assert_same_files(mnt / "out", plain / "out", got)
+        for n in sorted(set(files) - set(shown)):
+            assert not (mnt / "out" / n).exists(), f"{n} is shown"
+        # No index names a part of the set as the whole (the first save's lists them all, and a
+        # loader fails on the missing file): none is made up for it.
+        index = mnt / "out" / "model.safetensors.index.json"
+        assert index.exists() == again, sorted(os.listdir(mnt / "out"))
+
+    with killed(Mount(src, first, log=str(tmp_path / "mnt.1.log")).start()) as mnt:
         if again:
             run_writer("torch_hf_save.py", mnt / "out", "--seed", "0", *args)
             assert_same_files(mnt / "out", plain0 / "out", files)
         r = subprocess.run([sys.executable, "-c", _CONSOLIDATOR, str(plain / "out"), str(mnt / "out"),
                             str(complete)], capture_output=True, text=True, timeout=120)
         assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-
-        def check(mnt: pathlib.Path):
-            got = consolidated(mnt / "out")
-            assert got == shown, f"shown: {got} (a model of two saves?), want {shown}"
-            assert_same_files(mnt / "out", plain / "out", got)
-            for n in sorted(set(files) - set(shown)):
-                assert not (mnt / "out" / n).exists(), f"{n} is shown"
-            # No index names a part of the set as the whole (the first save's lists them all, and
-            # a loader fails on the missing file): none is made up for it.
-            index = mnt / "out" / "model.safetensors.index.json"
-            assert index.exists() == again, sorted(os.listdir(mnt / "out"))
         check(mnt)
-        m.proc.send_signal(signal.SIGKILL)
-        m.proc.wait(timeout=30)
-    finally:
-        rc = m.stop(check=False)
-        unmount(m.mnt)
-    assert rc == -signal.SIGKILL
-    wait_killed_mount_gone(m.mnt)
     with Mount(src, first, log=str(tmp_path / "mnt.2.log")) as m2:
         mnt = pathlib.Path(m2.mnt)
         check(mnt)
