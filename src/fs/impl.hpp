@@ -112,10 +112,6 @@ struct Filesystem::Impl {
   Result<EntryOut> lookup_in_adapter(const Node& dir, std::string_view name);
   std::vector<DirEntryOut> list_adapter(const Node& dir) const;
   Result<EntryOut> lookup_real(const std::string& rel, Ino parent, std::string_view name);
-  // Whether SRC's file `rel` (`name` of directory `dir_rel`) is a consolidator's header saved
-  // over a name the view serves, for its writer to reopen (write::StoreChecks).
-  bool consolidators_header(const std::string& dir_rel, const std::string& rel,
-                            const std::string& name);
   // A file lifted into its checkpoint directory from .hf_metadata/ or huggingface/ is reached,
   // in SRC, through that folder: `who` needs its search permission (EACCES otherwise), which
   // the kernel cannot check on a name it sees in the checkpoint directory (namespace.cpp).

@@ -137,16 +137,17 @@ Result<EntryOut> Filesystem::Impl::lookup_virtual(const std::shared_ptr<const Vi
   return EntryOut{n.ino, virtual_attr(n)};
 }
 
-// Whether SRC's file `rel` (`name` of directory `dir_rel`) is a consolidator's header, its data
-// to come (write::StoreChecks::consolidators_header): one stat where SRC has no such file.
-bool Filesystem::Impl::consolidators_header(const std::string& dir_rel, const std::string& rel,
-                                            const std::string& name) {
-  auto st = stat_beneath(root.get(), rel);
+namespace {
+// Whether SRC's file `rel` (`name` of directory `dir_rel`, beneath `root`) is a consolidator's
+// header, its data to come (write::StoreChecks::consolidators_header): one stat where SRC has
+// no such file.
+bool consolidators_header(int root, const std::string& dir_rel, const std::string& rel,
+                          const std::string& name) {
+  auto st = stat_beneath(root, rel);
   if (!st || !S_ISREG(st->st_mode)) return false;
-  auto dfd = open_beneath(root.get(), dir_rel, O_RDONLY | O_DIRECTORY);
+  auto dfd = open_beneath(root, dir_rel, O_RDONLY | O_DIRECTORY);
   return dfd && write::StoreChecks::consolidators_header(dfd->get(), name);
 }
-namespace {
 // The same, for `name` of directory `dirfd` listed as `entries` (sorted by name).
 bool consolidators_header_in(int dirfd, const std::vector<source::DirEntry>& entries,
                              const std::string& name) {
@@ -201,7 +202,7 @@ Result<EntryOut> Filesystem::Impl::lookup_in_dir(const Node& dir, std::string_vi
     const auto& ck = *v->ckpt;
     for (uint32_t i = 0; i < ck.outputs.size(); ++i) {
       if (!ck.outputs[i].folder.empty() || ck.outputs[i].name != name) continue;
-      if (!consolidators_header(dir.rel, rel, name)) {
+      if (!consolidators_header(root.get(), dir.rel, rel, name)) {
         return lookup_virtual(v, dir.rel, dir.ino, Kind::Output, i, name);
       }
       // A consolidator saving again: the header it closed is its writer's, which reopens it

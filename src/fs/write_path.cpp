@@ -102,6 +102,7 @@ Result<bool> WritePath::detach_stored(const std::string& rel, const struct stat&
 }
 
 Status WritePath::before_truncate(const std::string& rel, const Key& key) {
+  if (!format::looks_like_shard_name(split_rel(rel).name)) return {};  // no stat for the rest
   auto st = stat_beneath(d_.root, rel);
   if (!st || st->st_nlink < 2 || !(real_key(*st) == key)) return {};
   CKPTFS_TRY(const bool detached, detach_stored(rel, *st));
