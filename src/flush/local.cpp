@@ -66,6 +66,26 @@ void remove_tree(int parent, const std::string& name) { remove_tree_depth(parent
 namespace {
 
 // Whether no live process holds the staging directory's lock (so it is a crash's leftover).
+// A daemon's temporary file (write/dedup's copies), not this process's own.
+bool scratch(const source::DirEntry& e) {
+  return S_ISREG(e.st.st_mode) && e.name.starts_with(format::kScratchPrefix) &&
+         !e.name.substr(format::kScratchPrefix.size()).starts_with(fmt::format("{}-", ::getpid()));
+}
+
+// Removes the scratch file `name` when nobody holds its lock: its daemon died making it.
+void remove_dead_scratch(int statefd, const std::string& name, const std::string& display) {
+  int fd = ::openat(statefd, name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return;
+  UniqueFd held(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    return;
+  }
+  if (::unlinkat(statefd, name.c_str(), 0) == 0) {
+    spdlog::info("{}: removed {}/{}, left by a daemon that died copying it", display, kState, name);
+  }
+}
+
 bool stale(int txfd) {
   int fd = ::openat(txfd, "lock", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) return errno == ENOENT;
@@ -373,15 +393,19 @@ class LocalFlusher final : public Flusher {
     if (!state) return false;
     auto list = source::list_dir(state->get());
     if (!list) return false;
-    // Nothing to do unless some staging is there: records alone are the stored form.
+    // Nothing to do unless some staging or scratch file is there: records alone are the
+    // stored form.
     if (std::none_of(list->begin(), list->end(), [](const source::DirEntry& e) {
-          return S_ISDIR(e.st.st_mode) && e.name.starts_with("tx-");
+          return (S_ISDIR(e.st.st_mode) && e.name.starts_with("tx-")) || scratch(e);
         })) {
       return false;
     }
     if (auto ok = check_state_dir(state->get(), t.display + "/" + kState); !ok) {
       spdlog::warn("{}", ok.error().message);
       return false;
+    }
+    for (const auto& e : *list) {
+      if (scratch(e)) remove_dead_scratch(state->get(), e.name, t.display);
     }
     std::vector<std::string> referenced;
     bool changed = false;

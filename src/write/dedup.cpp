@@ -3,6 +3,7 @@
 #include "ckptfs/write/dedup.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -172,7 +173,20 @@ std::optional<UniqueFd> storing_state(int stored, const std::string& name, const
 
 std::string unshare_name() {
   static std::atomic<uint64_t> counter{0};
-  return fmt::format("unshare-{}-{}", ::getpid(), counter.fetch_add(1));
+  return fmt::format("{}{}-{}", format::kScratchPrefix, ::getpid(), counter.fetch_add(1));
+}
+
+// The scratch file `tmp`, created in `state` and locked: recovery leaves it alone while it
+// is being made (a daemon killed meanwhile leaves it unlocked, and recovery removes it).
+Result<UniqueFd> open_scratch(int state, const std::string& tmp) {
+  CKPTFS_TRY(UniqueFd out, open_at(state, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  if (::flock(out.get(), LOCK_EX) != 0) {
+    const int err = errno;
+    ::unlinkat(state, tmp.c_str(), 0);
+    return make_error(err, "{}/{}: cannot lock: {}", format::kStateDirName, tmp,
+                      std::strerror(err));
+  }
+  return out;
 }
 
 }  // namespace
@@ -186,8 +200,7 @@ Status unshare_stored(int stored, const std::string& name, const struct stat& st
   CKPTFS_TRY(UniqueFd in, open_at(stored, name, O_RDONLY | O_NOFOLLOW));
   struct stat ist {};
   if (::fstat(in.get(), &ist) != 0 || ist.st_ino != st.st_ino) return {};
-  CKPTFS_TRY(UniqueFd out,
-             open_at(state->get(), tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  CKPTFS_TRY(UniqueFd out, open_scratch(state->get(), tmp));
   auto made = [&]() -> Status {
     const auto size = static_cast<uint64_t>(ist.st_size);
     std::vector<char> buf;
@@ -217,8 +230,7 @@ Result<bool> detach_truncated(int stored, int dir, const std::string& name, cons
   if (!state) return false;
   const std::string tmp = unshare_name();
   const std::string new_what = fmt::format("{}: a new file under its name", what);
-  CKPTFS_TRY(UniqueFd out,
-             open_at(state->get(), tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  CKPTFS_TRY(UniqueFd out, open_scratch(state->get(), tmp));
   // The new file takes the old one's owner and mode, as the truncate would have left them.
   if ((::geteuid() == 0 && ::fchown(out.get(), st.st_uid, st.st_gid) != 0) ||
       ::fchmod(out.get(), st.st_mode & 07777) != 0 ||

@@ -3,6 +3,7 @@
 // with the local flusher. What is checked is what lands in SRC and what reads back.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -251,6 +252,25 @@ TEST(WriteFile, WriterKilledMidFileLeavesTheOldVersionAndItsStagingIsCleanedUp) 
   EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
   EXPECT_FALSE(has_prefix(s.src_names("ckpt/.ckptfs"), "tx-"));
   EXPECT_FALSE(stdfs::exists(s.path("ckpt/.tmpdead"))) << "its empty placeholder stays";
+}
+
+TEST(WriteFile, AScratchCopyLeftByADeadDaemonIsRemovedOneInUseIsKept) {
+  // write/dedup copies a stored shard into .ckptfs/unshare-<pid>-<n> and renames it into
+  // place; a daemon killed midway leaves the copy, unlocked. One still locked is being made.
+  Src s(2);
+  const std::string v1 = consolidated(13);
+  ASSERT_TRUE(s.save(v1, "model.safetensors").ok());
+  const std::string dead = "ckpt/.ckptfs/unshare-1-0", live = "ckpt/.ckptfs/unshare-2-0",
+                    own = fmt::format("ckpt/.ckptfs/unshare-{}-7", ::getpid());
+  for (const auto& p : {dead, live, own}) test::write_file(s.path(p), std::string(4096, 'x'));
+  UniqueFd held(::open(s.path(live).c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_GE(held.get(), 0);
+  ASSERT_EQ(::flock(held.get(), LOCK_EX), 0);
+  EXPECT_TRUE(same(s.read(s.lookup(s.ckpt(), "model.safetensors")), v1));
+  EXPECT_FALSE(stdfs::exists(s.path(dead))) << "nobody holds it: its daemon died";
+  EXPECT_TRUE(stdfs::exists(s.path(live))) << "locked: a daemon is copying it";
+  EXPECT_TRUE(stdfs::exists(s.path(own))) << "this daemon's own";
+  EXPECT_TRUE(stdfs::exists(s.path("ckpt/.ckptfs/model.safetensors.commit")));
 }
 
 TEST(WriteFile, CommitInterruptedBeforeRollForwardIsCompletedOnNextLook) {

@@ -21,6 +21,9 @@ namespace ckptfs::format {
 
 // The hidden directory of the write path, in every directory that holds written files.
 inline constexpr std::string_view kStateDirName = ".ckptfs";
+// A daemon's temporary file in a state directory ("unshare-<pid>-<n>", write/dedup): under
+// flock while it is in use; the recovery of its directory removes one that nobody holds.
+inline constexpr std::string_view kScratchPrefix = "unshare-";
 inline constexpr std::string_view kRecordSuffix = ".commit";
 // Version 1: every shard is a file in the record's directory. Version 2 (written by the
 // OpenMPI flusher with node-local targets, -o target=): every shard lives on its owner's
