@@ -34,35 +34,31 @@ Status IoModes::open_cached(Ino ino, std::string_view rel) {
   return {};
 }
 
-Result<bool> IoModes::open_write(Ino ino, std::string_view rel) {
-  std::unique_lock lock(mu_);
-  const bool free = cv_.wait_for(lock, grace_, [&] {
-    auto it = open_.find(ino);
-    return it == open_.end() || it->second.backed == 0 || it->second.writable;
-  });
-  if (!free) {
-    return make_error(ETXTBSY,
-                      "{}: open for reading from its backing file (FUSE passthrough); it can be "
-                      "written once those readers close it",
-                      rel);
-  }
+bool IoModes::open_write(Ino ino) {
+  std::lock_guard lock(mu_);
   Counts& c = open_[ino];
   if (c.cached > 0) {
     ++c.cached;
     return false;
   }
+  // Beside backed readers too: the kernel opens each backed open's own file, with that open's
+  // flags, from the path the backing id names (fs/fuse/passthrough.c), so a writer joins them.
   ++c.backed;
-  c.writable = true;
   ++total_backed_;
   ++backed_writes_;
   return true;
+}
+
+uint32_t IoModes::backed(Ino ino) const {
+  std::lock_guard lock(mu_);
+  auto it = open_.find(ino);
+  return it == open_.end() ? 0 : it->second.backed;
 }
 
 void IoModes::demote(Ino ino) {
   std::lock_guard lock(mu_);
   Counts& c = open_[ino];
   if (c.backed > 0) --c.backed;
-  if (c.backed == 0) c.writable = false;
   ++c.cached;
 }
 
@@ -73,7 +69,6 @@ void IoModes::release(Ino ino, bool backed) {
     if (it == open_.end()) return;
     uint32_t& n = backed ? it->second.backed : it->second.cached;
     if (n > 0) --n;
-    if (it->second.backed == 0) it->second.writable = false;
     if (it->second.backed == 0 && it->second.cached == 0) open_.erase(it);
   }
   if (backed) cv_.notify_all();

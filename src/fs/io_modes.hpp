@@ -15,13 +15,14 @@
 namespace ckptfs::fs {
 
 // Linux (fs/fuse/iomode.c, 6.9+) fails open(2) with EIO when one inode has a passthrough open
-// and a cached one at once. The daemon therefore decides per inode: a read-only open is
-// backed only while no cached open of the inode is live, and a cached open (a write the
-// kernel cannot write itself) is refused with ETXTBSY, naming the file, while backed opens
-// are live. With write passthrough a write open is backed too, by the file being written,
-// which backs the inode's readers from then on. The kernel lets a
-// backed open go at close(2) but tells the daemon (RELEASE) a moment later, so a write open
-// waits up to `grace` for the releases of readers that already closed.
+// and a cached one at once. The daemon therefore decides per inode: an open is backed only
+// while no cached open of the inode is live, and a cached open (a write the kernel cannot
+// write itself) is refused with ETXTBSY, naming the file, while backed opens are live. A
+// backed write open joins backed readers: the kernel opens each backed open's own file, with
+// that open's flags, from the path of the inode's backing id (fs/fuse/passthrough.c), so the
+// file a reader's open registered takes the writer's writes. The kernel lets a backed open go
+// at close(2) but tells the daemon (RELEASE) a moment later, so a cached open waits up to
+// `grace` for the releases of backed opens that already closed.
 class IoModes {
  public:
   explicit IoModes(std::chrono::milliseconds grace = std::chrono::milliseconds(200))
@@ -31,12 +32,12 @@ class IoModes {
   bool open_read(Ino ino, bool could_back);
   // An open through the page cache (writing): ETXTBSY while backed opens of `ino` are live.
   Status open_cached(Ino ino, std::string_view rel);
-  // A write open that could be backed by the file being written (write passthrough): true if
-  // it is (counted as backed), false if it goes through the page cache (counted as cached,
-  // beside other cached opens). Backed read-only opens are served from a backing file that
-  // takes no writes, and the kernel backs one inode by one file: the open waits up to `grace`
-  // for their releases, then fails with ETXTBSY, naming the file.
-  Result<bool> open_write(Ino ino, std::string_view rel);
+  // A write open that could be backed (write passthrough): true if it is (counted as backed,
+  // beside backed readers too), false if it goes through the page cache (counted as cached,
+  // beside other cached opens). Never waits.
+  bool open_write(Ino ino);
+  // How many backed opens of `ino` are live.
+  [[nodiscard]] uint32_t backed(Ino ino) const;
   // A backed open the kernel could not back after all (the ioctl failed): counted as cached.
   void demote(Ino ino);
   void release(Ino ino, bool backed);
@@ -46,7 +47,6 @@ class IoModes {
  private:
   struct Counts {
     uint32_t backed = 0, cached = 0;
-    bool writable = false;  // the backed opens' file is one being written (takes writes)
   };
   const std::chrono::milliseconds grace_;
   mutable std::mutex mu_;       // guards open_, total_backed_ and backed_writes_; a leaf

@@ -10,6 +10,7 @@
 
 #include "ckptfs/source/shards.hpp"
 #include "ckptfs/util/path.hpp"
+#include "ckptfs/write/file.hpp"
 #include "impl.hpp"
 #include "readers.hpp"
 
@@ -143,7 +144,9 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
       if (!(real_key(st) == n->key)) return make_error(ESTALE, "{}: replaced", n->rel);
       auto reader = std::make_shared<PassthroughReader>(
           std::move(fd), static_cast<uint64_t>(st.st_size), source_path(n->rel));
-      if (io_modes.open_read(ino, opts.backing)) {
+      const bool could_back =
+          opts.backing && (!opts.backing_where_writable || write::kernel_may_write(reader->fd()));
+      if (io_modes.open_read(ino, could_back)) {
         // The kernel reads the file itself: the mount's page cache is not used (and the
         // kernel refuses keep_cache beside passthrough).
         h->io = FileHandle::Io::Backed;

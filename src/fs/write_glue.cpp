@@ -19,8 +19,15 @@ Result<OpenOut> Filesystem::Impl::open_for_write(const Node& n, int flags) {
 }
 
 Result<OpenOut> Filesystem::Impl::open_backed_writer(const Node& n, int flags) {
-  // Counted before the file is opened: an O_TRUNC open refused (ETXTBSY) truncates nothing.
-  CKPTFS_TRY(const bool backed, io_modes.open_write(n.ino, n.rel));
+  bool backed = io_modes.open_write(n.ino);
+  if (backed && io_modes.backed(n.ino) > 1 && !write::kernel_may_write(root.get())) {
+    // Beside backed readers (-o passthrough=on) on a file system the kernel does not write
+    // through the mount: the writes come as requests once those readers are gone, and an
+    // O_TRUNC open refused (ETXTBSY) truncates nothing.
+    io_modes.release(n.ino, true);
+    CKPTFS_CHECK(io_modes.open_cached(n.ino, n.rel));
+    backed = false;
+  }
   auto wf = writing.open(n, flags);
   if (!wf) {
     io_modes.release(n.ino, backed);
@@ -35,7 +42,7 @@ Result<OpenOut> Filesystem::Impl::backed_writer(std::shared_ptr<write::WriteFile
   if (counted) {
     backed = *counted;
   } else {
-    CKPTFS_TRY(backed, io_modes.open_write(ino, rel));
+    backed = io_modes.open_write(ino);
   }
   if (backed && !wf->kernel_writes()) {
     // The daemon holds or routes this file's bytes (another writer streams it), or SRC's file

@@ -47,11 +47,14 @@ Decided decide(const MountOptions& given) {
     if (o.passthrough) spdlog::warn("passthrough=on needs root (CAP_SYS_ADMIN): off");
     o.passthrough = false;
   }
-  o.fs.backing = o.passthrough.value_or(o.fs.read_only);
   if (o.write_passthrough.value_or(false) && ::geteuid() != 0) {
     spdlog::warn("write_passthrough=on needs root (CAP_SYS_ADMIN): off");
   }
   o.fs.backing_writes = !o.fs.read_only && ::geteuid() == 0 && o.write_passthrough.value_or(true);
+  // Read passthrough by default wherever a writer of the same file is backed too (it joins the
+  // readers, fs/io_modes.hpp): a read-only mount, or a read-write one with write passthrough.
+  o.fs.backing = o.passthrough.value_or(o.fs.read_only || o.fs.backing_writes);
+  o.fs.backing_where_writable = !o.passthrough && !o.fs.read_only;
   return d;
 }
 

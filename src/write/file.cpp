@@ -321,11 +321,9 @@ Status WriteFile::to_plain_locked(bool keep_all) {
   return {};
 }
 
-namespace {
-
 // File systems whose SEEK_HOLE reports exactly what no writer wrote (dirty page cache
 // included) and which never store written zeros as holes (ZFS with compression does).
-bool reports_holes(int fd) {
+bool kernel_may_write(int fd) {
   struct statfs sf {};
   if (::fstatfs(fd, &sf) != 0) return false;
   switch (static_cast<unsigned long>(sf.f_type)) {
@@ -339,11 +337,9 @@ bool reports_holes(int fd) {
   }
 }
 
-}  // namespace
-
 bool WriteFile::kernel_writes() {
   std::lock_guard lock(mu_);
-  if (!kernel_writes_ && !reports_holes(backing_.get())) return false;
+  if (!kernel_writes_ && !kernel_may_write(backing_.get())) return false;
   if (state_ == State::Sniffing && prefix_.empty()) {
     if (!to_plain_locked(true)) return false;
   }

@@ -3,9 +3,11 @@
 Linux 6.9+ serves an open file from a backing file the daemon registered; libfuse 3.14 has
 no API for it, so ckptfs amends the INIT and OPEN replies (fuse/backing). These tests run on
 a real mount and check what only passthrough gives: the daemon answers no READ for a backed
-file (its status counts reads), while its bytes, mmap included, are the file's. The kernel
-refuses to mix backed and cached opens of one inode, so a writer meets ETXTBSY while backed
-readers are open, and proceeds once they are closed. Synthesized files are never backed.
+file (its status counts reads), while its bytes, mmap included, are the file's. A backed
+writer joins backed readers (the kernel opens each open's own file from the inode's backing
+id); the kernel refuses to mix backed and cached opens of one inode, so a writer it does not
+back meets ETXTBSY while backed readers are open, and proceeds once they are closed.
+Synthesized files are never backed.
 Skipped (never faked) without root, /dev/fuse, or a kernel that refuses the backing ioctl.
 """
 
@@ -75,19 +77,67 @@ def test_a_read_only_mount_backs_plain_files_and_the_daemon_reads_nothing(src, m
     assert final["backed_opens"] == after["backed_opens"]
 
 
-def test_a_read_write_mount_does_not_back_unless_asked(src, mount_factory):
+def test_a_read_write_mount_backs_plain_files_where_writes_are_backed_too(src, mount_factory):
+    """The read-write default: plain files are read by the kernel wherever the kernel writes
+    files too (write passthrough, root); `passthrough=off` and `write_passthrough=off` read
+    them through the daemon."""
     s, data, _ = src
     m = mount_factory(s, opts=["prefetch=off"])
     assert (pathlib.Path(m.mnt) / "plain" / "weights.bin").read_bytes() == data
+    backed_or_skip(m.mnt, m.log)
     st = status(m.mnt)
-    assert st["backed_opens"] == 0
-    assert st["bytes"] >= len(data)
-    assert "passthrough=off" in pathlib.Path(m.log).read_text()
+    assert st["backed_opens"] >= 1
+    assert st["bytes"] < 16384, st
+    assert "passthrough=on" in pathlib.Path(m.log).read_text()
+    m.stop()
+    for off in (["passthrough=off"], ["write_passthrough=off"]):
+        m = mount_factory(s, opts=["prefetch=off", *off])
+        assert (pathlib.Path(m.mnt) / "plain" / "weights.bin").read_bytes() == data
+        st = status(m.mnt)
+        assert st["backed_opens"] == 0, off
+        assert st["bytes"] >= len(data), off
+        assert "passthrough=off" in pathlib.Path(m.log).read_text(), off
+        m.stop()
 
 
-def test_a_writer_meets_etxtbsy_while_a_backed_reader_is_open(src, mount_factory):
+def test_a_writer_joins_the_backed_readers_of_its_file(src, mount_factory):
+    """The kernel opens each backed open's own file from the inode's backing id, with that
+    open's flags: a writer opens at once beside backed readers, and they read what it writes
+    (as in SRC, where a reader sees a writer's bytes)."""
     s, _, _ = src
-    m = mount_factory(s, opts=["passthrough=on"])
+    m = mount_factory(s)
+    p = pathlib.Path(m.mnt) / "plain" / "notes.txt"
+    with open(p, "rb") as r:
+        assert r.read() == b"hello\n"
+        backed_or_skip(m.mnt, m.log)
+        assert status(m.mnt)["backed_opens"] >= 1
+        with open(p, "ab") as w:  # no ETXTBSY, no wait
+            w.write(b"more\n")
+            w.flush()
+            r.seek(0)
+            assert r.read() == b"hello\nmore\n"
+        with open(p, "r+b") as w:
+            w.write(b"HELLO")
+            w.flush()
+            r.seek(0)
+            assert r.read() == b"HELLO\nmore\n"
+    assert p.read_bytes() == b"HELLO\nmore\n"
+    assert (s / "plain" / "notes.txt").read_bytes() == b"HELLO\nmore\n"
+    # A truncating writer beside a reader that maps the file: the mapping is the file's.
+    with open(p, "rb") as r, mmap.mmap(r.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert mm[:5] == b"HELLO"
+        with open(p, "r+b") as w:
+            w.write(b"howdy")
+        assert mm[:5] == b"howdy"
+    assert (s / "plain" / "notes.txt").read_bytes() == b"howdy\nmore\n"
+
+
+def test_a_writer_the_kernel_does_not_back_meets_etxtbsy_while_a_backed_reader_is_open(
+        src, mount_factory):
+    """With `write_passthrough=off` a writer goes through the page cache, which the kernel
+    refuses beside a backed open of the same inode: ETXTBSY until the readers close."""
+    s, _, _ = src
+    m = mount_factory(s, opts=["passthrough=on", "write_passthrough=off"])
     p = pathlib.Path(m.mnt) / "plain" / "notes.txt"
     r = open(p, "rb")
     try:

@@ -169,9 +169,10 @@ TEST(KernelWrites, OtherFilesAreKeptAsTheKernelWroteThem) {
   EXPECT_EQ(m.read(ino), "{\"step\": 20}");
 }
 
-TEST(KernelWrites, AWriterOfAFileBackedForReadingWaitsThenGetsETXTBSY) {
-  // Plain files read backed (passthrough=on): their backing file takes no writes, and the
-  // kernel backs an inode by one file, so a writer must wait for those readers.
+TEST(KernelWrites, AWriterOfAFileBackedForReadingJoinsItsReaders) {
+  // Plain files read backed (passthrough, the read-write default with write passthrough): the
+  // kernel opens each backed open's own file from the inode's backing id, with that open's
+  // flags, so a writer is backed beside the readers at once and they read what it writes.
   Mount m(/*backing_reads=*/true);
   {
     auto c = m.f->create(m.ckpt(), "notes.txt", 0644, O_RDWR | O_CREAT | O_EXCL);
@@ -185,14 +186,24 @@ TEST(KernelWrites, AWriterOfAFileBackedForReadingWaitsThenGetsETXTBSY) {
   ASSERT_TRUE(r.ok());
   ASSERT_GE(r->backing_fd, 0);
   auto w = m.f->open(ino, O_WRONLY | O_TRUNC);
-  ASSERT_FALSE(w.ok());
-  EXPECT_EQ(w.error().code, ETXTBSY);
-  EXPECT_EQ(m.read(ino), "hello");  // refused before anything was truncated
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  ASSERT_GE(w->backing_fd, 0);  // backed: no wait, no ETXTBSY
+  kernel_write(w->backing_fd, "HELLO again");
+  // The reader's backing file is the same file in SRC.
+  char buf[32] = {};
+  ASSERT_EQ(::pread(r->backing_fd, buf, sizeof buf, 0), 11);
+  EXPECT_EQ(std::string(buf, 11), "HELLO again");
+  // A reader opened while it writes is backed too, and sees it through the write path.
+  auto r2 = m.f->open(ino, O_RDONLY);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_GE(r2->backing_fd, 0);
+  ASSERT_TRUE(m.f->flush(w->fh).ok());
+  m.f->release(w->fh);
   m.f->release(r->fh);
-  auto w2 = m.f->open(ino, O_WRONLY | O_TRUNC);
-  ASSERT_TRUE(w2.ok()) << w2.error().message;
-  EXPECT_GE(w2->backing_fd, 0);
-  m.f->release(w2->fh);
+  m.f->release(r2->fh);
+  EXPECT_EQ(m.read(ino), "HELLO again");
+  std::ifstream in(m.path("ckpt/notes.txt"));
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "HELLO again");
 }
 
 TEST(KernelWrites, AKernelThatRefusesTheBackingFileGetsRequestsFromThenOn) {

@@ -55,6 +55,10 @@ struct Options {
   // Plain files opened read-only may be served by the kernel from their file in SRC (FUSE
   // passthrough, OpenOut::backing_fd); set by the adapter once the kernel has accepted it.
   bool backing = false;
+  // With `backing`, only files on a file system the kernel may write through the mount too
+  // (write::kernel_may_write): a writer joins their backed readers, and never waits for them.
+  // The read-write default; `-o passthrough=on` backs every plain file.
+  bool backing_where_writable = false;
   // Files opened for writing are served by the kernel from their backing file too (with
   // `backing`): no WRITE request reaches the daemon, which reads the file at close.
   bool backing_writes = false;

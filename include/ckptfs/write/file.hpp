@@ -58,6 +58,11 @@ struct StoreRules {
   std::function<Status(std::string_view name, const Prospect&)> validate;
 };
 
+// Whether the kernel may write a file on `fd`'s file system through the mount (write
+// passthrough): one whose SEEK_HOLE reports the holes a writer left, which WriteFile reads at
+// close (tmpfs, ext4, xfs, btrfs).
+bool kernel_may_write(int fd);
+
 // Where the file is now: its directory (open) and name, for finalize().
 struct Place {
   int dirfd = -1;
