@@ -49,12 +49,6 @@ bool IoModes::open_write(Ino ino) {
   return true;
 }
 
-uint32_t IoModes::backed(Ino ino) const {
-  std::lock_guard lock(mu_);
-  auto it = open_.find(ino);
-  return it == open_.end() ? 0 : it->second.backed;
-}
-
 void IoModes::demote(Ino ino) {
   std::lock_guard lock(mu_);
   Counts& c = open_[ino];

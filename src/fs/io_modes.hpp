@@ -36,8 +36,6 @@ class IoModes {
   // beside backed readers too), false if it goes through the page cache (counted as cached,
   // beside other cached opens). Never waits.
   bool open_write(Ino ino);
-  // How many backed opens of `ino` are live.
-  [[nodiscard]] uint32_t backed(Ino ino) const;
   // A backed open the kernel could not back after all (the ioctl failed): counted as cached.
   void demote(Ino ino);
   void release(Ino ino, bool backed);

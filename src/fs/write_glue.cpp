@@ -19,14 +19,14 @@ Result<OpenOut> Filesystem::Impl::open_for_write(const Node& n, int flags) {
 }
 
 Result<OpenOut> Filesystem::Impl::open_backed_writer(const Node& n, int flags) {
-  bool backed = io_modes.open_write(n.ino);
-  if (backed && io_modes.backed(n.ino) > 1 && !write::kernel_may_write(root.get())) {
-    // Beside backed readers (-o passthrough=on) on a file system the kernel does not write
-    // through the mount: the writes come as requests once those readers are gone, and an
-    // O_TRUNC open refused (ETXTBSY) truncates nothing.
-    io_modes.release(n.ino, true);
+  // On a file system the kernel does not write through the mount, the writes come as
+  // requests: counted cached before the file is opened, so an O_TRUNC open refused beside
+  // backed readers (ETXTBSY, -o passthrough=on) truncates nothing.
+  bool backed = write::kernel_may_write(root.get());
+  if (backed) {
+    backed = io_modes.open_write(n.ino);
+  } else {
     CKPTFS_CHECK(io_modes.open_cached(n.ino, n.rel));
-    backed = false;
   }
   auto wf = writing.open(n, flags);
   if (!wf) {
