@@ -35,8 +35,7 @@ bool header_alone(int dirfd, const std::string& name, std::optional<uint64_t> in
 }  // namespace
 
 bool StoreChecks::consolidators_header(int dirfd, const std::string& name) {
-  return format::parse_model_name(name) && origin_of(dirfd, "") == Origin::Below &&
-         header_alone(dirfd, name);
+  return format::parse_model_name(name) && header_alone(dirfd, name);
 }
 
 StoreChecks::StoreChecks(source::HeaderCache& headers, layout::BuildOptions build,
@@ -106,8 +105,9 @@ Status StoreChecks::place_whole(int dirfd, const std::string& display, const std
   const NameState ns = name_state(dirfd, *entries, name);
   if (!ns.stored && !ns.others) return {};
   if (ns.native.empty() && why.code == EINVAL && consolidators_header(dirfd, name)) {
-    // A consolidator saving again: its header first, its data to come after a reopen (its
-    // writer's view resolves the name to this file). Until it closes complete, the name shows
+    // A consolidator saving again (torch's, beside `sharded/` or into any directory): its
+    // header first, its data to come after a reopen (its writer's view resolves the name to
+    // this file). Until it closes complete, the name shows
     // nothing to anyone else (fs/namespace), never the file it replaces beside the new ones.
     spdlog::info(
         "{}; kept for its writer to append to: the name shows nothing to anyone else "

@@ -163,6 +163,54 @@ def test_torch_hf_writer_saves_again(dirs, mapping):
     assert m.proc.poll() is None
 
 
+# torch's public offline consolidation, as a user runs it: rank shards of one directory
+# (argv[1]) into argv[2] consolidated files of each later argument's directory, every header
+# first, then each reopened to append its data.
+_CONSOLIDATE = """
+import glob, os, sys
+from safetensors import safe_open
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+inp, files = sys.argv[1], int(sys.argv[2])
+names = set()
+for f in glob.glob(os.path.join(inp, "*.safetensors")):
+    with safe_open(f, "pt") as s:
+        names.update(s.keys())
+names = sorted(names)
+for out in sys.argv[3:]:
+    os.makedirs(out, exist_ok=True)
+    consolidate_safetensors_files(inp, out, {k: 1 + i * files // len(names) for i, k in enumerate(names)})
+"""
+
+
+def test_torch_consolidate_into_a_directory_again(dirs):
+    """torch's consolidate_safetensors_files(input_dir, output_dir) run twice into the same
+    output_dir in the mount (no sharded/ beside it), of other weights the second time, into one
+    file and into two: its header over a name that stores the first run's file, closed, then
+    reopened to append. That close failed (EINVAL: 'the name keeps the consolidated file stored
+    under it') unless sharded/ was beside it. Every run gives the plain directory's files, byte
+    for byte."""
+    src, mnt, plain, m = dirs
+    for seed in ("0", "1"):
+        run_writer("torch_hf_save.py", plain / f"in{seed}", "--seed", seed)
+    for seed in ("0", "1"):
+        for files in (1, 2):
+            outs = [plain / f"out{files}", mnt / f"out{files}"]
+            r = subprocess.run([sys.executable, "-c", _CONSOLIDATE, str(plain / f"in{seed}" / "sharded"),
+                                str(files), *map(str, outs)], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, f"seed {seed}, {files} file(s): {r.stderr[-3000:]}"
+            want = sorted(os.listdir(outs[0]))
+            assert len(consolidated(outs[0])) == files, want
+            assert sorted(os.listdir(outs[1])) == want, f"seed {seed}"
+            assert_same_files(outs[1], outs[0], want)
+            got = {}
+            for n in consolidated(outs[1]):
+                got.update(tensors(outs[1] / n))
+            ref = tensors(plain / f"reference-in{seed}.safetensors")
+            assert not same_tensors(got, ref), f"seed {seed}, {files} file(s)"
+            del got  # its tensors map the mount's files
+    assert m.proc.poll() is None
+
+
 # torch's HF save (torch/distributed/checkpoint/_consolidate_hf_safetensors.py), replayed from a
 # plain save's files by one process (the test's own must not become a writer there): the rank
 # shards into sharded/, then every header ("wb"), then each file reopened ("r+b") and its data

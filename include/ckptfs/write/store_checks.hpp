@@ -43,9 +43,10 @@ class StoreChecks {
                               std::string_view name);
 
   // Whether file `name` of `dirfd` is a consolidator's header, its data to come: a regular
-  // file under a model name beside `sharded/` (write/dedup: Origin::Below) that holds a
-  // safetensors header and nothing after it. torch's consolidation writes every output file's
-  // header first, closes it, and reopens it to append.
+  // file under a model name that holds a safetensors header and nothing after it. torch's
+  // consolidation writes every output file's header first, closes it, and reopens it to
+  // append: beside `sharded/` (enable_consolidation) and into any directory
+  // (consolidate_safetensors_files).
   static bool consolidators_header(int dirfd, const std::string& name);
 
   // After a close left file `name` of directory `dirfd` whole for reason `why`: the name keeps
