@@ -151,6 +151,18 @@ Result<struct stat> Filesystem::Impl::getattr(Ino ino) {
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
   switch (n->kind) {
     case Kind::Output:
+      if (auto wf = backed_writer_of(ino)) {
+        // Being written anew by the kernel (write passthrough): its size and times are the new
+        // file's, which its writer's appends and seeks go by.
+        struct stat st = virtual_attr(*n);
+        CKPTFS_TRY(const struct stat now, wf->stat());
+        st.st_size = now.st_size;
+        st.st_blocks = now.st_blocks;
+        st.st_mtim = now.st_mtim;
+        st.st_ctim = now.st_ctim;
+        return st;
+      }
+      return virtual_attr(*n);
     case Kind::Index:
     case Kind::Pending:
     case Kind::AdapterDir:

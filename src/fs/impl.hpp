@@ -218,11 +218,15 @@ struct Filesystem::Impl {
     return opts.backing_writes && writes_backed.load(std::memory_order_relaxed);
   }
   std::atomic<bool> writes_backed{true};  // false once the kernel refused a writer's backing
-  // A write open of real file `n`, or one made by create (`wf`, inode `ino`, `rel` in
-  // messages), served by the kernel from the file itself where IoModes allows it (write
-  // passthrough), else through WRITE requests. Only where backs_writes(). `counted`: the
-  // open is counted in io_modes already, backed or not.
+  // A write open of real file `n` (or of consolidated file `n` with O_TRUNC: the new file
+  // under its name), or one made by create (`wf`, inode `ino`, `rel` in messages), served by
+  // the kernel from the file itself where IoModes allows it (write passthrough), else through
+  // WRITE requests. Only where backs_writes(). `counted`: the open is counted in io_modes
+  // already, backed or not.
   Result<OpenOut> open_backed_writer(const Node& n, int flags);
+  // The file a writer the kernel writes itself (a backed open) is giving inode `ino`, if one
+  // is open: a consolidated file being replaced, whose opens must all be backed meanwhile.
+  [[nodiscard]] std::shared_ptr<write::WriteFile> backed_writer_of(Ino ino) const;
   Result<OpenOut> backed_writer(std::shared_ptr<write::WriteFile> wf, Ino ino, std::string_view rel,
                                 std::optional<bool> counted = {});
   Result<size_t> write(uint64_t fh, uint64_t off, std::string_view bytes);

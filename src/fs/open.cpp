@@ -69,7 +69,12 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC)) {
     if (opts.read_only) return make_error(EROFS, "read-only view");
     note_writer_of(ino, who);
-    if (n->kind != Kind::File) return open_for_write(*n, flags);
+    // A consolidated file written anew (O_TRUNC): a new file under its name, which the kernel
+    // writes itself as it does a created one, unless the old version is open (its readers go
+    // through the page cache).
+    const bool anew = n->kind == Kind::Output && (flags & O_TRUNC) &&
+                      n->view->ckpt->outputs[n->output].folder.empty();
+    if (n->kind != Kind::File && !(anew && backs_writes())) return open_for_write(*n, flags);
     if (backs_writes()) return open_backed_writer(*n, flags);
     CKPTFS_CHECK(io_modes.open_cached(ino, n->rel));
     auto out = open_for_write(*n, flags);
@@ -91,11 +96,28 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
   OpenOut out;
   switch (n->kind) {
     case Kind::Output: {
+      if (auto wf = backed_writer_of(ino)) {
+        // Being written anew by a writer the kernel writes itself: one inode's opens are all
+        // backed or none, so this reader reads what the new file holds now, from the same
+        // file, as in a plain directory (the old version is gone for it).
+        if (io_modes.open_read(ino, true)) {
+          h->reader = std::make_shared<WriteFileReader>(wf);
+          h->io = FileHandle::Io::Backed;
+          out.backing_fd = wf->backing_fd();
+          h->wf = std::move(wf);
+          break;
+        }
+        io_modes.release(ino, false);  // counted cached: open_cached below decides
+      }
       auto fds = open_view_shards(n->view, n->rel);
       if (!fds) {
         views.force_revalidate(*n->view);
         return std::move(fds).error();
       }
+      // Through the page cache: counted, so that no writer the kernel writes itself joins it
+      // (ETXTBSY, after a wait, for one that a writer overtook meanwhile).
+      CKPTFS_CHECK(io_modes.open_cached(ino, n->rel));
+      h->io = FileHandle::Io::Cached;
       h->reader = std::make_shared<OutputReader>(n->view, *fds, n->output);
       out.keep_cache = true;  // this inode only ever has this version's bytes
       out.is_virtual = true;

@@ -22,18 +22,20 @@ Result<OpenOut> Filesystem::Impl::open_backed_writer(const Node& n, int flags) {
   // On a file system the kernel does not write through the mount, the writes come as
   // requests: counted cached before the file is opened, so an O_TRUNC open refused beside
   // backed readers (ETXTBSY, -o passthrough=on) truncates nothing.
+  // A consolidated file's node names its directory; the file is the name in it.
+  const std::string rel = n.kind == Kind::File ? n.rel : join_rel(n.rel, n.key.name);
   bool backed = write::kernel_may_write(root.get());
   if (backed) {
     backed = io_modes.open_write(n.ino);
   } else {
-    CKPTFS_CHECK(io_modes.open_cached(n.ino, n.rel));
+    CKPTFS_CHECK(io_modes.open_cached(n.ino, rel));
   }
   auto wf = writing.open(n, flags);
   if (!wf) {
     io_modes.release(n.ino, backed);
     return std::move(wf).error();
   }
-  return backed_writer(std::move(*wf), n.ino, n.rel, backed);
+  return backed_writer(std::move(*wf), n.ino, rel, backed);
 }
 
 Result<OpenOut> Filesystem::Impl::backed_writer(std::shared_ptr<write::WriteFile> wf, Ino ino,
@@ -60,6 +62,16 @@ Result<OpenOut> Filesystem::Impl::backed_writer(std::shared_ptr<write::WriteFile
     (*h)->io = backed ? FileHandle::Io::Backed : FileHandle::Io::Cached;
   }
   return out;
+}
+
+std::shared_ptr<write::WriteFile> Filesystem::Impl::backed_writer_of(Ino ino) const {
+  std::shared_ptr<write::WriteFile> wf;
+  handles.find_file([&](const FileHandle& h) {
+    if (h.ino != ino || !h.writable || !h.wf || h.io != FileHandle::Io::Backed) return false;
+    wf = h.wf;
+    return true;
+  });
+  return wf;
 }
 
 // A handle open for writing on `wf`, for the kernel's inode `ino`.

@@ -219,6 +219,102 @@ def test_readers_of_a_file_being_written_see_its_bytes(tmp_path, mount_factory):
     assert status(m.mnt)["writes"]["requests"] == 0
 
 
+def rewrite(p: pathlib.Path) -> int:
+    """An open of consolidated file `p` for writing anew on the name the kernel holds (a stat
+    first, as NeMo's and torch's second saves meet it): OPEN with O_TRUNC, not CREATE."""
+    os.stat(p)
+    return os.open(p, os.O_WRONLY | os.O_TRUNC)
+
+
+def test_a_consolidated_file_written_anew_is_written_by_the_kernel(tmp_path, mount_factory):
+    """A consolidated file opened with O_TRUNC over the name that stores it (its node the
+    view's, not a file in SRC) gets a backing file like a created one: no WRITE request, readers
+    opened meanwhile read the new bytes from the same file and stat shows its size, as in a
+    plain directory; stored at close and split into the mount's ranks. A reader of the old
+    version open at that moment keeps the request path (the kernel serves one inode's opens one
+    way): it goes on reading the old version, and the new one reads back after the close. It
+    went through WRITE requests every time, and its readers saw the old version until the
+    close."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, opts=["ranks=2"])
+    p = pathlib.Path(m.mnt) / "ck" / "model.safetensors"
+    sds = [model(4, 256, first=4 * k) for k in range(3)]
+    st.save_file(sds[0], str(p))
+    kernel_backs_or_skip(m)
+    splits_done(m.mnt)
+    before = status(m.mnt)["writes"]
+    data = st.save(sds[1])
+    half = len(data) // 2
+    fd = rewrite(p)
+    try:
+        os.write(fd, data[:half])
+        assert os.stat(p).st_size == half
+        assert p.read_bytes() == data[:half]  # what it holds now, not the old version
+        os.write(fd, data[half:])
+    finally:
+        os.close(fd)
+    after = status(m.mnt)["writes"]
+    assert after["requests"] == before["requests"], (before, after)
+    assert after["backed_opens"] >= before["backed_opens"] + 1, (before, after)
+    splits_done(m.mnt)
+    assert p.read_bytes() == data
+    names = sorted(n for n in os.listdir(src / "ck") if not n.startswith("."))
+    assert names == ["shard-00001-model-00001-of-00001.safetensors",
+                     "shard-00002-model-00001-of-00001.safetensors"], names
+    # Beside a reader of the version it replaces: the request path, and that reader's bytes
+    # stay the old version's.
+    data2 = st.save(sds[2])
+    with open(p, "rb") as r:
+        head = r.read(4096)
+        fd = rewrite(p)
+        try:
+            os.write(fd, data2)
+        finally:
+            os.close(fd)
+        assert head + r.read() == data
+    assert status(m.mnt)["writes"]["requests"] > after["requests"]
+    # The kernel sends the old reader's RELEASE after its close returned; until the daemon has
+    # it, that reader's shards stay open, and a fresh open of the name the kernel still holds
+    # could be served from them (a race of the request path, not of this change).
+    deadline = time.monotonic() + 10
+    while status(m.mnt)["cache"]["shard_fds_open"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.read_bytes() == data2
+    back = st.load_file(str(p))
+    assert all(torch.equal(back[k], sds[2][k]) for k in sds[2])
+    del back  # its tensors map the file
+
+
+def test_a_daemon_killed_while_a_consolidated_file_is_written_anew_keeps_the_old_one(tmp_path):
+    """kill -9 of the daemon while the kernel writes a consolidated file anew over the name
+    that stores it: nothing of the new file was closed, so after a remount the name reads as
+    the version it was replacing, and the never-closed file is gone from SRC."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = Mount(src, tmp_path / "mnt", opts=["ranks=2"], log=str(tmp_path / "mnt.1.log")).start()
+    old, new = model(4, 256), model(4, 256, first=4)
+    with killed(m) as mnt:
+        p = mnt / "ck" / "model.safetensors"
+        st.save_file(old, str(p))
+        kernel_backs_or_skip(m)
+        splits_done(m.mnt)
+        requests = status(m.mnt)["writes"]["requests"]
+        fd = rewrite(p)
+        os.write(fd, st.save(new)[:100000])
+        assert status(m.mnt)["writes"]["requests"] == requests  # written by the kernel
+        assert (src / "ck" / "model.safetensors").exists()
+    try:
+        os.close(fd)
+    except OSError:
+        pass  # its daemon is gone (ENOTCONN)
+    with Mount(src, tmp_path / "mnt", opts=["ranks=2"], log=str(tmp_path / "mnt.2.log")) as m2:
+        back = st.load_file(str(pathlib.Path(m2.mnt) / "ck" / "model.safetensors"))
+        assert sorted(back) == sorted(old) and all(torch.equal(back[k], old[k]) for k in old)
+        del back
+        assert not (src / "ck" / "model.safetensors").exists(), sorted(os.listdir(src / "ck"))
+
+
 def test_other_users_reach_nothing_through_a_backed_file(mount_factory):
     """allow_other: root writes two files through the kernel path (one 0644, one 0600) and keeps
     them open; another user gets from them exactly what SRC would give: a read of the 0644

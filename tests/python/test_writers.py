@@ -337,7 +337,10 @@ def test_nemo_save_consolidated_again(dirs):
     os.makedirs(model/.hf_metadata, exist_ok=True) met EEXIST from the mkdir and then no
     directory (the view hides it), and raised FileExistsError. Its mkdir makes it a writer
     there now, which sees the directory as written; every consolidated file is the plain
-    directory's second save, byte for byte."""
+    directory's second save, byte for byte. Its open of each consolidated file (O_TRUNC over
+    the first save's, on the name the kernel holds) is written by the kernel too, and stored
+    once, as links of the second save's shards (it went through WRITE requests and was stored
+    as rank shards of its own: twice)."""
     src, mnt, plain, m = dirs
     for seed in ("0", "1"):
         run_writer("nemo_consolidated_save.py", plain / "n", "--seed", seed)
@@ -347,6 +350,8 @@ def test_nemo_save_consolidated_again(dirs):
     assert sorted(os.listdir(mnt / "n" / cons)) == want
     assert_same_files(mnt / "n" / cons, plain / "n" / cons, want)
     assert_same_shards(src / "n" / "model", plain / "n" / "model")
+    assert_stored_once(src / "n" / cons, mnt / "n" / cons, plain / "n" / cons, want,
+                       origin=src / "n" / "model")
     assert m.proc.poll() is None
 
 
