@@ -68,6 +68,12 @@ void IoModes::release(Ino ino, bool backed) {
   if (backed) cv_.notify_all();
 }
 
+bool IoModes::has_backed(Ino ino) const {
+  std::lock_guard lock(mu_);
+  auto it = open_.find(ino);
+  return it != open_.end() && it->second.backed > 0;
+}
+
 uint64_t IoModes::backed_opens() const {
   std::lock_guard lock(mu_);
   return total_backed_;

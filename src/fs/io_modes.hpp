@@ -39,6 +39,8 @@ class IoModes {
   // A backed open the kernel could not back after all (the ioctl failed): counted as cached.
   void demote(Ino ino);
   void release(Ino ino, bool backed);
+  // Whether backed opens of `ino` are live (one hash lookup).
+  [[nodiscard]] bool has_backed(Ino ino) const;
   [[nodiscard]] uint64_t backed_opens() const;
   [[nodiscard]] uint64_t backed_writes() const;
 

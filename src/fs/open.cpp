@@ -74,8 +74,8 @@ Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
     // through the page cache).
     const bool anew = n->kind == Kind::Output && (flags & O_TRUNC) &&
                       n->view->ckpt->outputs[n->output].folder.empty();
-    if (n->kind != Kind::File && !(anew && backs_writes())) return open_for_write(*n, flags);
-    if (backs_writes()) return open_backed_writer(*n, flags);
+    if ((n->kind == Kind::File || anew) && backs_writes()) return open_backed_writer(*n, flags);
+    if (n->kind != Kind::File) return open_for_write(*n, flags);
     CKPTFS_CHECK(io_modes.open_cached(ino, n->rel));
     auto out = open_for_write(*n, flags);
     if (!out) {

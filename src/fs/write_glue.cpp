@@ -65,6 +65,9 @@ Result<OpenOut> Filesystem::Impl::backed_writer(std::shared_ptr<write::WriteFile
 }
 
 std::shared_ptr<write::WriteFile> Filesystem::Impl::backed_writer_of(Ino ino) const {
+  // A consolidated file's getattr and open ask: the handles are looked through only where
+  // the inode has backed opens (a rewrite), which it has nowhere else.
+  if (!io_modes.has_backed(ino)) return nullptr;
   std::shared_ptr<write::WriteFile> wf;
   handles.find_file([&](const FileHandle& h) {
     if (h.ino != ino || !h.writable || !h.wf || h.io != FileHandle::Io::Backed) return false;

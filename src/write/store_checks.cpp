@@ -107,8 +107,8 @@ Status StoreChecks::place_whole(int dirfd, const std::string& display, const std
   if (ns.native.empty() && why.code == EINVAL && consolidators_header(dirfd, name)) {
     // A consolidator saving again (torch's, beside `sharded/` or into any directory): its
     // header first, its data to come after a reopen (its writer's view resolves the name to
-    // this file). Until it closes complete, the name shows
-    // nothing to anyone else (fs/namespace), never the file it replaces beside the new ones.
+    // this file). Until it closes complete, the name shows nothing to anyone else
+    // (fs/namespace), never the file it replaces beside the new ones.
     spdlog::info(
         "{}; kept for its writer to append to: the name shows nothing to anyone else "
         "until it is stored",
