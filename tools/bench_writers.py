@@ -19,11 +19,14 @@ its store as links of those shards); the bytes the save left on the backing file
 the plain directory and of SRC, each inode once); and, once, that the consolidated files read
 back through the mount equal the plain save's. --bin2 adds a second binary, in the same rounds.
 --again saves twice into each OUT and times the second save (over the first one's files: torch
-writes each header over a name that stores a file, then reopens it to append).
+writes each header over a name that stores a file, then reopens it to append). --warm-mb N
+touches N MB of memory once before the rounds (on a freshly booted VM a page's first touch
+costs several times a later one: tools/bench_fresh_pages.py). Each round's outputs are
+deleted after it, so every round starts with the same memory free.
 
 Usage (as root, with the venv of tools/setup.sh):
   bench_writers.py [--writer torch|torch-mapping|nemo] [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
-                   [--again]
+                   [--again] [--warm-mb N]
                    [--bin build/src/ckptfs] [--bin2 OTHER] [--dir /tmp/ckptfs-bench-writers]
 """
 
@@ -42,6 +45,8 @@ import time
 from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench_fresh_pages  # noqa: E402
 
 
 def torch_save(rank, world, out, mb, init_file, files=1):
@@ -144,12 +149,18 @@ def main() -> int:
     ap.add_argument("--bin2", default=None)
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-writers")
     ap.add_argument("--again", action="store_true")
+    ap.add_argument("--warm-mb", type=int, default=0)
     a = ap.parse_args()
 
     def timed(out: str) -> float:
         if a.again:
             save(out, a.size_mb, a.ranks, a.writer)
         return save(out, a.size_mb, a.ranks, a.writer)
+    if a.warm_mb:
+        # On a freshly booted VM a page's first touch costs several times a later one
+        # (tools/bench_fresh_pages.py): touched once here, the memory the saves use is alike
+        # for every round and every kind.
+        bench_fresh_pages.warm(a.warm_mb)
     shutil.rmtree(a.dir, ignore_errors=True)
     plain, src, mnt = (os.path.join(a.dir, n) for n in ("plain", "src", "mnt"))
     for d in (plain, src, mnt):
@@ -193,7 +204,10 @@ def main() -> int:
                     proc.wait(timeout=600)
                 stored[kind].append(times[kind][-1] + time.perf_counter() - t0)
                 sizes[kind] = du(os.path.join(src, name))
+                shutil.rmtree(os.path.join(src, name))
             print(f"[bench_writers] round {rnd + 1} {kind}: {times[kind][-1]:.2f} s", flush=True)
+        # Every round starts with the same free memory (on tmpfs the outputs are memory).
+        shutil.rmtree(os.path.join(plain, f"r{rnd}"))
     print(f"\n{a.writer}: {a.size_mb} MB bf16 state dict, {a.ranks} ranks, consolidation on "
           f"(mount -o ranks={a.mount_ranks}){', the second save into each OUT' if a.again else ''}; "
           f"median of {a.rounds}")
