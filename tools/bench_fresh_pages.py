@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
-"""What a page of memory costs to fill on its first touch since the VM booted (issue 35).
+"""What a page of memory costs to fill on a VM, by where it comes from (issue 35).
 
-On a VM whose host backs guest memory lazily, a page the guest has never touched is filled at a
-fraction of the speed of a page touched before and freed: the host allocates it on the first
-touch. A save that needs more pages than are warm pays that; the mount's second consolidating
-save needs more than a plain directory's (it keeps the old version until the new one is
-stored, where the plain directory reuses the pages it truncated), so on a freshly booted VM the
-two differ by what those pages cost, not by the mount. This fills COUNT files of SIZE MB each
-(kept, so memory use climbs), in 8 MB writes as torch's consolidator makes, deletes them, and
-fills them again: the first pass meets the untouched pages, the second the warm ones. Run it
-first on a fresh machine; afterwards the same memory is warm and both passes are alike.
---warm (with no report) fills and frees that memory once, as a benchmark's first step.
+On this project's VM (virtio-balloon with free page reporting) some free pages fill at a
+fraction of the speed of others: 8 MB in about 22 ms against 3 ms, the time all inside the
+copy, as a host-side fault on the guest's first touch of a page the host does not back would
+look. A save that needs more new pages meets more of them: the mount's second consolidating
+save keeps the first save's version until the new one is stored, where a plain directory's
+reuses the pages its truncations free (docs/benchmarks.md, "Where the second save's time
+goes"). This fills COUNT files of SIZE MB each (kept, so memory use climbs), in 8 MB writes as
+torch's consolidator makes, deletes them, and fills them again; on a freshly booted VM the
+first pass meets pages never touched, the second the same pages again. --warm (with no report)
+fills and frees that memory once, as a benchmark's first step.
 
 Usage: bench_fresh_pages.py [--size-mb 3072] [--count 3] [--dir /dev/shm] [--warm]
 """
