@@ -177,6 +177,13 @@ void NodeTable::retire(Ino ino) {
   retire_locked(ino);
 }
 
+void NodeTable::supersede(Ino ino) {
+  std::lock_guard lock(mu_);
+  if (auto it = nodes_.find(ino); it != nodes_.end() && it->second->key.space == Space::Virtual) {
+    it->second->superseded = true;
+  }
+}
+
 void NodeTable::retire_key(const Key& key) {
   std::lock_guard lock(mu_);
   if (auto k = keys_.find(key); k != keys_.end()) retire_locked(k->second);

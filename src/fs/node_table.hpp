@@ -88,6 +88,10 @@ struct Node {
   // Its backing file is gone for good (unlinked through the mount, or a placeholder removed
   // at commit): its number may name another file now, which must never take this node over.
   bool retired = false;
+  // A synthesized file of a version that a write through the mount replaced (committed under
+  // its name): an open of it answers ESTALE, so that the kernel looks the name up again and
+  // opens the new version, never this one's bytes from shard fds its readers keep open.
+  bool superseded = false;
 };
 
 Kind kind_of(mode_t m);
@@ -132,6 +136,8 @@ class NodeTable {
   void retire(Ino ino);
   // The same for the node that `key` names now, if any.
   void retire_key(const Key& key);
+  // Node `ino`, if synthesized, is a version a committed write replaced (Node::superseded).
+  void supersede(Ino ino);
 
   // The node the kernel may hold under (parent, name).
   [[nodiscard]] std::optional<Node> child(Ino parent, const std::string& name) const;

@@ -63,6 +63,14 @@ Result<std::shared_ptr<const ShardFds>> Filesystem::Impl::open_view_shards(
 Result<OpenOut> Filesystem::Impl::open(Ino ino, int flags, const Caller& who) {
   auto n = nodes.get(ino);
   if (!n) return make_error(ESTALE, "unknown inode {}", ino);
+  if (n->superseded) {
+    // Replaced by a write through the mount that has closed: the kernel held this version's
+    // entry when it sent the open (the invalidation was still on its way, or the open went
+    // through an fd's /proc link). Its readers' shard fds may still be open, but a new open
+    // must get the new version: ESTALE makes the kernel look the name up again.
+    return make_error(ESTALE, "{}/{}: a newer version is stored under its name", n->rel,
+                      n->key.name);
+  }
   // A lifted file (config.json from huggingface/): the kernel checked the path it sees, not
   // the folder the file is in. Its entry may be cached from another user's lookup.
   if (n->kind == Kind::File) CKPTFS_CHECK(may_reach_lifted(n->rel, who));

@@ -286,6 +286,36 @@ def test_a_consolidated_file_written_anew_is_written_by_the_kernel(tmp_path, mou
     del back  # its tensors map the file
 
 
+def test_an_open_of_a_replaced_version_looks_its_name_up_again(tmp_path, mount_factory):
+    """A consolidated file written anew beside a reader of its old version (the request
+    path): once the writer's close returned, an open that reaches the old version's inode
+    (here through the reader's /proc link, as the kernel sends one whose entry it still held
+    when the invalidation was on its way) answers ESTALE, so that the kernel looks the name up
+    again, where it used to be served the old bytes from the shard fds that reader keeps
+    open. By its name the file reads as written; the reader goes on with the old version."""
+    src = tmp_path / "src"
+    (src / "ck").mkdir(parents=True)
+    m = mount_factory(src, opts=["ranks=2"])
+    p = pathlib.Path(m.mnt) / "ck" / "model.safetensors"
+    old = st.save(model(4, 256))
+    new = st.save(model(4, 256, first=4))
+    p.write_bytes(old)
+    splits_done(m.mnt)
+    with open(p, "rb") as r:
+        head = r.read(4096)
+        fd = rewrite(p)
+        try:
+            os.write(fd, new)
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as e:
+            open(f"/proc/self/fd/{r.fileno()}", "rb").close()
+        assert e.value.errno == errno.ESTALE, e.value
+        assert p.read_bytes() == new
+        assert head + r.read() == old
+    assert p.read_bytes() == new
+
+
 def test_a_daemon_killed_while_a_consolidated_file_is_written_anew_keeps_the_old_one(tmp_path):
     """kill -9 of the daemon while the kernel writes a consolidated file anew over the name
     that stores it: nothing of the new file was closed, so after a remount the name reads as
