@@ -51,6 +51,7 @@ Prefetcher::~Prefetcher() {
     halt_ = true;
   }
   cv_.notify_all();
+  idle_cv_.notify_all();  // a write_opened waiting for a push
   for (auto& t : threads_) t.join();
 }
 
@@ -95,11 +96,29 @@ void Prefetcher::on_miss(Ino ino, const std::shared_ptr<const FileReader>& reade
   request(ino, reader, want);
 }
 
+void Prefetcher::write_opened(Ino ino) {
+  std::unique_lock lock(mu_);
+  ++writing_[ino];
+  auto it = running_.find(ino);
+  if (it == running_.end()) return;
+  std::shared_ptr<Push> p = it->second;
+  p->stop = true;  // its threads claim no more chunks; the one storing now finishes
+  idle_cv_.wait(lock, [&] {
+    auto now = running_.find(ino);
+    return stop_ || now == running_.end() || now->second != p;
+  });
+}
+
+void Prefetcher::write_closed(Ino ino) {
+  std::lock_guard lock(mu_);
+  if (auto it = writing_.find(ino); it != writing_.end() && --it->second == 0) writing_.erase(it);
+}
+
 void Prefetcher::request(Ino ino, std::shared_ptr<const FileReader> reader, uint64_t off) {
   if (off >= reader->size()) return;
   {
     std::lock_guard lock(mu_);
-    if (stop_ || running_.count(ino)) return;
+    if (stop_ || running_.count(ino) || writing_.count(ino)) return;
     if (running_.size() >= cfg_.max_pushes) {
       ++stats_.dropped;
       return;

@@ -4,6 +4,7 @@
 // own rooms.
 #include "ckptfs/fuse/adapter.hpp"
 
+#include <fcntl.h>
 #include <fuse_lowlevel.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -234,10 +235,16 @@ fs::Caller caller_of(fuse_req_t req) {
   return who;
 }
 
+// An open the kernel writes through: no prefetch push may store into its inode meanwhile
+// (Prefetcher::write_opened). By the access mode, which RELEASE's flags keep too.
+bool opened_for_writing(int flags) { return (flags & O_ACCMODE) != O_RDONLY; }
+
 void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   auto& c = ctx(req);
   auto r = c.fs->open(ino, fi->flags, caller_of(req));
   if (!r) return reply_error(req, r.error(), "open");
+  const bool writes = c.prefetch && opened_for_writing(fi->flags);
+  if (writes) c.prefetch->write_opened(ino);
   fi->fh = r->fh;
   fi->keep_cache = r->keep_cache;
   fi->direct_io = r->direct_io;
@@ -257,6 +264,7 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   if (fuse_reply_open(req, fi) != 0) {
     Backing::clear_mark();
     if (c.fs->release(r->fh) && backing_id > 0) c.backing->release(ino);  // the opener went away
+    if (writes) c.prefetch->write_closed(ino);
     return;
   }
   if (!reader) return;
@@ -311,6 +319,7 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_i
 void op_release(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   auto& c = ctx(req);
   if (c.fs->release(fi->fh) && c.backing) c.backing->release(ino);
+  if (c.prefetch && opened_for_writing(fi->flags)) c.prefetch->write_closed(ino);
   fuse_reply_err(req, 0);
 }
 
@@ -382,6 +391,8 @@ void op_create(fuse_req_t req, fuse_ino_t p, const char* name, mode_t mode, fuse
   auto& c = ctx(req);
   auto r = c.fs->create(p, name, mode, fi->flags, caller_of(req));
   if (!r) return reply_error(req, r.error(), "create");
+  const bool writes = c.prefetch && opened_for_writing(fi->flags);
+  if (writes) c.prefetch->write_opened(r->entry.ino);  // a consolidated name written anew
   fi->fh = r->open.fh;
   auto e = entry_of(r->entry, *c.opts);
   int backing_id = 0;
@@ -396,6 +407,7 @@ void op_create(fuse_req_t req, fuse_ino_t p, const char* name, mode_t mode, fuse
   if (fuse_reply_create(req, &e, fi) != 0) {
     Backing::clear_mark();
     if (c.fs->release(r->open.fh) && backing_id > 0) c.backing->release(r->entry.ino);
+    if (writes) c.prefetch->write_closed(r->entry.ino);
   }
 }
 

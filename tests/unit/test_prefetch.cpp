@@ -5,8 +5,10 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "ckptfs/fs/prefetch.hpp"
@@ -108,6 +110,10 @@ class FakePusher final : public PagePusher {
   int max_in_store() {
     std::lock_guard lock(mu_);
     return max_in_store_;
+  }
+  int in_ino(Ino ino) {
+    std::lock_guard lock(mu_);
+    return in_ino_[ino];
   }
   int max_in_ino(Ino ino) {
     std::lock_guard lock(mu_);
@@ -288,6 +294,47 @@ TEST(Prefetch, StopsWhenMemoryRunsShort) {
   pf.on_open(1, r);
   pf.drain();
   EXPECT_EQ(pusher.offsets(1), mibs({0, 1, 2}));
+}
+
+// A writer's open: the push of that inode stops, and write_opened returns only once the store
+// in progress has ended (the kernel sends the writer's WRITE requests from pages a store could
+// still overwrite); no push of it starts while a writer has it open, and misses push it again
+// after the last writer's release.
+TEST(Prefetch, AWriterStopsThePushOfItsInodeAndWaitsForTheStoreInProgress) {
+  FakePusher pusher;
+  Prefetcher pf(pusher, config(1));
+  pusher.close_gate();
+  auto r = std::make_shared<FakeReader>(16 * kMiB);
+  pf.on_open(3, r);
+  ASSERT_TRUE(pusher.wait_held(1));  // the store of its first MiB is in progress
+  auto opened = std::async(std::launch::async, [&] {
+    pf.write_opened(3);
+    return pusher.in_ino(3);  // stores of inode 3 in progress when it returned
+  });
+  // Held at the gate, the store has not ended: write_opened has not returned (a wrong one
+  // returns at once, with the store still in progress).
+  EXPECT_EQ(opened.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  pusher.open_gate();
+  EXPECT_EQ(opened.get(), 0);
+  pf.drain();
+  EXPECT_EQ(pusher.offsets(3), mibs({0}));  // stopped after the store it waited for
+  // While the writer has it open: no push, on an open or on a miss.
+  pf.on_open(3, r);
+  pf.on_miss(3, r, 0, kMiB);
+  pf.write_opened(3);  // a second writer
+  pf.write_closed(3);
+  pf.on_miss(3, r, 0, kMiB);
+  pf.drain();
+  EXPECT_EQ(pusher.offsets(3), mibs({0}));
+  // Its last writer gone: a miss pushes it again, past the kernel's read-ahead.
+  pf.write_closed(3);
+  pf.on_miss(3, r, 0, kMiB);
+  pf.drain();
+  EXPECT_EQ(pusher.offsets(3), mibs({0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
+  // Other inodes were never held back.
+  pf.on_open(4, std::make_shared<FakeReader>(2 * kMiB));
+  pf.drain();
+  EXPECT_EQ(pusher.offsets(4), mibs({0, 1}));
 }
 
 TEST(Prefetch, StopsOnAStoreError) {

@@ -72,6 +72,13 @@ class Prefetcher {
   // A read of [off, off+len) reached the daemon.
   void on_miss(Ino ino, const std::shared_ptr<const FileReader>& reader, uint64_t off,
                uint64_t len);
+  // Inode `ino` is opened for writing (before the open's reply): its push stops, and this
+  // returns once no chunk of it is being stored. The kernel sends a writer's WRITE requests
+  // from the inode's page cache after unlocking the pages it filled, so a store of the old
+  // bytes meanwhile would overwrite the data the daemon then stores. No push of it starts
+  // until as many write_closed calls (its writers' RELEASEs) have come.
+  void write_opened(Ino ino);
+  void write_closed(Ino ino);
 
   struct Stats {
     uint64_t pushes = 0;     // pushes started (accepted into the queue)
@@ -95,14 +102,15 @@ class Prefetcher {
 
   PagePusher& pusher_;
   const PrefetchConfig cfg_;
-  mutable std::mutex mu_;            // guards queue_, running_, opened_, outrun_, stats_, stop_
-  std::condition_variable cv_;       // work queued, or stopping
-  std::condition_variable idle_cv_;  // a push finished (drain)
+  mutable std::mutex mu_;  // guards queue_, running_, opened_, outrun_, writing_, stats_, stop_
+  std::condition_variable cv_;                    // work queued, or stopping
+  std::condition_variable idle_cv_;               // a push finished (drain)
   std::deque<std::shared_ptr<Push>> queue_;       // tickets: one per thread that may join a push
   std::map<Ino, std::shared_ptr<Push>> running_;  // pushes queued or running, by inode
   std::set<Ino> opened_;  // inodes whose first open already triggered a push (bounded)
   std::set<Ino> outrun_;  // inodes whose reader overtook their push: not pushed on misses
                           // (bounded)
+  std::map<Ino, unsigned> writing_;  // inodes open for writing, and by how many: never pushed
   Stats stats_;
   bool stop_ = false;
   std::atomic<bool> halt_{false};  // stop_, readable without the lock by pushing threads
