@@ -227,6 +227,15 @@ def rewrite(p: pathlib.Path) -> int:
     return os.open(p, os.O_WRONLY | os.O_TRUNC)
 
 
+def write_anew(p: pathlib.Path, data: bytes) -> None:
+    """Writes consolidated file `p` anew (rewrite) with `data`, and closes it."""
+    fd = rewrite(p)
+    try:
+        assert os.write(fd, data) == len(data)
+    finally:
+        os.close(fd)
+
+
 def test_a_consolidated_file_written_anew_is_written_by_the_kernel(tmp_path, mount_factory):
     """A consolidated file opened with O_TRUNC over the name that stores it (its node the
     view's, not a file in SRC) gets a backing file like a created one: no WRITE request, readers
@@ -268,11 +277,7 @@ def test_a_consolidated_file_written_anew_is_written_by_the_kernel(tmp_path, mou
     data2 = st.save(sds[2])
     with open(p, "rb") as r:
         head = r.read(4096)
-        fd = rewrite(p)
-        try:
-            os.write(fd, data2)
-        finally:
-            os.close(fd)
+        write_anew(p, data2)
         assert head + r.read() == data
     assert status(m.mnt)["writes"]["requests"] > after["requests"]
     # The kernel sends the old reader's RELEASE after its close returned; until the daemon has
@@ -304,11 +309,7 @@ def test_an_open_of_a_replaced_version_looks_its_name_up_again(tmp_path, mount_f
     splits_done(m.mnt)
     with open(p, "rb") as r:
         head = r.read(4096)
-        fd = rewrite(p)
-        try:
-            os.write(fd, new)
-        finally:
-            os.close(fd)
+        write_anew(p, new)
         with pytest.raises(OSError) as e:
             open(f"/proc/self/fd/{r.fileno()}", "rb").close()
         assert e.value.errno == errno.ESTALE, e.value
@@ -346,11 +347,7 @@ def test_a_file_written_anew_while_another_thread_opens_it_is_stored_as_written(
     t.start()
     try:
         for k in range(1, len(versions)):
-            fd = rewrite(p)
-            try:
-                assert os.write(fd, versions[k]) == len(versions[k])
-            finally:
-                os.close(fd)
+            write_anew(p, versions[k])
             assert p.read_bytes() == versions[k], f"round {k}"
     finally:
         stop.set()
