@@ -167,7 +167,12 @@ void NodeTable::renamed(Ino op, const std::string& oname, const std::string& old
 
 void NodeTable::retire_locked(Ino ino) {
   auto it = nodes_.find(ino);
-  if (it == nodes_.end() || it->second->retired || it->second->key.space != Space::Real) return;
+  if (it == nodes_.end() || it->second->retired) return;
+  if (it->second->key.space == Space::Virtual) {
+    it->second->superseded = true;  // its key names this version only: it stays
+    return;
+  }
+  if (it->second->key.space != Space::Real) return;
   it->second->retired = true;
   if (auto k = keys_.find(it->second->key); k != keys_.end() && k->second == ino) keys_.erase(k);
 }
@@ -175,13 +180,6 @@ void NodeTable::retire_locked(Ino ino) {
 void NodeTable::retire(Ino ino) {
   std::lock_guard lock(mu_);
   retire_locked(ino);
-}
-
-void NodeTable::supersede(Ino ino) {
-  std::lock_guard lock(mu_);
-  if (auto it = nodes_.find(ino); it != nodes_.end() && it->second->key.space == Space::Virtual) {
-    it->second->superseded = true;
-  }
 }
 
 void NodeTable::retire_key(const Key& key) {

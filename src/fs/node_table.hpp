@@ -133,11 +133,11 @@ class NodeTable {
   // The backing file of real node `ino` is gone for good: ext4 hands its number to the next
   // file made, which must get a node of its own (with the key kept, a lookup of that file
   // would take this node over, and the kernel's names for this one would show that file).
+  // For a synthesized file's node: a committed write replaced the version it shows
+  // (Node::superseded).
   void retire(Ino ino);
   // The same for the node that `key` names now, if any.
   void retire_key(const Key& key);
-  // Node `ino`, if synthesized, is a version a committed write replaced (Node::superseded).
-  void supersede(Ino ino);
 
   // The node the kernel may hold under (parent, name).
   [[nodiscard]] std::optional<Node> child(Ino parent, const std::string& name) const;

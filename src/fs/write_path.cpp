@@ -261,10 +261,8 @@ Status WritePath::settle(Ino ino, write::WriteFile& wf, const SettleFn& fn) {
     }
   }
   writes_.touched(static_cast<uint64_t>(dst.st_dev), static_cast<uint64_t>(dst.st_ino));
-  if (wf.state() == write::WriteFile::State::Committed) {
-    d_.nodes.retire(n->ino);     // a real file's node: its placeholder is gone
-    d_.nodes.supersede(n->ino);  // a consolidated file's: the version it shows is replaced
-  }
+  // A real file's node: its placeholder is gone; a consolidated file's: its version replaced.
+  if (wf.state() == write::WriteFile::State::Committed) d_.nodes.retire(n->ino);
   if (notifier_ &&
       (wf.state() == write::WriteFile::State::Committed || format::parse_model_name(name))) {
     // The name now shows the consolidated file (committed, or still the older one when this
