@@ -66,13 +66,14 @@ void remove_tree(int parent, const std::string& name) { remove_tree_depth(parent
 namespace {
 
 // Whether no live process holds the staging directory's lock (so it is a crash's leftover).
-// A daemon's temporary file (write/dedup's copies), not this process's own.
+// A daemon's scratch file (write/dedup's copies, and the file a rename onto a model name
+// replaces, kept until the store of the file moved over it is known), not this process's own.
 bool scratch(const source::DirEntry& e) {
   return S_ISREG(e.st.st_mode) && e.name.starts_with(format::kScratchPrefix) &&
          !e.name.substr(format::kScratchPrefix.size()).starts_with(fmt::format("{}-", ::getpid()));
 }
 
-// Removes the scratch file `name` when nobody holds its lock: its daemon died making it.
+// Removes the scratch file `name` when nobody holds its lock: its daemon died with it.
 void remove_dead_scratch(int statefd, const std::string& name, const std::string& display) {
   int fd = ::openat(statefd, name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) return;
@@ -82,7 +83,7 @@ void remove_dead_scratch(int statefd, const std::string& name, const std::string
     return;
   }
   if (::unlinkat(statefd, name.c_str(), 0) == 0) {
-    spdlog::info("{}: removed {}/{}, left by a daemon that died copying it", display, kState, name);
+    spdlog::info("{}: removed {}/{}, left by a daemon that died with it", display, kState, name);
   }
 }
 

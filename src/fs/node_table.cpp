@@ -165,6 +165,19 @@ void NodeTable::renamed(Ino op, const std::string& oname, const std::string& old
   if (b && exchange) relink(*b, {np, nname}, {op, oname});
 }
 
+void NodeTable::put_back(Ino ino, Ino parent, const std::string& name, const std::string& rel) {
+  std::lock_guard lock(mu_);
+  auto it = nodes_.find(ino);
+  if (it == nodes_.end() || it->second->retired) return;
+  it->second->rel = rel;
+  kids_[{parent, name}] = ino;
+  auto& links = it->second->links;
+  if (std::find(links.begin(), links.end(), std::pair<Ino, std::string>{parent, name}) ==
+      links.end()) {
+    links.emplace_back(parent, name);
+  }
+}
+
 void NodeTable::retire_locked(Ino ino) {
   auto it = nodes_.find(ino);
   if (it == nodes_.end() || it->second->retired) return;

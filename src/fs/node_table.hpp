@@ -130,6 +130,9 @@ class NodeTable {
   // cached name (op, oname) to (np, nname).
   void renamed(Ino op, const std::string& oname, const std::string& old_rel, Ino np,
                const std::string& nname, const std::string& new_rel, bool exchange);
+  // Node `ino` is again what the kernel may hold under (parent, name), found at `rel`: the file
+  // a rename replaced, put back when the rename was undone (renamed() moved its name and path).
+  void put_back(Ino ino, Ino parent, const std::string& name, const std::string& rel);
   // The backing file of real node `ino` is gone for good: ext4 hands its number to the next
   // file made, which must get a node of its own (with the key kept, a lookup of that file
   // would take this node over, and the kernel's names for this one would show that file).

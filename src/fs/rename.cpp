@@ -61,10 +61,15 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
         shown_over.output ? output_perms(*shown_over.v, *shown_over.output) : shown_over.v->inputs,
         who, source_path(join_rel(to.node.rel, new_name))));
   }
-  if (!(flags & (RENAME_EXCHANGE | RENAME_NOREPLACE)) &&
-      !(from.dev == to.dev && from.ino == to.ino && o == nn)) {
-    retire_if_last(to.fd.get(), nn);  // the entry replaced, if any
+  const bool replaces = !(flags & (RENAME_EXCHANGE | RENAME_NOREPLACE)) &&
+                        !(from.dev == to.dev && from.ino == to.ino && o == nn);
+  // Onto a model name the file is stored after it moved, which can fail (memory, staging), and
+  // then the rename is undone: what it replaces is kept until then.
+  std::optional<WritePath::Replaced> replaced;
+  if (replaces && format::parse_model_name(new_name)) {
+    CKPTFS_TRY(replaced, writing.keep_replaced(to.at(), new_parent, nn));
   }
+  if (replaces) retire_if_last(to.fd.get(), nn);  // the entry replaced, if any (and not kept)
   int moved = ::renameat2(from.fd.get(), o.c_str(), to.fd.get(), nn.c_str(), flags);
   if (moved != 0 && (errno == ENOTEMPTY || errno == EEXIST) && S_ISDIR(src_st.st_mode) &&
       !(flags & (RENAME_EXCHANGE | RENAME_NOREPLACE))) {
@@ -88,7 +93,7 @@ Status Filesystem::Impl::rename(Ino parent, std::string_view name, Ino new_paren
   if (!format::parse_model_name(new_name)) return {};
   // A file renamed onto a model name: one being written is stored when it is closed; a closed
   // one is stored now. Either way it replaces the version shown under that name.
-  return writing.store_renamed(from.at(), parent, o, to.at(), new_parent, nn);
+  return writing.store_renamed(from.at(), parent, o, to.at(), new_parent, nn, replaced);
 }
 
 }  // namespace ckptfs::fs

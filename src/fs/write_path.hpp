@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ckptfs/flush/flusher.hpp"
@@ -116,11 +117,49 @@ class WritePath {
   // that it does not fit).
   Status may_rename_onto(const WriteDir& from, const std::string& from_name,
                          const struct stat& src_st, const WriteDir& to, const std::string& to_name);
+  // The regular file that a rename onto model name `name` of `to` (inode
+  // `to_parent`) is about to replace, kept until the store of the file moved over it is known:
+  // a hard link of it in the directory's state directory (.ckptfs/unshare-<pid>-<n>, so that
+  // recovery removes one a dead daemon left), locked. Put back when that store fails (the
+  // rename fails, and must have changed no name); let go otherwise, its node retired if that
+  // was its last link. nullopt when the name holds no such file.
+  class Replaced {
+   public:
+    Replaced(Replaced&& o) noexcept;
+    Replaced& operator=(Replaced&& o) noexcept;
+    Replaced(const Replaced&) = delete;
+    Replaced& operator=(const Replaced&) = delete;
+    ~Replaced() { let_go(); }
+    // Puts it back under its name, over what is there now (one rename: never a moment
+    // without a file under the name).
+    Status put_back(int dir, const std::string& name);
+
+   private:
+    friend class WritePath;
+    void let_go();  // the link goes, unless put back
+    Replaced(NodeTable& nodes, UniqueFd state, UniqueFd held, std::string link,
+             const struct stat& st, std::optional<Ino> ino)
+        : nodes_(&nodes),
+          state_(std::move(state)),
+          held_(std::move(held)),
+          link_(std::move(link)),
+          st_(st),
+          ino_(ino) {}
+    NodeTable* nodes_;
+    UniqueFd state_, held_;  // the state directory; the file itself, flock'ed
+    std::string link_;       // its link's name in state_ ("" once put back or moved from)
+    struct stat st_ {};
+    std::optional<Ino> ino_;  // its node, where the kernel holds it under the name
+  };
+  Result<std::optional<Replaced>> keep_replaced(const WriteDir& to, Ino to_parent,
+                                                const std::string& name);
   // After it moved (`from_parent`/`to_parent`: the directories' inodes): a closed file is
-  // stored now, one being written when its writer closes it. A file that could not be split
-  // and would be hidden is moved back, and the error returned.
+  // stored now, one being written when its writer closes it. Where the store fails (memory,
+  // staging, a file that could not be split and would be hidden) the file is moved back, what
+  // it replaced (`replaced`) put back, and the error returned.
   Status store_renamed(const WriteDir& from, Ino from_parent, const std::string& from_name,
-                       const WriteDir& to, Ino to_parent, const std::string& to_name);
+                       const WriteDir& to, Ino to_parent, const std::string& to_name,
+                       std::optional<Replaced>& replaced);
 
  private:
   using SettleFn = std::function<Status(write::WriteFile&, const write::Place&)>;

@@ -152,6 +152,11 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int orig
       StagedResplit{std::move(tx), static_cast<uint32_t>(ranks.size())}};
 }
 
+std::string scratch_name() {
+  static std::atomic<uint64_t> counter{0};
+  return fmt::format("{}{}-{}", format::kScratchPrefix, ::getpid(), counter.fetch_add(1));
+}
+
 namespace {
 
 // The state directory of `stored`, where `stored`'s `name` is the file `st` and `stored` holds
@@ -169,11 +174,6 @@ std::optional<UniqueFd> storing_state(int stored, const std::string& name, const
     return std::nullopt;
   }
   return std::move(state).value();
-}
-
-std::string unshare_name() {
-  static std::atomic<uint64_t> counter{0};
-  return fmt::format("{}{}-{}", format::kScratchPrefix, ::getpid(), counter.fetch_add(1));
 }
 
 // The scratch file `tmp`, created in `state` and locked: recovery leaves it alone while it
@@ -195,7 +195,7 @@ Status unshare_stored(int stored, const std::string& name, const struct stat& st
                       const std::string& what) {
   auto state = storing_state(stored, name, st);
   if (!state) return {};
-  const std::string tmp = unshare_name();
+  const std::string tmp = scratch_name();
   const std::string copy_what = fmt::format("{}: its copy for the directory that stored it", what);
   CKPTFS_TRY(UniqueFd in, open_at(stored, name, O_RDONLY | O_NOFOLLOW));
   struct stat ist {};
@@ -228,7 +228,7 @@ Result<bool> detach_truncated(int stored, int dir, const std::string& name, cons
                               const std::string& what) {
   auto state = storing_state(stored, name, st);
   if (!state) return false;
-  const std::string tmp = unshare_name();
+  const std::string tmp = scratch_name();
   const std::string new_what = fmt::format("{}: a new file under its name", what);
   CKPTFS_TRY(UniqueFd out, open_scratch(state->get(), tmp));
   // The new file takes the old one's owner and mode, as the truncate would have left them.

@@ -55,6 +55,11 @@ Result<std::optional<StagedResplit>> stage_links(const ResplitJob& job, int orig
                                                  const std::string& origin_display,
                                                  flush::Flusher& flusher);
 
+// A new name for a scratch file of this daemon's in a state directory (format::kScratchPrefix,
+// the pid, a counter): recovery (flush/local) removes one that nobody holds under flock, and
+// never one of its own process's.
+std::string scratch_name();
+
 // File `name` of an origin, or of where it was renamed (its fstat `st`), about to be written
 // through the mount: where directory `stored` (the one above for torch's layout, one below for
 // NeMo's) stores a file as links of it, that stored shard gets a copy of its own first (same
