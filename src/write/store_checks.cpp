@@ -22,14 +22,17 @@ namespace ckptfs::write {
 namespace {
 
 // Whether file `name` of `dirfd` (inode `ino`, where given) holds a safetensors header and
-// nothing after it.
+// nothing after it, and is not whole that way: its data is still to come. A header of no
+// tensors, or of empty ones only, is a complete file (a consolidated file of no data), never
+// a consolidator's first step.
 bool header_alone(int dirfd, const std::string& name, std::optional<uint64_t> ino = {}) {
   struct stat st {};
   auto fd = open_regular_at(dirfd, name, name, &st);
   if (!fd || (ino && st.st_ino != *ino)) return false;
   const auto size = static_cast<uint64_t>(st.st_size);
   auto n = format::read_header_length(fd->get(), size, name);
-  return n && size == format::kHeaderLenBytes + *n && *n > 2;
+  return n && size == format::kHeaderLenBytes + *n && *n > 2 &&
+         !format::read_header(fd->get(), size, name);
 }
 
 }  // namespace

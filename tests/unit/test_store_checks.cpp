@@ -238,4 +238,27 @@ TEST(StoreChecks, AConsolidatorSavingAgainKeepsItsHeaderForItsWriter) {
   EXPECT_FALSE(StoreChecks::consolidators_header(fd.get(), "notes.safetensors"));
 }
 
+// A header of no tensors, or of empty tensors only, is a whole file with nothing to come: never
+// taken for a consolidator's first step (its close would succeed and the name show nothing,
+// on this mount and every later one), so it fails as a file the directory would hide.
+TEST(StoreChecks, AHeaderOfNoDataIsAWholeFileNotAConsolidatorsHeader) {
+  test::TempDir d;
+  const Split s = split({{"a", {8, 4}}}, 2);
+  store(d.path(), s, 2, 2);
+  auto fd = open_dir(d.path());
+  Checks c;
+  const Error why{EINVAL, "x: holds no tensor"};
+  for (const Split& none : {split({}, 1), split({{"e", {0}}, {"f", {3, 0}}}, 1)}) {
+    test::write_file(d.path() + "/" + k1, none.header);
+    EXPECT_FALSE(StoreChecks::consolidators_header(fd.get(), k1));
+    EXPECT_FALSE(c.checks.place_whole(fd.get(), d.path(), k1, why).ok());
+  }
+  // Beside sharded/ in a plain directory it is a plain file shown, which a split would hide.
+  test::TempDir p;
+  test::write_file(p.path() + "/" + k1, split({}, 1).header);
+  ASSERT_EQ(::mkdir((p.path() + "/sharded").c_str(), 0755), 0);
+  auto pfd = open_dir(p.path());
+  EXPECT_TRUE(c.checks.split_hides_plain(pfd.get(), k2));
+}
+
 }  // namespace
