@@ -288,10 +288,29 @@ Status WritePath::close(Ino ino, write::WriteFile& wf) {
     if (p.dirfd < 0) return {};
     auto why = f.stored_whole();
     if (!why) return {};
-    return checks_.place_whole(p.dirfd, p.dir_display, p.name, *why);
+    CKPTFS_TRY(auto placed, checks_.place_whole(p.dirfd, p.dir_display, p.name, *why));
+    if (placed == write::StoreChecks::Placed::AwaitsDataOverStored) drop_replaced(p);
+    return {};
   });
   if (job) resplits_.post(std::move(*job));
   return st;
+}
+
+// A consolidator saving again wrote its header over a name that stores the first save's file
+// (O_TRUNC) and closed it, to reopen it for the data: that version goes now, as a plain
+// directory's O_TRUNC frees it. The name shows nothing to anyone else meanwhile (fs/namespace)
+// and a reader that has it open loses it, as in a plain directory. Kept, it held the
+// old rank shards alive through the new save (the rank shards its writer rewrote in
+// `sharded/` get new files, since this name linked them), so the new data needed as many
+// fresh pages again. Under the directory's lock (settle).
+void WritePath::drop_replaced(const write::Place& p) {
+  auto mn = format::parse_model_name(p.name);
+  if (!mn) return;
+  if (auto gone = d_.flusher.remove(flush::Target{p.dirfd, p.dir_display}, mn->k, mn->m); !gone) {
+    // Left hidden in SRC as before this change: nothing the writer made is lost.
+    spdlog::warn("{}/{}: the version its writer is replacing stays stored: {}", p.dir_display,
+                 p.name, gone.error().message);
+  }
 }
 
 void WritePath::run_resplit(write::ResplitJob& job) {

@@ -166,6 +166,8 @@ class WritePath {
   // Runs `fn` on the file where it is now, under its directory's lock (the view never lists a
   // commit half done), and makes the view show the result at once.
   Status settle(Ino ino, write::WriteFile& wf, const SettleFn& fn);
+  // Removes the version name `p` stores, which its writer's new header replaced (see .cpp).
+  void drop_replaced(const write::Place& p);
   // `display`: the directory's path, which its messages name.
   write::PlanOptions plan_options(int dirfd, const std::string& display) const;
   // One split after close (on Resplits' thread): staged with no lock held, committed under

@@ -96,8 +96,8 @@ std::string StoreChecks::native_format(int dirfd) {
 // its stored consolidated file if it has one (a writer killed mid-save must not cost the
 // version it was replacing), and a directory of rank shards would hide it; either way close()
 // fails with `why`. Otherwise it is a plain file of a plain directory, shown as written.
-Status StoreChecks::place_whole(int dirfd, const std::string& display, const std::string& name,
-                                const Error& why) const {
+auto StoreChecks::place_whole(int dirfd, const std::string& display, const std::string& name,
+                              const Error& why) const -> Result<Placed> {
   if (why.code == EIO) {
     // Cut short: kept as the bytes received (a consolidated file that ends early must never
     // read as complete), which is not what the writer made; close() says so.
@@ -106,7 +106,7 @@ Status StoreChecks::place_whole(int dirfd, const std::string& display, const std
   auto entries = source::list_dir(dirfd);
   if (!entries) return std::move(entries).error().context(display);
   const NameState ns = name_state(dirfd, *entries, name);
-  if (!ns.stored && !ns.others) return {};
+  if (!ns.stored && !ns.others) return Placed::Shown;
   if (ns.native.empty() && why.code == EINVAL && consolidators_header(dirfd, name)) {
     // A consolidator saving again (torch's, beside `sharded/` or into any directory): its
     // header first, its data to come after a reopen (its writer's view resolves the name to
@@ -116,7 +116,7 @@ Status StoreChecks::place_whole(int dirfd, const std::string& display, const std
         "{}; kept for its writer to append to: the name shows nothing to anyone else "
         "until it is stored",
         why.message);
-    return {};
+    return ns.stored ? Placed::AwaitsDataOverStored : Placed::AwaitsData;
   }
   const std::string msg = fmt::format(
       "{}; not stored: {}", why.message,

@@ -25,6 +25,7 @@ import os
 import pathlib
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 
@@ -240,10 +241,13 @@ for i, n in enumerate(names):
 def test_torch_hf_consolidator_killed(tmp_path, case):
     """torch's consolidator killed (SIGKILL) while it saves into out/: saving again, after the
     headers (one file) or between its two files (mapping); or in the first save, between its two
-    files. The files it stored complete show; a name whose header waits for its data shows
-    nothing (as the plain directory's header alone loads nothing), never the first save's file
-    beside the second save's. So it stays after the daemon is killed (kill -9) and the mount made
-    again. Then the save run again is the plain directory's, stored once."""
+    files. The files it stored complete show; never the first save's file beside the second
+    save's. A name whose header waits for its data shows what the plain directory shows (the
+    header alone, which loads nothing) where nothing else of out/ is stored (the header over
+    the name dropped the first save's file, as the plain directory's O_TRUNC does), and nothing
+    beside a file stored complete (the checkpoint's view hides it). So it stays after the daemon
+    is killed (kill -9) and the mount made again. Then the save run again is the plain
+    directory's, stored once."""
     mapping, again = "mapping" in case, case.startswith("again")
     src, plain0, plain = tmp_path / "src", tmp_path / "plain0", tmp_path / "plain"
     for d in (src, plain0, plain):
@@ -257,13 +261,18 @@ def test_torch_hf_consolidator_killed(tmp_path, case):
     # What readers see with the consolidator killed: the files it stored complete, and none
     # whose header waits for its data.
     shown = files[:complete]
+    headers = files if again and not mapping else []  # the header alone, as written
     first = tmp_path / "mnt"
 
     def check(mnt: pathlib.Path):
         got = consolidated(mnt / "out")
-        assert got == shown, f"shown: {got} (a model of two saves?), want {shown}"
-        assert_same_files(mnt / "out", plain / "out", got)
-        for n in sorted(set(files) - set(shown)):
+        assert got == sorted(shown + headers), f"shown: {got} (a model of two saves?), want {shown} + {headers}"
+        assert_same_files(mnt / "out", plain / "out", shown)
+        for n in headers:
+            want = (plain / "out" / n).read_bytes()
+            want = want[:8 + struct.unpack("<Q", want[:8])[0]]
+            assert (mnt / "out" / n).read_bytes() == want, f"{n}: not the header alone"
+        for n in sorted(set(files) - set(shown) - set(headers)):
             assert not (mnt / "out" / n).exists(), f"{n} is shown"
         # No index names a part of the set as the whole (the first save's lists them all, and a
         # loader fails on the missing file): none is made up for it.

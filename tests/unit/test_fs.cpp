@@ -1212,7 +1212,9 @@ TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/out/" + format::shard_file_name(1, 2, 2)));
 
   // Saving again: each header over a name that stores a file (its close returned EINVAL
-  // before). Until a file is stored complete, its name shows nothing to anyone else, never the
+  // before). That close drops the first save's file, as a plain directory's O_TRUNC does: while
+  // another file of the directory is stored, the name shows nothing to anyone else; once none
+  // is, the directory is a plain one again and shows the header alone, as written. Never the
   // first save's file beside the second's.
   auto names_of = [&](const fs::Caller& who) {
     auto dh = f->opendir(out, who);
@@ -1234,12 +1236,23 @@ TEST(Fs, AConsolidatorReopensTheHeaderItWroteFirstAfterAnotherFileWasStored) {
     auto closed = f->flush(op->fh, writer);
     EXPECT_TRUE(closed.ok()) << closed.error().message;
     f->release(op->fh);
-    EXPECT_EQ(f->lookup(out, name, reader).error().code, ENOENT) << name;
-    EXPECT_FALSE(names_of(reader).count(name)) << name;
+    const auto k = format::parse_model_name(name)->k;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/out/" + format::shard_file_name(1, k, 2)))
+        << name << ": the first save's shard is kept";
+    auto seen = f->lookup(out, name, reader);
+    if (name == k1) {  // k2 of the first save is still stored
+      EXPECT_FALSE(seen.ok()) << name;
+      EXPECT_EQ(seen.ok() ? 0 : seen.error().code, ENOENT) << name;
+      EXPECT_FALSE(names_of(reader).count(name)) << name;
+    } else {  // nothing is: a plain directory of two headers
+      ASSERT_TRUE(seen.ok()) << name << ": " << seen.error().message;
+      EXPECT_EQ(read_all(*f, seen->ino), h) << name;
+      EXPECT_TRUE(names_of(reader).count(name)) << name;
+    }
   }
   auto again = f->lookup(out, k1, writer);
   ASSERT_TRUE(again.ok()) << again.error().message;
-  EXPECT_TRUE(again->uncached);
+  EXPECT_FALSE(again->uncached);  // a plain directory's file, the same for everyone
   EXPECT_EQ(again->attr.st_size, static_cast<off_t>(h1.size()));
   save(again->ino, h1.size(), "3333");
   auto e1 = f->lookup(out, k1, reader);

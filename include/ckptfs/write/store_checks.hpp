@@ -49,13 +49,21 @@ class StoreChecks {
   // (consolidate_safetensors_files).
   static bool consolidators_header(int dirfd, const std::string& name);
 
+  // How a name stands once place_whole accepted the whole file its writer closed.
+  enum class Placed {
+    Shown,       // a plain file of a plain directory, shown as written
+    AwaitsData,  // a consolidator's header, for its writer to reopen; the name shows nothing
+    // The same over a name that stores a consolidated file: that version is its writer's to
+    // drop, as its O_TRUNC drops it in a plain directory (the caller removes it).
+    AwaitsDataOverStored,
+  };
   // After a close left file `name` of directory `dirfd` whole for reason `why`: the name keeps
   // its stored consolidated file if it has one, and a directory of rank shards would hide it;
   // either way an error (close() fails with it), unless it is a consolidator's header (saved
-  // again over a stored name, for its writer to reopen). Otherwise it is a plain file of a plain
-  // directory, shown as written: no error. `display` names the directory in messages.
-  [[nodiscard]] Status place_whole(int dirfd, const std::string& display, const std::string& name,
-                                   const Error& why) const;
+  // again, for its writer to reopen). Otherwise it is a plain file of a plain directory, shown
+  // as written. `display` names the directory in messages.
+  [[nodiscard]] Result<Placed> place_whole(int dirfd, const std::string& display,
+                                           const std::string& name, const Error& why) const;
   // Whether storing `name` as rank shards would hide plain files (see the .cpp).
   [[nodiscard]] bool split_hides_plain(int dirfd, std::string_view name) const;
   // Whether the directory's checkpoint stays valid with `name` stored as `p`: the builder the
