@@ -29,7 +29,11 @@ is read right after the save returns (before any read-back) and again right befo
 the daemon's CPU seconds (user + system, /proc/PID/stat) over the write are reported too.
 The daemon binary is copied once at the start (a rebuild of --bin mid-run cannot mix builds).
 After every variant: sync (timed, reported as "+sync", the time until the bytes are on the
-backing file system) and removal of the outputs, so disk use stays bounded.
+backing file system) and removal of the outputs, so disk use stays bounded. --pool-mb N
+touches N MB of tmpfs and frees it again right before each variant, so that every variant
+writes into the same pool of just-freed memory: on this VM a page freed long ago costs several
+times one freed just now (the host takes back reported free pages), and without it which
+variant follows which decides much of its time (docs/benchmarks.md, "Fresh memory").
 
 Correctness, once per run (a benchmark of a broken write path is worthless): in round 1 every
 file of (m)'s directory is read back through the mount and hashed, and must equal (a)'s files
@@ -39,7 +43,7 @@ model*.safetensors (the file was intercepted, not stored whole).
 Usage (as root; needs a built ckptfs and the venv of tools/setup.sh):
   bench_write.py [--size-gb 2.2] [--rounds 3] [--ranks 4] [--dir /tmp/ckptfs-bench-write]
                  [--bin build/src/ckptfs] [--variants mabn] [--mount-opt OPT ...]
-                 [--max-shard-size SIZE] [--json OUT] [--keep]
+                 [--max-shard-size SIZE] [--json OUT] [--keep] [--pool-mb N]
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench_fresh_pages  # noqa: E402
 from bench_load import HEADS, HIDDEN, INTER, KV_HEADS, VOCAB  # noqa: E402
 
 BUF = 1 << 20                 # safetensors' BufWriter capacity
@@ -349,6 +354,8 @@ def main() -> int:
     ap.add_argument("--max-shard-size", help="save_pretrained's max_shard_size (default: its own, 50GB)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep --dir (daemon logs) afterwards")
+    ap.add_argument("--pool-mb", type=int, default=0,
+                    help="touch and free this many MB of tmpfs before each variant")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
 
@@ -489,6 +496,8 @@ def main() -> int:
         for rnd in range(1, args.rounds + 1):
             k = (rnd - 1) % len(variants)
             for v in variants[k:] + variants[:k]:
+                if args.pool_mb:
+                    bench_fresh_pages.warm(args.pool_mb)
                 r = run_variant(v, rnd)
                 runs[v].append(r)
                 extra = (f"  daemon: RSS {r['rss_write_mb']:.0f} MB, CPU {r['daemon_cpu_s']:.2f} s; "

@@ -22,11 +22,17 @@ back through the mount equal the plain save's. --bin2 adds a second binary, in t
 writes each header over a name that stores a file, then reopens it to append). --warm-mb N
 touches N MB of memory once before the rounds (on a freshly booted VM a page's first touch
 costs several times a later one: tools/bench_fresh_pages.py). Each round's outputs are
-deleted after it, so every round starts with the same memory free.
+deleted after it, so every round starts with the same memory free. --plain-keeps (with
+--again) adds a second plain directory whose first save is moved aside (kept, not deleted)
+before the timed save: its new files need fresh pages, as the mount's do, where the plain
+second save reuses the pages its own O_TRUNCs free (a control for the cost of fresh memory).
+--pool-mb N touches N MB of tmpfs and frees it again before each kind's saves, so that every kind starts on the same pool of just-freed memory (on a VM whose free
+memory the host takes back, a page freed long ago costs several times one freed just now:
+without it, which kind follows which decides much of its time).
 
 Usage (as root, with the venv of tools/setup.sh):
   bench_writers.py [--writer torch|torch-mapping|nemo] [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
-                   [--again] [--warm-mb N]
+                   [--again [--plain-keeps]] [--warm-mb N] [--pool-mb N]
                    [--bin build/src/ckptfs] [--bin2 OTHER] [--dir /tmp/ckptfs-bench-writers]
 """
 
@@ -150,11 +156,19 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-writers")
     ap.add_argument("--again", action="store_true")
     ap.add_argument("--warm-mb", type=int, default=0)
+    ap.add_argument("--plain-keeps", action="store_true")
+    ap.add_argument("--pool-mb", type=int, default=0)
     a = ap.parse_args()
 
-    def timed(out: str) -> float:
+    def pool():
+        if a.pool_mb:
+            bench_fresh_pages.warm(a.pool_mb)
+
+    def timed(out: str, keep: bool = False) -> float:
         if a.again:
             save(out, a.size_mb, a.ranks, a.writer)
+            if keep:  # the first save stays, under another name: the second makes new files
+                os.rename(out, out + ".kept")
         return save(out, a.size_mb, a.ranks, a.writer)
     if a.warm_mb:
         # On a freshly booted VM a page's first touch costs several times a later one
@@ -168,17 +182,22 @@ def main() -> int:
     bins = {"mount": a.bin}
     if a.bin2:
         bins["mount2"] = a.bin2
-    kinds = ["plain", *bins]
+    kinds = ["plain", *(["plain-keeps"] if a.again and a.plain_keeps else []), *bins]
     times = {k: [] for k in kinds}
     stored = {k: [] for k in kinds}
     sizes = {}
     for rnd in range(a.rounds):
+        done = []  # the round's outputs, deleted at its end
         for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
-            if kind == "plain":
-                out = os.path.join(plain, f"r{rnd}")
-                times["plain"].append(timed(out))
-                stored["plain"].append(times["plain"][-1])
-                sizes["plain"] = du(out)
+            pool()
+            if kind.startswith("plain"):
+                out = os.path.join(plain, f"r{rnd}" + kind[5:])
+                times[kind].append(timed(out, keep=kind == "plain-keeps"))
+                stored[kind].append(times[kind][-1])
+                sizes[kind] = du(out)
+                if kind == "plain-keeps":
+                    done.append(out + ".kept")
+                done.append(out)
             else:
                 proc = subprocess.Popen([bins[kind], "mount", src, mnt, "-f", "-o",
                                          f"settle=0,ranks={a.mount_ranks}"], stderr=subprocess.DEVNULL)
@@ -204,17 +223,21 @@ def main() -> int:
                     proc.wait(timeout=600)
                 stored[kind].append(times[kind][-1] + time.perf_counter() - t0)
                 sizes[kind] = du(os.path.join(src, name))
-                shutil.rmtree(os.path.join(src, name))
+                done.append(os.path.join(src, name))
             print(f"[bench_writers] round {rnd + 1} {kind}: {times[kind][-1]:.2f} s", flush=True)
-        # Every round starts with the same free memory (on tmpfs the outputs are memory).
-        shutil.rmtree(os.path.join(plain, f"r{rnd}"))
+        # Every round starts with the same free memory (on tmpfs the outputs are memory), and
+        # no save runs on the pages another kind's outputs freed just before it: what a save
+        # finds free shapes its time on a VM whose free memory the host takes back
+        # (docs/benchmarks.md, "A second consolidating save").
+        for d in done:
+            shutil.rmtree(d)
     print(f"\n{a.writer}: {a.size_mb} MB bf16 state dict, {a.ranks} ranks, consolidation on "
           f"(mount -o ranks={a.mount_ranks}){', the second save into each OUT' if a.again else ''}; "
           f"median of {a.rounds}")
     print("| where | save (s) | until stored (s) | bytes on disk |")
     print("|---|---|---|---|")
     for k in kinds:
-        what = k if k == "plain" else f"{k} ({bins[k]})"
+        what = k if k.startswith("plain") else f"{k} ({bins[k]})"
         print(f"| {what} | {statistics.median(times[k]):.2f} | {statistics.median(stored[k]):.2f} "
               f"| {sizes[k] / 1e6:.0f} MB |")
     shutil.rmtree(a.dir, ignore_errors=True)
