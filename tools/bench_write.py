@@ -33,7 +33,7 @@ backing file system) and removal of the outputs, so disk use stays bounded. --po
 touches N MB of tmpfs and frees it again right before each variant, so that every variant
 writes into the same pool of just-freed memory: on this VM a page freed long ago costs several
 times one freed just now (the host takes back reported free pages), and without it which
-variant follows which decides much of its time (docs/benchmarks.md, "Fresh memory").
+variant follows which decides much of its time (docs/benchmarks.md, "On equal memory").
 
 Correctness, once per run (a benchmark of a broken write path is worthless): in round 1 every
 file of (m)'s directory is read back through the mount and hashed, and must equal (a)'s files

@@ -26,9 +26,10 @@ deleted after it, so every round starts with the same memory free. --plain-keeps
 --again) adds a second plain directory whose first save is moved aside (kept, not deleted)
 before the timed save: its new files need fresh pages, as the mount's do, where the plain
 second save reuses the pages its own O_TRUNCs free (a control for the cost of fresh memory).
---pool-mb N touches N MB of tmpfs and frees it again before each kind's saves, so that every kind starts on the same pool of just-freed memory (on a VM whose free
-memory the host takes back, a page freed long ago costs several times one freed just now:
-without it, which kind follows which decides much of its time).
+--pool-mb N touches N MB of tmpfs and frees it again before each kind's saves, so that every
+kind starts on the same pool of just-freed memory (on a VM whose free memory the host takes
+back, a page freed long ago costs several times one freed just now: without it, which kind
+follows which decides much of its time).
 
 Usage (as root, with the venv of tools/setup.sh):
   bench_writers.py [--writer torch|torch-mapping|nemo] [--size-mb 512] [--ranks 2] [--rounds 3] [--mount-ranks 1]
@@ -160,10 +161,6 @@ def main() -> int:
     ap.add_argument("--pool-mb", type=int, default=0)
     a = ap.parse_args()
 
-    def pool():
-        if a.pool_mb:
-            bench_fresh_pages.warm(a.pool_mb)
-
     def timed(out: str, keep: bool = False) -> float:
         if a.again:
             save(out, a.size_mb, a.ranks, a.writer)
@@ -189,7 +186,8 @@ def main() -> int:
     for rnd in range(a.rounds):
         done = []  # the round's outputs, deleted at its end
         for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
-            pool()
+            if a.pool_mb:
+                bench_fresh_pages.warm(a.pool_mb)
             if kind.startswith("plain"):
                 out = os.path.join(plain, f"r{rnd}" + kind[5:])
                 times[kind].append(timed(out, keep=kind == "plain-keeps"))

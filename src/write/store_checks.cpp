@@ -31,8 +31,10 @@ bool header_alone(int dirfd, const std::string& name, std::optional<uint64_t> in
   if (!fd || (ino && st.st_ino != *ino)) return false;
   const auto size = static_cast<uint64_t>(st.st_size);
   auto n = format::read_header_length(fd->get(), size, name);
-  return n && size == format::kHeaderLenBytes + *n && *n > 2 &&
-         !format::read_header(fd->get(), size, name);
+  if (!n || size != format::kHeaderLenBytes + *n || *n <= 2) return false;
+  auto prefix = format::read_header_prefix(fd->get(), *n, name);
+  return prefix && !format::parse_header_json(
+                       std::string_view(*prefix).substr(format::kHeaderLenBytes), size, name);
 }
 
 }  // namespace
@@ -95,7 +97,10 @@ std::string StoreChecks::native_format(int dirfd) {
 // After a close left file `name` of directory `dirfd` whole for reason `why`: the name keeps
 // its stored consolidated file if it has one (a writer killed mid-save must not cost the
 // version it was replacing), and a directory of rank shards would hide it; either way close()
-// fails with `why`. Otherwise it is a plain file of a plain directory, shown as written.
+// fails with `why`. A consolidator's header is the exception: kept for its writer, and the
+// version the name stored is the caller's to drop (AwaitsDataOverStored), as its writer's
+// O_TRUNC drops it in a plain directory. Otherwise it is a plain file of a plain directory,
+// shown as written.
 auto StoreChecks::place_whole(int dirfd, const std::string& display, const std::string& name,
                               const Error& why) const -> Result<Placed> {
   if (why.code == EIO) {
